@@ -1,0 +1,42 @@
+"""hgrt: a heterogeneous graph runtime for Apache TVM.
+
+Compile a model once (``hgrt.build``), run it across a CPU and an accelerator
+(``hgrt.create``), locally or on a remote machine through TVM RPC.
+"""
+
+from hgrt.errors import (
+    BuildError,
+    DeviceError,
+    ExecutionError,
+    GraphError,
+    HgrtError,
+    InputError,
+    ParamError,
+    PlanError,
+    RemoteError,
+)
+from hgrt.graph import Graph, Node
+from hgrt.runtime.executor import BenchmarkResult, GraphModule, create
+from hgrt.artifacts import load, save
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # The compiler pulls in TVM's Relax stack; import it only when asked for.
+    if name in ("build", "Placement", "BuildResult"):
+        import importlib
+
+        module = importlib.import_module("hgrt.build")
+        # Importing the submodule set `hgrt.build` to the module: put the function back.
+        for public in ("build", "Placement", "BuildResult"):
+            globals()[public] = getattr(module, public)
+        return globals()[name]
+    raise AttributeError(f"module 'hgrt' has no attribute {name!r}")
+
+
+__all__ = [
+    "BenchmarkResult", "BuildError", "DeviceError", "ExecutionError", "Graph", "GraphError",
+    "GraphModule", "HgrtError", "InputError", "Node", "ParamError", "PlanError", "RemoteError",
+    "create", "load", "save", "build", "Placement", "BuildResult",
+]

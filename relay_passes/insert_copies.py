@@ -1,0 +1,217 @@
+"""insert_copies: rebuild ``main`` so that every op reads its operands on its own device.
+
+- an operand made on another device is brought over with ``R.to_vdevice``, once per
+  (tensor, destination device) however many consumers it has there, always from the tensor's
+  home device (never a copy of a copy, so no ping-pong);
+- weights live where they are used: a weight used on two devices becomes two function params,
+  ``w`` on the first device that uses it and ``w@cpu:1`` on the next (``ctx.param_source`` maps
+  each param back to its weight), so no weight is copied at run time;
+- a user input lives on its hinted device, else on the device of its first consumer, and is
+  copied once per other device that needs it;
+- constants stay inline: they take the device of the op that reads them.
+
+Reads ``ctx.op_device`` (from place_devices); fills ``ctx.param_source``.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+
+from hgrt.errors import BuildError
+from hgrt.relay_passes.context import BuildContext
+from hgrt.relay_passes.place_devices import COPY_OP, HINT_OP, _bindings, _hinted_device
+
+
+def _vars_in(expr: relax.Expr, tuple_lits: dict[str, relax.Tuple]) -> list[str]:
+    """Names of the tensor variables an argument reads (looking through tuple literals)."""
+    if isinstance(expr, relax.Var):
+        if expr.name in tuple_lits:
+            return [n for f in tuple_lits[expr.name].fields for n in _vars_in(f, tuple_lits)]
+        return [expr.name]
+    if isinstance(expr, relax.Tuple):
+        return [n for f in expr.fields for n in _vars_in(f, tuple_lits)]
+    return []
+
+
+class _Rebuilder:
+    """Holds, for each original variable, its home device and its version on each device."""
+
+    def __init__(self, ctx: BuildContext, vdevices: list[relax.VDevice]) -> None:
+        self.ctx = ctx
+        self.vdevices = vdevices
+        self.bb = relax.BlockBuilder()
+        self.home: dict[str, int] = {}
+        self.at: dict[tuple[str, int], relax.Expr] = {}
+        self.alias: dict[str, str] = {}
+        self.tuple_lits: dict[str, relax.Tuple] = {}
+        self.containers: dict[str, relax.Expr] = {}  # tuples built for outputs
+        self.consts: dict[str, relax.Expr] = {}
+
+    def canon(self, name: str) -> str:
+        while name in self.alias:
+            name = self.alias[name]
+        return name
+
+    def on_device(self, expr: relax.Expr, dev: int) -> relax.Expr:
+        """``expr`` as seen by an op on ``dev``: copies tensors over once, rebuilds tuples."""
+        if isinstance(expr, relax.Tuple):
+            return relax.Tuple([self.on_device(f, dev) for f in expr.fields])
+        if not isinstance(expr, relax.Var):
+            return expr
+        name = self.canon(expr.name)
+        if name in self.consts:
+            return self.consts[name]
+        if name in self.tuple_lits:
+            return self.on_device(self.tuple_lits[name], dev)
+        if (name, dev) in self.at:
+            return self.at[(name, dev)]
+        if name not in self.home:
+            if name in self.containers:
+                raise BuildError(f"{name!r} is a tuple made on several devices and read as a "
+                                 f"whole by an op on {self.ctx.devices[dev].name}; unsupported")
+            raise BuildError(f"variable {name!r} is used before it is defined")
+        src = self.at[(name, self.home[name])]
+        if isinstance(src.ty, relax.TupleType):
+            fields = [self.bb.emit(relax.TupleGetItem(src, i)) for i in range(len(src.ty.fields))]
+            copied = relax.Tuple([self.bb.emit(relax.op.to_vdevice(f, self.vdevices[dev]))
+                                  for f in fields])
+        else:
+            copied = self.bb.emit(relax.op.to_vdevice(src, self.vdevices[dev]),
+                                  name_hint=f"{name}_to_{dev}")
+        self.at[(name, dev)] = copied
+        return copied
+
+    def on_home(self, expr: relax.Expr) -> relax.Expr:
+        if isinstance(expr, relax.Tuple):
+            return relax.Tuple([self.on_home(f) for f in expr.fields])
+        if not isinstance(expr, relax.Var):
+            return expr
+        name = self.canon(expr.name)
+        if name in self.consts:
+            return self.consts[name]
+        if name in self.tuple_lits:
+            return self.on_home(self.tuple_lits[name])
+        return self.at[(name, self.home[name])]
+
+    def define(self, name: str, value: relax.Expr, dev: int) -> None:
+        self.home[name] = dev
+        self.at[(name, dev)] = value
+
+
+def _param_devices(func: relax.Function, ctx: BuildContext) -> dict[str, list[int]]:
+    """Devices that read each function param, in order of first use."""
+    alias: dict[str, str] = {}
+    tuple_lits: dict[str, relax.Tuple] = {}
+    uses: dict[str, list[int]] = {p.name: [] for p in func.params}
+    for b in _bindings(func):
+        value, name = b.value, b.var.name
+        if isinstance(value, relax.Var):
+            alias[name] = alias.get(value.name, value.name)
+            continue
+        if isinstance(value, relax.Tuple):
+            tuple_lits[name] = value
+            continue
+        if not isinstance(value, relax.Call):
+            continue
+        if name in ctx.op_device:
+            dev = ctx.op_device[name]
+        elif getattr(value.op, "name", None) == HINT_OP:
+            dev = _hinted_device(value, ctx)
+        elif getattr(value.op, "name", None) == COPY_OP:
+            dev = ctx.device_of_vdevice(value.attrs.dst_vdevice)
+        else:
+            continue
+        for arg in value.args:
+            for v in _vars_in(arg, tuple_lits):
+                v = alias.get(v, v)
+                if v in uses and dev not in uses[v]:
+                    uses[v].append(dev)
+    return uses
+
+
+def insert_copies(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
+    """Rebuild ``main`` with params on their devices and ``R.to_vdevice`` on crossing edges."""
+    func = mod["main"]
+    vdevices = list(mod.global_infos["vdevice"])
+    rb = _Rebuilder(ctx, vdevices)
+    uses = _param_devices(func, ctx)
+    num_input = int(func.attrs["num_input"]) if func.attrs and "num_input" in func.attrs \
+        else len([p for p in func.params if p.name not in ctx.params])
+
+    params: list[relax.Var] = []
+    ctx.param_source.clear()
+    for i, p in enumerate(func.params):
+        if not isinstance(p.ty, relax.TensorType):
+            raise BuildError(f"input {p.name!r} has type {p.ty}; hgrt takes tensor inputs only")
+        is_weight = i >= num_input
+        if is_weight:
+            devs = uses[p.name] or [ctx.input_device.get(p.name, 0)]
+        else:
+            devs = [ctx.input_device.get(p.name, (uses[p.name] or [0])[0])]
+        for k, dev in enumerate(devs):
+            pname = p.name if k == 0 else f"{p.name}@{ctx.devices[dev].name}"
+            var = relax.Var(pname, relax.TensorType(p.ty.shape, p.ty.dtype, vdevices[dev]))
+            params.append(var)
+            if k == 0:
+                rb.define(p.name, var, dev)
+            else:
+                rb.at[(p.name, dev)] = var
+            if is_weight:
+                ctx.param_source[pname] = p.name
+
+    bb = rb.bb
+    with bb.function("main", params, attrs={"num_input": num_input}):
+        with bb.dataflow():
+            for b in _bindings(func):
+                _rebind(rb, b, ctx)
+            out = bb.emit_output(rb.on_home(func.body.body))
+        bb.emit_func_output(out)
+    new_main = bb.finalize()["main"]
+    new_mod = mod.clone()
+    new_mod.update_func(new_mod.get_global_var("main"), new_main)
+    n_copies = sum(1 for (n, d) in rb.at if rb.home.get(n) not in (None, d))
+    ctx.log(f"inserted {n_copies} cross-device copies")
+    return new_mod
+
+
+def _rebind(rb: _Rebuilder, b: relax.VarBinding, ctx: BuildContext) -> None:
+    name, value = b.var.name, b.value
+    if not isinstance(b, relax.VarBinding):
+        raise BuildError(f"binding {name!r} is a {type(b).__name__}; hgrt needs static shapes "
+                         f"(no match_cast)")
+    if isinstance(value, relax.Var):
+        rb.alias[name] = rb.canon(value.name)
+    elif isinstance(value, tvm.ir.expr.Constant):
+        rb.consts[name] = value
+    elif isinstance(value, relax.Tuple):
+        rb.tuple_lits[name] = value
+        rb.containers[name] = value
+    elif isinstance(value, relax.TupleGetItem):
+        src = value.tuple_value
+        if isinstance(src, relax.Var) and rb.canon(src.name) in rb.tuple_lits:
+            field = rb.tuple_lits[rb.canon(src.name)].fields[value.index]
+            if isinstance(field, relax.Var):
+                rb.alias[name] = rb.canon(field.name)
+            else:
+                rb.consts[name] = field
+            return
+        tname = rb.canon(src.name)
+        dev = rb.home[tname]
+        rb.define(name, rb.bb.emit(relax.TupleGetItem(rb.at[(tname, dev)], value.index),
+                                   name_hint=name), dev)
+    elif isinstance(value, relax.Call) and getattr(value.op, "name", None) in (HINT_OP, COPY_OP):
+        if value.op.name == HINT_OP:
+            dev = _hinted_device(value, ctx)
+        else:
+            dev = ctx.device_of_vdevice(value.attrs.dst_vdevice)
+        rb.define(name, rb.on_device(value.args[0], dev), dev)
+    elif isinstance(value, relax.Call) and name in ctx.op_device:
+        dev = ctx.op_device[name]
+        args = [rb.on_device(a, dev) for a in value.args]
+        call = relax.Call(value.op, args, value.attrs, value.ty_args)
+        rb.define(name, rb.bb.emit(call, name_hint=name), dev)
+    else:
+        raise BuildError(f"binding {name!r}: {type(value).__name__} "
+                         f"{str(getattr(value, 'op', ''))[:60]} is not supported by hgrt "
+                         f"(calls to Relax functions must be inlined first)")

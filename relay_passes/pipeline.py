@@ -1,0 +1,46 @@
+"""Run passes in order and say where it broke: "'insert_copies' failed after ['place_devices']".
+
+With ``HGRT_VERIFY_IR=1`` (or ``verify=True``) the Relax IR is checked for well-formedness after
+every pass, so a pass that produces bad IR is named instead of the pass that trips over it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import tvm
+from tvm import relax
+
+from hgrt.errors import BuildError, HgrtError
+
+Pass = Callable[[Any, Any], Any]
+
+
+def _check_ir(mod: Any, name: str) -> None:
+    if isinstance(mod, tvm.IRModule) and not relax.analysis.well_formed(mod):
+        raise BuildError(f"IR is not well formed after '{name}':\n{mod.script()[:4000]}")
+
+
+def run_passes(ir: Any, ctx: Any, passes: Sequence[tuple[str, Pass]],
+               verify: bool | None = None) -> Any:
+    """Apply ``passes`` (name, fn(ir, ctx) -> ir) in order; errors name the pass and its history."""
+    verify = os.environ.get("HGRT_VERIFY_IR", "") not in ("", "0") if verify is None else verify
+    done: list[str] = []
+    for name, fn in passes:
+        start = time.perf_counter()
+        try:
+            ir = fn(ir, ctx)
+            if verify:
+                _check_ir(ir, name)
+        except Exception as e:
+            msg = f"'{name}' failed after {done}: {e}"
+            cls = type(e) if isinstance(e, HgrtError) else BuildError
+            raise cls(msg) from e
+        done.append(name)
+        log = getattr(ctx, "log", None)
+        if log is not None:
+            log(f"{name}: {time.perf_counter() - start:.2f} s")
+    return ir

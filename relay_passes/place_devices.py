@@ -1,0 +1,172 @@
+"""place_devices: give every op binding of ``main`` a device (a position in the device list).
+
+Precedence, first match wins (issue 3):
+  1. ``R.hint_on_device(x, dev)`` in the input pins the op that produces ``x`` (or input ``x``);
+  2. per-op rules: ``{"nn.conv2d": "cuda"}``; keys are Relax op names with or without the
+     ``relax.`` prefix, or fnmatch patterns (``"nn.*"``); an exact name beats a pattern, and
+     patterns are tried in the order given;
+  3. per-node overrides: ``{"lv12": "cpu:1"}`` by binding name;
+  4. the preferred device, unless its target cannot compile the op (``GPU_UNSUPPORTED_OPS``);
+  5. the fallback device.
+
+The pass does not change the IR: it records ``ctx.op_device`` (binding name → device index),
+``ctx.input_device`` (hinted inputs) and ``ctx.report``, and attaches the module's vdevice list.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import tvm
+from tvm import relax
+
+from hgrt.errors import BuildError, DeviceError
+from hgrt.relay_passes.context import BuildContext, DeviceSpec, PlacementRow
+
+HINT_OP = "relax.hint_on_device"
+COPY_OP = "relax.to_vdevice"
+# DLDeviceType of R.device(...) -> hgrt device kind
+DL_DEVICE_KINDS: dict[int, str] = {1: "cpu", 2: "cuda", 3: "cuda", 10: "rocm"}
+# ops whose legalization a GPU target cannot schedule or run (data-dependent output, host-only)
+GPU_UNSUPPORTED_OPS: dict[str, str] = {
+    "relax.nonzero": "data-dependent output shape",
+    "relax.unique": "data-dependent output shape",
+    "relax.print": "host-only op",
+    "relax.assert_op": "host-only op",
+}
+
+
+@dataclass
+class Placement:
+    """Where ops go. Devices are named as in the build's device list ("cpu", "cuda:0", ...).
+
+    >>> Placement(rules={"nn.conv2d": "cuda", "nn.*pool*": "cuda"}, fallback="cpu")
+    ... # doctest: +SKIP
+    """
+
+    rules: dict[str, Any] = field(default_factory=dict)
+    overrides: dict[str, Any] = field(default_factory=dict)
+    preferred: Any = None
+    fallback: Any = None
+
+
+def op_bindings(mod: tvm.IRModule) -> Iterator[tuple[str, str]]:
+    """(binding name, op name) of every op call in ``main``, in order: what overrides can name."""
+    for binding in _bindings(mod["main"]):
+        value = binding.value
+        if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op):
+            if value.op.name not in (HINT_OP, COPY_OP):
+                yield binding.var.name, value.op.name
+
+
+def _bindings(func: relax.Function) -> Iterator[relax.VarBinding]:
+    for block in func.body.blocks:
+        yield from block.bindings
+
+
+def resolve_device(name: Any, devices: list[DeviceSpec], what: str) -> int:
+    """Device name ('cpu', 'cpu:1', 'cuda', a Target, an index) → position in ``devices``."""
+    if isinstance(name, int) and not isinstance(name, bool):
+        if 0 <= name < len(devices):
+            return name
+    elif isinstance(name, tvm.target.Target):
+        for d in devices:
+            if d.target.kind.name == name.kind.name:
+                return d.index
+    elif isinstance(name, str):
+        key = name.strip().lower().replace("llvm", "cpu").replace("gpu", "cuda")
+        full = key if ":" in key else f"{key}:0"
+        for d in devices:
+            if d.name == full or (":" not in key and d.kind == key):
+                return d.index
+    known = [d.name for d in devices]
+    raise DeviceError(f"{what}: device {name!r} is not in the device list {known}")
+
+
+def _hinted_device(call: relax.Call, ctx: BuildContext) -> int:
+    kind = DL_DEVICE_KINDS.get(int(call.attrs.device_type), str(call.attrs.device_type))
+    want = f"{kind}:{int(call.attrs.index)}"
+    return resolve_device(want, ctx.devices, f"R.hint_on_device({want})")
+
+
+def _match_rule(op_name: str, rules: dict[str, int]) -> str | None:
+    short = op_name.removeprefix("relax.")
+    for key in rules:
+        if key in (op_name, short):
+            return key
+    for key in rules:
+        if fnmatch.fnmatchcase(op_name, key) or fnmatch.fnmatchcase(short, key):
+            return key
+    return None
+
+
+def _compiles_on(op_name: str, device: DeviceSpec) -> str | None:
+    """None if ``device`` can run ``op_name``, else why not."""
+    if device.is_gpu:
+        return GPU_UNSUPPORTED_OPS.get(op_name)
+    return None
+
+
+def place_devices(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
+    """Fill ``ctx.op_device`` / ``ctx.report``; return ``mod`` with the vdevice list attached."""
+    p = ctx.placement
+    devs = ctx.devices
+    rules = {k: resolve_device(v, devs, f"rule {k!r}") for k, v in (p.rules or {}).items()}
+    overrides = {k: resolve_device(v, devs, f"override {k!r}")
+                 for k, v in (p.overrides or {}).items()}
+    preferred = None if p.preferred is None else resolve_device(p.preferred, devs, "preferred")
+    fallback = 0 if p.fallback is None else resolve_device(p.fallback, devs, "fallback")
+
+    func = mod["main"]
+    producer: dict[str, str] = {}  # var name -> name of the op binding that produced it
+    hinted: dict[str, int] = {}
+    names: set[str] = set()
+    for b in _bindings(func):
+        if b.var.name in names:
+            raise BuildError(f"binding name {b.var.name!r} appears twice in main; hgrt needs "
+                             f"unique names to place nodes")
+        names.add(b.var.name)
+        value = b.value
+        if isinstance(value, relax.Var):
+            producer[b.var.name] = producer.get(value.name, value.name)
+        elif isinstance(value, relax.Call) and getattr(value.op, "name", None) == HINT_OP:
+            src = value.args[0]
+            target = _hinted_device(value, ctx)
+            if isinstance(src, relax.Var):
+                hinted[producer.get(src.name, src.name)] = target
+        elif isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op):
+            producer[b.var.name] = b.var.name
+
+    param_names = {v.name for v in func.params}
+    ctx.input_device = {n: d for n, d in hinted.items() if n in param_names}
+    missing = sorted(set(overrides) - names)
+    if missing:
+        raise BuildError(f"placement overrides name bindings that main does not have: {missing}; "
+                         f"known: {sorted(names)[:20]}")
+
+    ctx.op_device.clear()
+    ctx.report.clear()
+    for name, op_name in op_bindings(mod):
+        if name in hinted:
+            dev, why = hinted[name], "hint_on_device"
+        elif (rule := _match_rule(op_name, rules)) is not None:
+            dev, why = rules[rule], f"rule {rule!r}"
+        elif name in overrides:
+            dev, why = overrides[name], "override"
+        elif preferred is not None and _compiles_on(op_name, devs[preferred]) is None:
+            dev, why = preferred, "preferred"
+        elif preferred is not None:
+            dev = fallback
+            why = f"fallback ({devs[preferred].name}: {_compiles_on(op_name, devs[preferred])})"
+        else:
+            dev, why = fallback, "fallback"
+        ctx.op_device[name] = dev
+        ctx.report.append(PlacementRow(name, op_name, devs[dev].name, why))
+    ctx.log(f"placed {len(ctx.op_device)} ops: " + ", ".join(
+        f"{d.name}={sum(1 for v in ctx.op_device.values() if v == d.index)}" for d in devs))
+    mod = mod.clone()
+    mod.update_global_info("vdevice", [d.vdevice() for d in devs])
+    return mod

@@ -1,0 +1,1 @@
+"""hgrt.rpc: run hgrt graphs on a remote machine through TVM RPC."""
