@@ -324,6 +324,7 @@ def _parse(doc: Any) -> Graph:
     g = Graph(nodes, arg_nodes, row_ptr, heads, shapes, dtypes, sids, dev_idx, extra)
     _parse_section(doc.get("hgrt"), g)
     _check_storage(g)
+    check_lifetimes(g)
     return g
 
 
@@ -382,3 +383,75 @@ def _check_storage(g: Graph) -> None:
         if end > g.pool_bytes[dev]:
             raise GraphError(f"entry {eid} (storage {sid}) ends at byte {end}, past the "
                              f"{g.pool_bytes[dev]}-byte pool of device {dev}")
+
+
+# ---- lifetimes: no two entries live at once may share bytes --------------------------------
+
+def live_ranges(g: Graph) -> dict[int, tuple[int, int, list[int]]]:
+    """Entry groups and the steps they are live in: ``root eid -> (first, last, members)``.
+
+    A ``__nop`` output joins its input's group (it is the same bytes). Steps are node ids;
+    inputs and params are live from before the first step and graph outputs to after the last,
+    so a run can be repeated without setting them again.
+    """
+    end = len(g.nodes)
+    root = list(range(g.num_entries))
+    for nid, node in enumerate(g.nodes):
+        if node.func_name == NOP_FUNC and len(node.inputs) == 1:
+            src = g.entry_id(node.inputs[0][0], node.inputs[0][1])
+            root[g.entry_id(nid)] = root[src]
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    members: dict[int, list[int]] = {}
+    for nid, node in enumerate(g.nodes):
+        for k in range(node.num_outputs):
+            eid = g.entry_id(nid, k)
+            r = root[eid]
+            members.setdefault(r, []).append(eid)
+            start = -1 if node.op == "null" else nid
+            first[r] = min(first.get(r, start), start)
+            last[r] = max(last.get(r, start), end if node.op == "null" else start)
+        for src_nid, idx, _ in node.inputs:
+            r = root[g.entry_id(src_nid, idx)]
+            last[r] = max(last[r], nid)
+    for nid, idx, _ in g.heads:
+        last[root[g.entry_id(nid, idx)]] = end
+    return {r: (first[r], last[r], members[r]) for r in members}
+
+
+def find_overlap(g: Graph) -> tuple[int, int, int] | None:
+    """The first (entry, entry, step) whose bytes overlap while both are live, or None."""
+    regions = []  # (device, region, byte_start, byte_end, first, last, eid)
+    for r, (lo, hi, group) in live_ranges(g).items():
+        nbytes = max(g.entry_bytes(e) for e in group)
+        if nbytes == 0:
+            continue
+        sid = g.storage_ids[r]
+        if g.pool_bytes is not None:
+            start = g.storage_offset[sid]
+            regions.append((g.entry_device(r), -1, start, start + nbytes, lo, hi, r))
+        else:
+            regions.append((g.entry_device(r), sid, 0, nbytes, lo, hi, r))
+    regions.sort(key=lambda t: (t[0], t[1], t[4]))
+    active: list[tuple] = []
+    for reg in regions:
+        active = [a for a in active if a[0] == reg[0] and a[1] == reg[1] and a[5] >= reg[4]]
+        for a in active:
+            if a[2] < reg[3] and reg[2] < a[3]:
+                return a[6], reg[6], reg[4]
+        active.append(reg)
+    return None
+
+
+def check_lifetimes(g: Graph) -> None:
+    """Refuse a memory plan in which two entries that are live at once share bytes."""
+    hit = find_overlap(g)
+    if hit is None:
+        return
+    a, b, step = hit
+    where = (f"storage {g.storage_ids[a]}" if g.pool_bytes is None else
+             f"pool bytes [{g.storage_offset[g.storage_ids[a]]}, ...) and "
+             f"[{g.storage_offset[g.storage_ids[b]]}, ...)")
+    raise GraphError(f"memory plan: entries {a} and {b} on device {g.entry_device(a)} share "
+                     f"{where} while both are live (at node {max(step, 0)} "
+                     f"'{g.nodes[max(step, 0)].name}')")

@@ -1,0 +1,95 @@
+"""``hgrt.build``: a model and a device list → graph JSON + one library + params.
+
+>>> import hgrt
+>>> res = hgrt.build("model.onnx", ["cpu:0", "cpu:1"],
+...                  hgrt.Placement(rules={"nn.conv2d": "cpu:1"}))  # doctest: +SKIP
+>>> m = hgrt.create(res.graph_json, res.lib, [tvm.cpu(0), tvm.cpu(1)])  # doctest: +SKIP
+>>> m.load_params(res.params)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import tvm
+
+from hgrt.errors import BuildError
+from hgrt.frontend import import_model
+from hgrt.graph import Graph
+from hgrt.relay_passes.context import DEFAULT_CUDA_ARCH, BuildContext, PlacementRow, parse_devices
+from hgrt.relay_passes.graph_codegen import graph_codegen, static_shape
+from hgrt.relay_passes.insert_copies import insert_copies
+from hgrt.relay_passes.lower import build_library, lower
+from hgrt.relay_passes.pipeline import run_passes
+from hgrt.relay_passes.place_devices import Placement, place_devices
+from hgrt.relay_passes.plan_memory import DeviceMemory, memory_report, plan_memory
+
+__all__ = ["BuildResult", "Placement", "build"]
+
+PASSES = (
+    ("place_devices", place_devices),
+    ("insert_copies", insert_copies),
+    ("lower", lower),
+    ("graph_codegen", graph_codegen),
+    ("plan_memory", plan_memory),
+)
+
+
+@dataclass
+class BuildResult:
+    """What ``build`` returns: run it with ``hgrt.create(graph_json, lib, devices)``."""
+
+    graph_json: str
+    lib: tvm.runtime.Module
+    params: dict[str, np.ndarray]
+    devices: list[str]
+    placement_report: list[PlacementRow] = field(default_factory=list)
+    memory_report: list[DeviceMemory] = field(default_factory=list)
+
+    def print_placement(self) -> str:
+        """The placement report as a table (also what ``verbose=True`` prints)."""
+        rows = [("node", "op", "device", "reason")]
+        rows += [(r.node, r.op, r.device, r.reason) for r in self.placement_report]
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True))
+                         for r in rows)
+
+
+def _check_static(mod: tvm.IRModule) -> None:
+    for p in mod["main"].params:
+        static_shape(p.ty, f"input {p.name!r}")
+
+
+def build(model: Any, devices: Any, placement: Placement | None = None,
+          params: dict[str, Any] | None = None, *, input_shapes: dict[str, Any] | None = None,
+          cuda_arch: str = DEFAULT_CUDA_ARCH, verbose: bool = False) -> BuildResult:
+    """Compile ``model`` (ONNX ModelProto / path, or Relax IRModule + ``params``) for ``devices``.
+
+    ``devices``: names (``"cpu"``, ``"cpu:1"``, ``"cuda"``) or TVM targets; position i is
+    ``device_index`` i of the graph and must match the i-th device given to ``hgrt.create``.
+    ``placement`` says which op runs where (default: everything on ``devices[0]``).
+    """
+    start = time.perf_counter()
+    devs = parse_devices(devices, cuda_arch)
+    ctx = BuildContext(devices=devs, placement=placement or Placement(), verbose=verbose)
+    ctx.log(f"importing model for devices {[d.name for d in devs]}")
+    mod, weights = import_model(model, params, input_shapes)
+    _check_static(mod)
+    ctx.params = dict(weights)
+    graph: Graph = run_passes(mod, ctx, PASSES[:-2] + PASSES[-2:])
+    lib = _build_lib(mod, ctx) if False else ctx.lib  # set by the lower stage wrapper
+    out_params = {name: ctx.params[src] for name, src in ctx.param_source.items()}
+    graph_json = graph.to_json()
+    Graph.from_json(graph_json)  # the runtime's own validation, before anyone ships the JSON
+    if verbose:
+        ctx.log(f"built in {time.perf_counter() - start:.1f} s")
+    return BuildResult(graph_json=graph_json, lib=lib, params=out_params,
+                       devices=[d.name for d in devs], placement_report=list(ctx.report),
+                       memory_report=memory_report(graph))
+
+
+def _build_lib(mod: tvm.IRModule, ctx: BuildContext) -> tvm.runtime.Module:
+    raise BuildError("unreachable")

@@ -1,0 +1,157 @@
+"""graph_codegen: a lowered Relax ``main`` → an hgrt ``Graph`` (before memory planning).
+
+One node per function param (``op "null"``: user inputs first, then weights, then the constants
+the lowering left inline, each on the device of the op that reads it), one ``tvm_op`` per
+``R.call_tir`` (called as ``func(*args, *outputs)``), one ``__copy`` per ``R.to_vdevice`` and
+one ``__nop`` per view (``R.reshape`` left by RewriteDataflowReshape). Tuples and aliases only
+rename entries. Every entry gets its static shape, dtype and device index; storage ids are one
+per entry until ``plan_memory`` assigns them.
+
+Adds the inline constants to ``ctx.params`` / ``ctx.param_source``.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+
+from hgrt.errors import BuildError
+from hgrt.graph import COPY_FUNC, NOP_FUNC, Graph, Node
+from hgrt.relay_passes.context import BuildContext
+from hgrt.relay_passes.lower import CALL_TIR, TO_VDEVICE, VIEW_OPS, _op_name, binding_devices
+
+Entry = tuple[int, int, int]
+
+
+def static_shape(ty: relax.Type, what: str) -> tuple[int, ...]:
+    """The static shape of a tensor type, or a BuildError (hgrt plans memory at build time)."""
+    if not isinstance(ty, relax.TensorType) or ty.shape is None:
+        raise BuildError(f"{what}: type {ty} is not a tensor of known shape")
+    dims = []
+    for d in ty.shape.values:
+        if not isinstance(d, tvm.tirx.IntImm):
+            raise BuildError(f"{what}: shape {list(ty.shape.values)} is not static; give the "
+                             f"input shapes (input_shapes=...) so every shape is known")
+        dims.append(int(d))
+    return tuple(dims)
+
+
+def _tensor_types(ty: relax.Type) -> list[relax.TensorType]:
+    if isinstance(ty, relax.TupleType):
+        return [t for f in ty.fields for t in _tensor_types(f)]
+    return [ty]
+
+
+class _GraphBuilder:
+    def __init__(self, ctx: BuildContext) -> None:
+        self.ctx = ctx
+        self.nodes: list[Node] = []
+        self.shapes: list[tuple[int, ...]] = []
+        self.dtypes: list[str] = []
+        self.devices: list[int] = []
+        self.row_ptr = [0]
+        self.entries: dict[str, list[Entry]] = {}
+        self.consts: list[tuple[relax.Expr, int, Entry]] = []
+        self.const_nodes: list[int] = []
+
+    def add(self, node: Node, outputs: list[tuple[tuple[int, ...], str]], dev: int) -> list[Entry]:
+        nid = len(self.nodes)
+        self.nodes.append(node)
+        for shape, dtype in outputs:
+            self.shapes.append(shape)
+            self.dtypes.append(dtype)
+            self.devices.append(dev)
+        self.row_ptr.append(self.row_ptr[-1] + len(outputs))
+        return [(nid, i, 0) for i in range(len(outputs))]
+
+    def const_entry(self, const: relax.Expr, dev: int) -> Entry:
+        for c, d, entry in self.consts:
+            if d == dev and c.same_as(const):
+                return entry
+        name = f"const_{len(self.consts)}"
+        while name in self.ctx.params or name in self.entries:
+            name += "_"
+        value = const.value.numpy()
+        self.ctx.params[name] = value
+        self.ctx.param_source[name] = name
+        (entry,) = self.add(Node("null", name), [(tuple(value.shape), str(value.dtype))], dev)
+        self.consts.append((const, dev, entry))
+        self.const_nodes.append(entry[0])
+        return entry
+
+    def arg_entry(self, arg: relax.Expr, dev: int, where: str) -> Entry:
+        if isinstance(arg, relax.Var):
+            found = self.entries.get(arg.name)
+            if found is None or len(found) != 1:
+                raise BuildError(f"{where}: operand {arg.name!r} is not a single tensor")
+            return found[0]
+        if isinstance(arg, tvm.ir.expr.Constant):
+            return self.const_entry(arg, dev)
+        raise BuildError(f"{where}: operand {str(arg)[:60]!r} is neither a tensor nor a constant")
+
+    def flatten(self, expr: relax.Expr, where: str) -> list[Entry]:
+        if isinstance(expr, relax.Tuple):
+            return [e for f in expr.fields for e in self.flatten(f, where)]
+        if isinstance(expr, relax.Var):
+            return list(self.entries[expr.name])
+        if isinstance(expr, tvm.ir.expr.Constant):
+            return [self.const_entry(expr, 0)]
+        raise BuildError(f"{where}: {str(expr)[:60]!r} is not a tensor")
+
+
+def graph_codegen(mod: tvm.IRModule, ctx: BuildContext) -> Graph:
+    """Translate the lowered ``main`` of ``mod`` into a Graph (storage ids not yet planned)."""
+    func = mod["main"]
+    dev = binding_devices(func, ctx)
+    g = _GraphBuilder(ctx)
+    args = []
+    for p in func.params:
+        shape = static_shape(p.ty, f"input {p.name!r}")
+        g.entries[p.name] = g.add(Node("null", p.name), [(shape, str(p.ty.dtype))], dev[p.name])
+        args.append(len(g.nodes) - 1)
+    for block in func.body.blocks:
+        for b in block.bindings:
+            _emit(g, b, dev)
+    heads = g.flatten(func.body.body, "output")
+    weights = [n for n in args if g.nodes[n].name in ctx.param_source]
+    inputs = [n for n in args if n not in weights]
+    n = g.row_ptr[-1]
+    return Graph(nodes=g.nodes, arg_nodes=inputs + weights + g.const_nodes,
+                 node_row_ptr=g.row_ptr, heads=heads, shapes=g.shapes, dtypes=g.dtypes,
+                 storage_ids=list(range(n)), device_index=g.devices,
+                 params=[g.nodes[i].name for i in weights + g.const_nodes])
+
+
+def _emit(g: _GraphBuilder, b: relax.VarBinding, dev: dict[str, int]) -> None:
+    name, value = b.var.name, b.value
+    op = _op_name(value)
+    if isinstance(value, relax.Var):
+        g.entries[name] = g.entries[value.name]
+    elif isinstance(value, relax.Tuple):
+        g.entries[name] = g.flatten(value, name)
+    elif isinstance(value, relax.TupleGetItem):
+        g.entries[name] = [g.entries[value.tuple_value.name][value.index]]
+    elif isinstance(value, tvm.ir.expr.Constant):
+        g.entries[name] = [g.const_entry(value, dev.get(name, 0))]
+    elif op == CALL_TIR:
+        if len(value.args) > 2:
+            raise BuildError(f"binding {name!r}: call_tir with symbolic shape arguments; hgrt "
+                             f"needs static shapes")
+        d = dev[name]
+        ins = [g.arg_entry(a, d, name) for a in value.args[1].fields]
+        outs = [(static_shape(t, f"binding {name!r}"), str(t.dtype))
+                for t in _tensor_types(value.ty_args[0])]
+        attrs = {"func_name": value.args[0].name_hint, "num_inputs": str(len(ins)),
+                 "num_outputs": str(len(outs)), "flatten_data": "0"}
+        g.entries[name] = g.add(Node("tvm_op", name, ins, attrs), outs, d)
+    elif op in (TO_VDEVICE, *VIEW_OPS):
+        func_name = COPY_FUNC if op == TO_VDEVICE else NOP_FUNC
+        d = dev[name]
+        src = g.arg_entry(value.args[0], d if op != TO_VDEVICE else 0, name)
+        attrs = {"func_name": func_name, "num_inputs": "1", "num_outputs": "1",
+                 "flatten_data": "0"}
+        out = (static_shape(b.var.ty, f"binding {name!r}"), str(b.var.ty.dtype))
+        g.entries[name] = g.add(Node("tvm_op", name, [src], attrs), [out], d)
+    else:
+        raise BuildError(f"binding {name!r}: {op or type(value).__name__} has no graph-executor "
+                         f"form (expected call_tir, to_vdevice, tuples)")
