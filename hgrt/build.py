@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 import tvm
 
-from hgrt.errors import BuildError
 from hgrt.frontend import import_model
 from hgrt.graph import Graph
 from hgrt.relay_passes.context import DEFAULT_CUDA_ARCH, BuildContext, PlacementRow, parse_devices
@@ -29,10 +28,11 @@ from hgrt.relay_passes.plan_memory import DeviceMemory, memory_report, plan_memo
 
 __all__ = ["BuildResult", "Placement", "build"]
 
-PASSES = (
+PASSES: tuple = (
     ("place_devices", place_devices),
     ("insert_copies", insert_copies),
     ("lower", lower),
+    ("build_library", lambda mod, ctx: _keep_library(mod, ctx)),
     ("graph_codegen", graph_codegen),
     ("plan_memory", plan_memory),
 )
@@ -79,8 +79,8 @@ def build(model: Any, devices: Any, placement: Placement | None = None,
     mod, weights = import_model(model, params, input_shapes)
     _check_static(mod)
     ctx.params = dict(weights)
-    graph: Graph = run_passes(mod, ctx, PASSES[:-2] + PASSES[-2:])
-    lib = _build_lib(mod, ctx) if False else ctx.lib  # set by the lower stage wrapper
+    graph: Graph = run_passes(mod, ctx, PASSES)
+    lib = ctx.lib
     out_params = {name: ctx.params[src] for name, src in ctx.param_source.items()}
     graph_json = graph.to_json()
     Graph.from_json(graph_json)  # the runtime's own validation, before anyone ships the JSON
@@ -91,5 +91,7 @@ def build(model: Any, devices: Any, placement: Placement | None = None,
                        memory_report=memory_report(graph))
 
 
-def _build_lib(mod: tvm.IRModule, ctx: BuildContext) -> tvm.runtime.Module:
-    raise BuildError("unreachable")
+def _keep_library(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
+    """Build the one library from the lowered module; the IR goes on to graph_codegen."""
+    ctx.lib = build_library(mod, ctx)
+    return mod

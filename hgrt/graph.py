@@ -78,6 +78,7 @@ class Graph:
     pool_bytes: list[int] | None = None  # hgrt section: one arena per device
     storage_offset: list[int] | None = None  # hgrt section: byte offset of each storage id
     params: list[str] = field(default_factory=list)  # names of arg nodes that are parameters
+    device_names: list[str] | None = None  # hgrt section: what the compiler built each index for
 
     # ---- derived views ------------------------------------------------------------------
     @property
@@ -122,6 +123,8 @@ class Graph:
             "attrs": attrs,
         }
         section: dict[str, Any] = {"version": FORMAT_VERSION, "params": list(self.params)}
+        if self.device_names is not None:
+            section["devices"] = list(self.device_names)
         if self.pool_bytes is not None:
             section["pool_bytes"] = list(self.pool_bytes)
             section["storage_offset"] = list(self.storage_offset or [])
@@ -345,6 +348,11 @@ def _parse_section(section: Any, g: Graph) -> None:
         if p not in arg_names:
             raise GraphError(f"'hgrt' section: param {p!r} is not an input node")
     g.params = params
+    names = section.get("devices")
+    if names is not None:
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise GraphError("'hgrt' section: devices must be a list of device names")
+        g.device_names = names
     if "pool_bytes" not in section:
         return
     pools = section["pool_bytes"]

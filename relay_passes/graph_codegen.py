@@ -50,7 +50,7 @@ class _GraphBuilder:
         self.dtypes: list[str] = []
         self.devices: list[int] = []
         self.row_ptr = [0]
-        self.entries: dict[str, list[Entry]] = {}
+        self.entries: dict[relax.Var, list[Entry]] = {}  # keyed by var: names repeat
         self.consts: list[tuple[relax.Expr, int, Entry]] = []
         self.const_nodes: list[int] = []
 
@@ -69,7 +69,7 @@ class _GraphBuilder:
             if d == dev and c.same_as(const):
                 return entry
         name = f"const_{len(self.consts)}"
-        while name in self.ctx.params or name in self.entries:
+        while name in self.ctx.params:
             name += "_"
         value = const.value.numpy()
         self.ctx.params[name] = value
@@ -81,7 +81,7 @@ class _GraphBuilder:
 
     def arg_entry(self, arg: relax.Expr, dev: int, where: str) -> Entry:
         if isinstance(arg, relax.Var):
-            found = self.entries.get(arg.name)
+            found = self.entries.get(arg)
             if found is None or len(found) != 1:
                 raise BuildError(f"{where}: operand {arg.name!r} is not a single tensor")
             return found[0]
@@ -93,7 +93,7 @@ class _GraphBuilder:
         if isinstance(expr, relax.Tuple):
             return [e for f in expr.fields for e in self.flatten(f, where)]
         if isinstance(expr, relax.Var):
-            return list(self.entries[expr.name])
+            return list(self.entries[expr])
         if isinstance(expr, tvm.ir.expr.Constant):
             return [self.const_entry(expr, 0)]
         raise BuildError(f"{where}: {str(expr)[:60]!r} is not a tensor")
@@ -107,7 +107,7 @@ def graph_codegen(mod: tvm.IRModule, ctx: BuildContext) -> Graph:
     args = []
     for p in func.params:
         shape = static_shape(p.ty, f"input {p.name!r}")
-        g.entries[p.name] = g.add(Node("null", p.name), [(shape, str(p.ty.dtype))], dev[p.name])
+        g.entries[p] = g.add(Node("null", p.name), [(shape, str(p.ty.dtype))], dev[p])
         args.append(len(g.nodes) - 1)
     for block in func.body.blocks:
         for b in block.bindings:
@@ -122,36 +122,36 @@ def graph_codegen(mod: tvm.IRModule, ctx: BuildContext) -> Graph:
                  params=[g.nodes[i].name for i in weights + g.const_nodes])
 
 
-def _emit(g: _GraphBuilder, b: relax.VarBinding, dev: dict[str, int]) -> None:
-    name, value = b.var.name, b.value
+def _emit(g: _GraphBuilder, b: relax.VarBinding, dev: dict[relax.Var, int]) -> None:
+    var, name, value = b.var, b.var.name, b.value
     op = _op_name(value)
     if isinstance(value, relax.Var):
-        g.entries[name] = g.entries[value.name]
+        g.entries[var] = g.entries[value]
     elif isinstance(value, relax.Tuple):
-        g.entries[name] = g.flatten(value, name)
+        g.entries[var] = g.flatten(value, name)
     elif isinstance(value, relax.TupleGetItem):
-        g.entries[name] = [g.entries[value.tuple_value.name][value.index]]
+        g.entries[var] = [g.entries[value.tuple_value][value.index]]
     elif isinstance(value, tvm.ir.expr.Constant):
-        g.entries[name] = [g.const_entry(value, dev.get(name, 0))]
+        g.entries[var] = [g.const_entry(value, dev.get(var, 0))]
     elif op == CALL_TIR:
         if len(value.args) > 2:
             raise BuildError(f"binding {name!r}: call_tir with symbolic shape arguments; hgrt "
                              f"needs static shapes")
-        d = dev[name]
+        d = dev[var]
         ins = [g.arg_entry(a, d, name) for a in value.args[1].fields]
         outs = [(static_shape(t, f"binding {name!r}"), str(t.dtype))
                 for t in _tensor_types(value.ty_args[0])]
         attrs = {"func_name": value.args[0].name_hint, "num_inputs": str(len(ins)),
                  "num_outputs": str(len(outs)), "flatten_data": "0"}
-        g.entries[name] = g.add(Node("tvm_op", name, ins, attrs), outs, d)
+        g.entries[var] = g.add(Node("tvm_op", name, ins, attrs), outs, d)
     elif op in (TO_VDEVICE, *VIEW_OPS):
         func_name = COPY_FUNC if op == TO_VDEVICE else NOP_FUNC
-        d = dev[name]
+        d = dev[var]
         src = g.arg_entry(value.args[0], d if op != TO_VDEVICE else 0, name)
         attrs = {"func_name": func_name, "num_inputs": "1", "num_outputs": "1",
                  "flatten_data": "0"}
         out = (static_shape(b.var.ty, f"binding {name!r}"), str(b.var.ty.dtype))
-        g.entries[name] = g.add(Node("tvm_op", name, [src], attrs), [out], d)
+        g.entries[var] = g.add(Node("tvm_op", name, [src], attrs), [out], d)
     else:
         raise BuildError(f"binding {name!r}: {op or type(value).__name__} has no graph-executor "
                          f"form (expected call_tir, to_vdevice, tuples)")

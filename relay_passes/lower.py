@@ -46,60 +46,62 @@ def _tensor_args(value: relax.Call) -> list[relax.Expr]:
     return list(value.args)
 
 
-def binding_devices(func: relax.Function, ctx: BuildContext) -> dict[str, int]:
-    """Device of every tensor variable of a lowered ``main``, from the dataflow."""
-    dev: dict[str, int] = {}
+def binding_devices(func: relax.Function, ctx: BuildContext) -> dict[relax.Var, int]:
+    """Device of every tensor variable of a lowered ``main``, from the dataflow.
+
+    Keyed by the variables themselves: after FuseOps, binding names are no longer unique."""
+    dev: dict[relax.Var, int] = {}
     for p in func.params:
         d = ctx.device_of_vdevice(p.ty.vdevice)
-        dev[p.name] = 0 if d is None else d
-    pending: list[str] = []
-    users: dict[str, list[str]] = {}
+        dev[p] = 0 if d is None else d
+    pending: list[relax.Var] = []
+    users: dict[relax.Var, list[relax.Var]] = {}
     for block in func.body.blocks:
         for b in block.bindings:
-            name, value = b.var.name, b.value
+            var, value = b.var, b.value
             op = _op_name(value)
             if isinstance(value, relax.Var):
-                if value.name in dev:
-                    dev[name] = dev[value.name]
+                if value in dev:
+                    dev[var] = dev[value]
             elif isinstance(value, relax.TupleGetItem):
                 src = value.tuple_value
-                if isinstance(src, relax.Var) and src.name in dev:
-                    dev[name] = dev[src.name]
+                if isinstance(src, relax.Var) and src in dev:
+                    dev[var] = dev[src]
             elif op == TO_VDEVICE:
-                dev[name] = ctx.device_of_vdevice(value.attrs.dst_vdevice)
+                dev[var] = ctx.device_of_vdevice(value.attrs.dst_vdevice)
             elif op is not None:
                 args = [a for a in _tensor_args(value) if isinstance(a, relax.Var)]
                 for a in args:
-                    users.setdefault(a.name, []).append(name)
-                seen = sorted({dev[a.name] for a in args if a.name in dev})
+                    users.setdefault(a, []).append(var)
+                seen = sorted({dev[a] for a in args if a in dev})
                 if len(seen) > 1:
-                    names = [f"{a.name}@{ctx.devices[dev[a.name]].name}" for a in args]
-                    raise BuildError(f"binding {name!r} ({op}) reads tensors on several devices "
-                                     f"{names}: a cross-device copy is missing")
+                    names = [f"{a.name}@{ctx.devices[dev[a]].name}" for a in args if a in dev]
+                    raise BuildError(f"binding {var.name!r} ({op}) reads tensors on several "
+                                     f"devices {names}: a cross-device copy is missing")
                 if seen:
-                    dev[name] = seen[0]
+                    dev[var] = seen[0]
                 else:
                     out = value.ty_args[0] if value.ty_args else value.ty
                     vdev = getattr(out, "vdevice", None)
                     if vdev is not None:
-                        dev[name] = ctx.device_of_vdevice(vdev)
+                        dev[var] = ctx.device_of_vdevice(vdev)
                     else:
-                        pending.append(name)
-    for name in pending:  # no tensor operand, no vdevice: run where the first reader runs
-        readers = [dev[u] for u in users.get(name, []) if u in dev]
-        dev[name] = readers[0] if readers else 0
+                        pending.append(var)
+    for var in pending:  # no tensor operand, no vdevice: run where the first reader runs
+        readers = [dev[u] for u in users.get(var, []) if u in dev]
+        dev[var] = readers[0] if readers else 0
     return dev
 
 
 def _rebuild_main(func: relax.Function, rename: dict[tuple[str, int], tvm.ir.GlobalVar],
-                  dev: dict[str, int]) -> relax.Function:
+                  dev: dict[relax.Var, int]) -> relax.Function:
     blocks = []
     for block in func.body.blocks:
         bindings = []
         for b in block.bindings:
             value = b.value
             if _op_name(value) == CALL_TIR:
-                key = (value.args[0].name_hint, dev[b.var.name])
+                key = (value.args[0].name_hint, dev[b.var])
                 if key in rename:
                     value = relax.Call(value.op, [rename[key], *value.args[1:]], value.attrs,
                                        value.ty_args)
@@ -117,7 +119,7 @@ def _assign_targets(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     for block in main.body.blocks:
         for b in block.bindings:
             if _op_name(b.value) == CALL_TIR:
-                callers.setdefault(b.value.args[0].name_hint, []).append(dev[b.var.name])
+                callers.setdefault(b.value.args[0].name_hint, []).append(dev[b.var])
     new = mod.clone()
     rename: dict[tuple[str, int], tvm.ir.GlobalVar] = {}
     for fname, devs in sorted(callers.items()):

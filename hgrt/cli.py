@@ -1,0 +1,195 @@
+"""The ``hgrt`` command line: compile, run, and friends.
+
+    hgrt compile model.onnx --device cpu:0 --device cpu:1 --place nn.conv2d=cpu:1 -o out/
+    hgrt run out/ --input x=x.npy [--device cpu:0 --device cpu:1] [--save-output y.npz]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+import numpy as np
+
+from hgrt.errors import HgrtError, InputError
+
+log = logging.getLogger("hgrt")
+
+
+def _pairs(items: list[str] | None, what: str) -> dict[str, str]:
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key or not value:
+            raise InputError(f"{what} {item!r}: expected KEY=VALUE")
+        out[key] = value
+    return out
+
+
+def _load_inputs(items: list[str] | None) -> dict[str, np.ndarray]:
+    inputs = {}
+    for name, path in _pairs(items, "--input").items():
+        try:
+            inputs[name] = np.load(path)
+        except (OSError, ValueError) as e:
+            raise InputError(f"--input {name}={path}: cannot read a .npy file: {e}") from e
+    return inputs
+
+
+def _input_shapes(items: list[str] | None) -> dict[str, list[int]]:
+    shapes = {}
+    for name, dims in _pairs(items, "--input-shape").items():
+        try:
+            shapes[name] = [int(d) for d in dims.split(",")]
+        except ValueError:
+            raise InputError(f"--input-shape {name}={dims}: expected comma-separated integers") \
+                from None
+    return shapes
+
+
+# ---- compile ------------------------------------------------------------------------------
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    import hgrt
+
+    placement = hgrt.Placement(
+        rules=_pairs(args.place, "--place"),
+        overrides=_pairs(args.override, "--override"),
+        preferred=args.prefer,
+        fallback=args.fallback or args.device[0],
+    )
+    kwargs = {}
+    if args.tuning_db:
+        kwargs["tuning_db"] = args.tuning_db
+    t0 = time.perf_counter()
+    result = hgrt.build(args.model, devices=args.device, placement=placement,
+                        input_shapes=_input_shapes(args.input_shape) or None,
+                        verbose=True, **kwargs)
+    hgrt.save(args.output, result)
+    print(f"compiled {args.model} for {args.device} in {time.perf_counter() - t0:.1f} s "
+          f"-> {args.output}/ (graph.json, lib.so, params.bin)")
+    return 0
+
+
+# ---- run ----------------------------------------------------------------------------------
+
+def _devices_for(graph, names: list[str] | None, session=None) -> list:
+    from hgrt.devices import parse_device
+
+    names = names or graph.device_names or ["cpu:0"]
+    return [parse_device(n, session) for n in names]
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import tvm
+
+    import hgrt
+    from hgrt.artifacts import read
+    from hgrt.graph import Graph
+
+    graph_json, lib_path, params = read(args.artifacts)
+    graph = Graph.from_json(graph_json)
+    session = None
+    if args.rpc_tracker:
+        from hgrt.rpc.client import connect, upload
+
+        session = connect(tracker=args.rpc_tracker, key=args.rpc_key)
+        lib = upload(session, lib_path)
+    else:
+        lib = tvm.runtime.load_module(lib_path)
+    devices = _devices_for(graph, args.device, session)
+    m = hgrt.create(graph_json, lib, devices)
+    m.load_params(params)
+    inputs = _load_inputs(args.input)
+    shapes, dtypes = m.get_input_info()
+    missing = [n for n in shapes if n not in inputs]
+    if missing:
+        if not args.random_inputs:
+            raise InputError(f"no value for inputs {missing}: give --input NAME=FILE.npy "
+                             f"(or --random-inputs); expected {[(n, shapes[n], dtypes[n]) for n in missing]}")
+        rng = np.random.default_rng(0)
+        for n in missing:
+            inputs[n] = rng.standard_normal(shapes[n]).astype(dtypes[n])
+    m.set_input(**inputs)
+    m.run()
+    outputs = [m.get_output(i).numpy() for i in range(m.get_num_outputs())]
+    where = ", ".join(str(d) for d in devices)
+    for i, out in enumerate(outputs):
+        print(f"output {i}: shape {out.shape} {out.dtype}  mean {float(np.mean(out)):.6g}  "
+              f"first {np.ravel(out)[:4]}")
+    if args.repeat:
+        r = m.benchmark(repeat=args.repeat, number=1)
+        print(f"run() on [{where}]: {r}")
+    if args.save_output:
+        np.savez(args.save_output, *outputs)
+        print(f"outputs saved to {args.save_output}")
+    return 0
+
+
+# ---- entry point --------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hgrt", description="heterogeneous graph runtime for TVM")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("compile", help="compile an ONNX model into graph.json + lib.so + params")
+    c.add_argument("model", help="path of an .onnx file")
+    c.add_argument("--device", action="append", required=True,
+                   help="a device, in order (repeat): cpu, cpu:1, cuda:0 ...; the first is the "
+                        "primary device")
+    c.add_argument("--place", action="append", metavar="OP=DEVICE",
+                   help="put every op matching OP (a Relax op name or pattern) on DEVICE")
+    c.add_argument("--override", action="append", metavar="NODE=DEVICE",
+                   help="put one node (by its binding name) on DEVICE")
+    c.add_argument("--prefer", help="device for ops no rule places")
+    c.add_argument("--fallback", help="device for ops the preferred device cannot run")
+    c.add_argument("--input-shape", action="append", metavar="NAME=D0,D1,...")
+    c.add_argument("--tuning-db", help="a MetaSchedule database written by `hgrt tune`")
+    c.add_argument("-o", "--output", required=True, help="artifact directory")
+    c.set_defaults(func=cmd_compile)
+
+    r = sub.add_parser("run", help="run compiled artifacts")
+    r.add_argument("artifacts", help="directory written by `hgrt compile`")
+    r.add_argument("--input", action="append", metavar="NAME=FILE.npy")
+    r.add_argument("--random-inputs", action="store_true", help="fill missing inputs randomly")
+    r.add_argument("--device", action="append",
+                   help="devices in order (default: those the graph was compiled for)")
+    r.add_argument("--repeat", type=int, default=0, help="also time run() this many times")
+    r.add_argument("--save-output", help="write the outputs to this .npz")
+    r.add_argument("--rpc-tracker", metavar="HOST:PORT", help="run on a remote machine")
+    r.add_argument("--rpc-key", help="device key registered with the tracker")
+    r.set_defaults(func=cmd_run)
+
+    for register in _optional_commands():
+        register(sub)
+    return p
+
+
+def _optional_commands():
+    """Sub-commands contributed by other hgrt modules (RPC server, tuning, profiling)."""
+    import importlib
+
+    for module in ("hgrt.rpc.cli", "hgrt.tune_cli", "hgrt.runtime.profile_cli"):
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            continue
+        yield mod.register
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except HgrtError as e:
+        print(f"hgrt {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
