@@ -190,6 +190,12 @@ class GraphModule:
             results.append((time.perf_counter() - t0) / number)
         return BenchmarkResult(tuple(results))
 
+    def profile(self, repeat: int = 10, warmup: int = 1):
+        """Per-op times (median over ``repeat`` runs) by op and device; see ``ProfileReport``."""
+        from hgrt.runtime.profiler import profile
+
+        return profile(self, repeat=repeat, warmup=warmup)
+
     def _sync(self) -> None:
         for d in self.devices:
             if d.dlpack_device_type() != 1:  # CPU work is synchronous

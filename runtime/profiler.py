@@ -1,0 +1,157 @@
+"""Per-op profiling of a GraphModule: where the time of a run goes, by op and by device.
+
+    report = m.profile(repeat=20)
+    print(report.table())                    # slowest first
+    report.save_chrome_trace("trace.json")   # open in Perfetto / chrome://tracing
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from hgrt.graph import COPY_FUNC
+
+
+@dataclass
+class OpRecord:
+    """One step of the run: a kernel or a copy, with its median time over the repeats."""
+
+    node_id: int
+    name: str
+    func: str
+    device: str
+    median_us: float
+    is_copy: bool = False
+    copy_bytes: int = 0
+    copy_from: str = ""
+
+
+@dataclass
+class ProfileReport:
+    ops: list[OpRecord]
+    run_wall_us: float  # median wall time of a plain run()
+    repeat: int
+    trace_events: list[dict] = field(default_factory=list)
+
+    @property
+    def op_sum_us(self) -> float:
+        return sum(op.median_us for op in self.ops)
+
+    def by_func(self) -> dict[str, tuple[int, float]]:
+        """func name -> (calls, total median µs)."""
+        out: dict[str, list] = defaultdict(lambda: [0, 0.0])
+        for op in self.ops:
+            out[op.func][0] += 1
+            out[op.func][1] += op.median_us
+        return {k: (v[0], v[1]) for k, v in sorted(out.items(), key=lambda kv: -kv[1][1])}
+
+    def by_device(self) -> dict[str, tuple[int, float]]:
+        """device -> (steps, total median µs)."""
+        out: dict[str, list] = defaultdict(lambda: [0, 0.0])
+        for op in self.ops:
+            out[op.device][0] += 1
+            out[op.device][1] += op.median_us
+        return {k: (v[0], v[1]) for k, v in out.items()}
+
+    def copy_bytes(self) -> dict[str, int]:
+        """"src -> dst" -> bytes copied per run."""
+        out: dict[str, int] = defaultdict(int)
+        for op in self.ops:
+            if op.is_copy:
+                out[f"{op.copy_from} -> {op.device}"] += op.copy_bytes
+        return dict(out)
+
+    def table(self, top: int | None = None) -> str:
+        """A text table, slowest op first, then the summaries by op and by device."""
+        rows = sorted(self.ops, key=lambda op: -op.median_us)[:top]
+        w = max([len(op.name) for op in rows] + [4])
+        fw = max([len(op.func) for op in rows] + [4])
+        lines = [f"{'node':>5}  {'name':<{w}}  {'function':<{fw}}  {'device':<8} "
+                 f"{'median us':>10} {'%':>6}"]
+        total = self.op_sum_us or 1.0
+        for op in rows:
+            lines.append(f"{op.node_id:>5}  {op.name:<{w}}  {op.func:<{fw}}  {op.device:<8} "
+                         f"{op.median_us:>10.1f} {100 * op.median_us / total:>5.1f}%")
+        lines.append("")
+        lines.append("by device:")
+        for dev, (n, us) in self.by_device().items():
+            lines.append(f"  {dev:<8} {n:>5} steps {us:>12.1f} us")
+        copies = self.copy_bytes()
+        n_copies = sum(op.is_copy for op in self.ops)
+        lines.append(f"copies: {n_copies} per run" + "".join(
+            f"\n  {k}: {v} bytes" for k, v in copies.items()))
+        lines.append(f"sum of op medians {self.op_sum_us:.1f} us; run() wall time "
+                     f"{self.run_wall_us:.1f} us (median of {self.repeat})")
+        return "\n".join(lines)
+
+    def chrome_trace(self) -> dict:
+        return {"traceEvents": self.trace_events, "displayTimeUnit": "ms"}
+
+    def save_chrome_trace(self, path: str) -> str:
+        with open(path, "w") as f:
+            json.dump(self.chrome_trace(), f)
+        return path
+
+
+def profile(module, repeat: int = 10, warmup: int = 1) -> ProfileReport:
+    """Time every step of ``module`` (a local GraphModule) ``repeat`` times."""
+    g = module.graph
+    steps = module._steps
+    nodes = module._step_nodes
+    sync = module._sync
+    for _ in range(warmup):
+        module.run()
+    samples: list[list[float]] = [[] for _ in steps]
+    last_run: list[tuple[float, float]] = []
+    clock = time.perf_counter
+    for _ in range(repeat):
+        last_run = []
+        for i, (func, args) in enumerate(steps):
+            t0 = clock()
+            func(*args)
+            sync()
+            t1 = clock()
+            samples[i].append((t1 - t0) * 1e6)
+            last_run.append((t0, t1))
+    walls = []
+    for _ in range(repeat):
+        sync()
+        t0 = clock()
+        module.run()
+        sync()
+        walls.append((clock() - t0) * 1e6)
+
+    ops = []
+    dev_names = [str(d) for d in module.devices]
+    for i, nid in enumerate(nodes):
+        node = g.nodes[nid]
+        out_eid = g.entry_id(nid)
+        rec = OpRecord(nid, node.name, node.func_name, dev_names[g.entry_device(out_eid)],
+                       statistics.median(samples[i]))
+        if node.func_name == COPY_FUNC:
+            src = g.entry_id(node.inputs[0][0], node.inputs[0][1])
+            rec.is_copy = True
+            rec.copy_bytes = g.entry_bytes(src)
+            rec.copy_from = dev_names[g.entry_device(src)]
+        ops.append(rec)
+
+    events = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "hgrt run"}}]
+    for d, name in enumerate(dev_names):
+        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": d,
+                       "args": {"name": name}})
+    origin = last_run[0][0] if last_run else 0.0
+    for rec, (t0, t1) in zip(ops, last_run):
+        tid = dev_names.index(rec.device)
+        args = {"node": rec.node_id, "function": rec.func}
+        if rec.is_copy:
+            args.update(bytes=rec.copy_bytes, src=rec.copy_from)
+        cat = "copy" if rec.is_copy else "kernel"
+        events.append({"name": rec.name, "cat": cat, "ph": "B", "pid": 0, "tid": tid,
+                       "ts": (t0 - origin) * 1e6, "args": args})
+        events.append({"name": rec.name, "cat": cat, "ph": "E", "pid": 0, "tid": tid,
+                       "ts": (t1 - origin) * 1e6})
+    return ProfileReport(ops, statistics.median(walls), repeat, events)
