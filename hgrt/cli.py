@@ -83,6 +83,24 @@ def _devices_for(graph, names: list[str] | None, session=None) -> list:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    m, devices = _module_for(args)
+    m.run()
+    outputs = [m.get_output(i).numpy() for i in range(m.get_num_outputs())]
+    where = ", ".join(str(d) for d in devices)
+    for i, out in enumerate(outputs):
+        print(f"output {i}: shape {out.shape} {out.dtype}  mean {float(np.mean(out)):.6g}  "
+              f"first {np.ravel(out)[:4]}")
+    if args.repeat:
+        r = m.benchmark(repeat=args.repeat, number=1)
+        print(f"run() on [{where}]: {r}")
+    if args.save_output:
+        np.savez(args.save_output, *outputs)
+        print(f"outputs saved to {args.save_output}")
+    return 0
+
+
+def _module_for(args: argparse.Namespace):
+    """A GraphModule for the artifacts named on the command line, params loaded, inputs set."""
     import tvm
 
     import hgrt
@@ -92,7 +110,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     graph_json, lib_path, params = read(args.artifacts)
     graph = Graph.from_json(graph_json)
     session = None
-    if args.rpc_tracker:
+    if getattr(args, "rpc_tracker", None):
         from hgrt.rpc.client import connect, upload
 
         session = connect(tracker=args.rpc_tracker, key=args.rpc_key)
@@ -107,24 +125,32 @@ def cmd_run(args: argparse.Namespace) -> int:
     missing = [n for n in shapes if n not in inputs]
     if missing:
         if not args.random_inputs:
-            raise InputError(f"no value for inputs {missing}: give --input NAME=FILE.npy "
-                             f"(or --random-inputs); expected {[(n, shapes[n], dtypes[n]) for n in missing]}")
+            raise InputError(f"no value for inputs {missing}: give --input NAME=FILE.npy (or "
+                             f"--random-inputs); expected "
+                             f"{[(n, shapes[n], dtypes[n]) for n in missing]}")
         rng = np.random.default_rng(0)
         for n in missing:
             inputs[n] = rng.standard_normal(shapes[n]).astype(dtypes[n])
     m.set_input(**inputs)
-    m.run()
-    outputs = [m.get_output(i).numpy() for i in range(m.get_num_outputs())]
-    where = ", ".join(str(d) for d in devices)
-    for i, out in enumerate(outputs):
-        print(f"output {i}: shape {out.shape} {out.dtype}  mean {float(np.mean(out)):.6g}  "
-              f"first {np.ravel(out)[:4]}")
-    if args.repeat:
-        r = m.benchmark(repeat=args.repeat, number=1)
-        print(f"run() on [{where}]: {r}")
-    if args.save_output:
-        np.savez(args.save_output, *outputs)
-        print(f"outputs saved to {args.save_output}")
+    return m, devices
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    m, _ = _module_for(args)
+    report = m.profile(repeat=args.repeat)
+    print(report.table(top=args.top))
+    if args.trace:
+        report.save_chrome_trace(args.trace)
+        print(f"Chrome trace written to {args.trace} (open in https://ui.perfetto.dev)")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from hgrt.inspect import format_summary, inspect_artifacts
+
+    summary, files = inspect_artifacts(args.artifacts, args.out)
+    print(format_summary(summary))
+    print("pictures:", *files, sep="\n  ")
     return 0
 
 
@@ -163,6 +189,21 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--rpc-key", help="device key registered with the tracker")
     r.set_defaults(func=cmd_run)
 
+    pr = sub.add_parser("profile", help="per-op times of compiled artifacts, by op and device")
+    pr.add_argument("artifacts")
+    pr.add_argument("--input", action="append", metavar="NAME=FILE.npy")
+    pr.add_argument("--random-inputs", action="store_true")
+    pr.add_argument("--device", action="append")
+    pr.add_argument("--repeat", type=int, default=10, help="runs per op (median taken)")
+    pr.add_argument("--top", type=int, default=30, help="rows of the table (slowest first)")
+    pr.add_argument("--trace", help="write a Chrome trace JSON here")
+    pr.set_defaults(func=cmd_profile)
+
+    ins = sub.add_parser("inspect", help="nodes per device, copies, memory plan, pictures")
+    ins.add_argument("artifacts")
+    ins.add_argument("--out", help="where to write the pictures (default ARTIFACTS/inspect)")
+    ins.set_defaults(func=cmd_inspect)
+
     for register in _optional_commands():
         register(sub)
     return p
@@ -172,7 +213,7 @@ def _optional_commands():
     """Sub-commands contributed by other hgrt modules (RPC server, tuning, profiling)."""
     import importlib
 
-    for module in ("hgrt.rpc.cli", "hgrt.tune_cli", "hgrt.runtime.profile_cli"):
+    for module in ("hgrt.rpc.cli", "hgrt.tune_cli"):
         try:
             mod = importlib.import_module(module)
         except ImportError:

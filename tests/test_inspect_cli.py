@@ -1,0 +1,86 @@
+"""hgrt inspect / profile / run on hand-built artifacts, and the memory summary's numbers."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import hgrt
+from hgrt.cli import main
+from hgrt.graph import Graph, live_ranges
+from hgrt.inspect import inspect_artifacts, memory_summary
+from hgrt_testing import N, GraphBuilder, elementwise_lib
+
+
+def artifact(tmp_path, pools=True):
+    g = GraphBuilder()
+    x = g.input("x", dev=0, sid=0)
+    w = g.input("w", dev=1, sid=1, param=True)
+    a = g.op("add_one", [x], dev=0, sids=[2])
+    b = g.op("add_one", [a], dev=0, sids=[3])
+    c = g.copy(b, dev=1, sid=4)
+    d = g.op("mul", [c, w], dev=1, sids=[5])
+    g.output(g.op("add", [x, g.copy(d, dev=0, sid=2)], dev=0, sids=[6]))
+    doc = g.doc(pools=pools)
+    doc["hgrt"]["devices"] = ["cpu:0", "cpu:1"]
+    path = str(tmp_path / "art")
+    hgrt.save(path, json.dumps(doc), elementwise_lib(), {"w": np.full(N, 2.0, "float32")})
+    return path, Graph.from_json(json.dumps(doc))
+
+
+def brute_force_peak(g, dev):
+    peak = 0
+    for step in range(-1, len(g.nodes) + 1):
+        live = sum(max(g.entry_bytes(e) for e in grp) for r, (lo, hi, grp)
+                   in live_ranges(g).items() if g.entry_device(r) == dev and lo <= step <= hi)
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("pools", [True, False])
+def test_memory_summary_matches_plan_and_brute_force(tmp_path, pools):
+    _, g = artifact(tmp_path, pools)
+    mem = memory_summary(g)
+    assert len(mem) == 2
+    for dev, m in enumerate(mem):
+        assert m.lower_bound == brute_force_peak(g, dev)
+        assert m.lower_bound <= m.planned <= m.no_reuse
+    if pools:
+        assert [m.planned for m in mem] == g.pool_bytes
+    assert mem[0].no_reuse == 5 * N * 4  # x, a, b, copy back, out: one storage each
+
+
+def test_inspect_writes_pictures_and_summary(tmp_path, capsys):
+    path, g = artifact(tmp_path)
+    summary, files = inspect_artifacts(path)
+    assert summary["kernels_per_device"] == {"cpu:0": 3, "cpu:1": 1}
+    assert summary["copies"] == {"cpu:0 -> cpu:1": N * 4, "cpu:1 -> cpu:0": N * 4}
+    assert summary["memory"]["cpu:0"]["planned"] == g.pool_bytes[0]
+    dot = open(os.path.join(path, "inspect", "graph.dot")).read()
+    assert dot.count("shape=diamond") == 2 and dot.startswith("digraph")
+    pngs = [f for f in files if f.endswith(".png")]
+    for f in pngs:
+        assert open(f, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert main(["inspect", path]) == 0
+    assert "planned/bound" in capsys.readouterr().out
+
+
+def test_cli_run_and_profile(tmp_path, capsys):
+    path, _ = artifact(tmp_path)
+    x = np.arange(N, dtype="float32")
+    np.save(tmp_path / "x.npy", x)
+    out = tmp_path / "y.npz"
+    assert main(["run", path, "--input", f"x={tmp_path / 'x.npy'}", "--save-output", str(out)]) == 0
+    np.testing.assert_allclose(np.load(out)["arr_0"], x + (x + 2) * 2)
+    trace = tmp_path / "trace.json"
+    assert main(["profile", path, "--random-inputs", "--trace", str(trace)]) == 0
+    assert "by device:" in capsys.readouterr().out
+    assert len([e for e in json.load(open(trace))["traceEvents"] if e["ph"] == "B"]) == 6
+
+
+def test_cli_reports_errors_without_traceback(tmp_path, capsys):
+    path, _ = artifact(tmp_path)
+    assert main(["run", path]) == 2
+    assert "no value for inputs ['x']" in capsys.readouterr().err
+    assert main(["run", str(tmp_path / "nothing")]) == 2
