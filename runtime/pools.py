@@ -8,10 +8,18 @@ from __future__ import annotations
 
 import tvm
 
+from hgrt.errors import DeviceError
 from hgrt.graph import Graph
 from hgrt.runtime.views import pointer_view
 
 _ALIGN = 64
+
+
+def _allocate(nbytes: int, device, what: str):
+    try:
+        return tvm.runtime.empty((max(1, nbytes),), "uint8", device)
+    except Exception as e:  # TVM raises several types for out-of-memory / bad devices
+        raise DeviceError(f"cannot allocate {nbytes} bytes for {what} on {device}: {e}") from e
 
 
 class StoragePools:
@@ -25,7 +33,7 @@ class StoragePools:
         if graph.pool_bytes is not None:
             # hgrt plan: one arena per device, entries at their storage's byte offset.
             for d, nbytes in enumerate(graph.pool_bytes[:len(devices)]):
-                self.buffers.append(tvm.runtime.empty((max(1, nbytes),), "uint8", devices[d]))
+                self.buffers.append(_allocate(nbytes, devices[d], f"the pool of device {d}"))
                 self.device_bytes[d] = int(nbytes)
             self.base = [self.buffers[graph.entry_device(e)] for e in range(graph.num_entries)]
             self.offset = [graph.storage_offset[sid] for sid in graph.storage_ids]
@@ -39,7 +47,7 @@ class StoragePools:
             storage = {}
             for sid in sorted(size):
                 nbytes = (max(1, size[sid]) + _ALIGN - 1) // _ALIGN * _ALIGN
-                storage[sid] = tvm.runtime.empty((nbytes,), "uint8", devices[dev_of[sid]])
+                storage[sid] = _allocate(nbytes, devices[dev_of[sid]], f"storage {sid}")
                 self.device_bytes[dev_of[sid]] += nbytes
             self.buffers = list(storage.values())
             self.base = [storage[sid] for sid in graph.storage_ids]

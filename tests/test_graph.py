@@ -169,3 +169,11 @@ def test_arena_overlap_is_refused():
     doc["hgrt"]["storage_offset"][1] = 32  # entry 1 overlaps the input x at [0, 64)
     with pytest.raises(hgrt.GraphError, match="entries 0 and 1 on device 0 share pool bytes"):
         Graph.from_json(json.dumps(doc))
+
+
+def test_impossible_allocation_is_a_device_error(lib):
+    doc = base_doc()
+    doc["hgrt"]["pool_bytes"][0] = 1 << 50  # a petabyte
+    with pytest.raises(hgrt.DeviceError, match="cannot allocate 1125899906842624 bytes for the "
+                                               "pool of device 0 on cpu:0"):
+        hgrt.create(json.dumps(doc), lib, [tvm.cpu(0), tvm.cpu(1)])
