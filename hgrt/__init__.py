@@ -4,6 +4,7 @@ Compile a model once (``hgrt.build``), run it across a CPU and an accelerator
 (``hgrt.create``), locally or on a remote machine through TVM RPC.
 """
 
+from hgrt.artifacts import load, save
 from hgrt.errors import (
     BuildError,
     DeviceError,
@@ -17,7 +18,6 @@ from hgrt.errors import (
 )
 from hgrt.graph import Graph, Node
 from hgrt.runtime.executor import BenchmarkResult, GraphModule, create
-from hgrt.artifacts import load, save
 
 __version__ = "0.1.0"
 

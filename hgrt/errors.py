@@ -16,7 +16,8 @@ class GraphError(HgrtError, ValueError):
 
 
 class InputError(HgrtError, ValueError):
-    """A value given to ``set_input`` / ``get_input`` / ``get_output`` is wrong (name, shape, dtype)."""
+    """A value given to ``set_input`` / ``get_input`` / ``get_output`` is wrong (name, shape,
+    dtype)."""
 
 
 class ParamError(HgrtError, ValueError):
@@ -32,7 +33,8 @@ class ExecutionError(HgrtError, RuntimeError):
 
 
 class BuildError(HgrtError, RuntimeError):
-    """Compilation failed: a pass broke, a GPU function was left unscheduled, an op cannot be placed."""
+    """Compilation failed: a pass broke, a GPU function was left unscheduled, an op cannot be
+    placed."""
 
 
 class PlanError(HgrtError, RuntimeError):
@@ -48,4 +50,6 @@ def did_you_mean(name: str, known: list[str] | tuple[str, ...], limit: int = 20)
     known = list(known)
     shown = ", ".join(repr(k) for k in known[:limit])
     more = f" and {len(known) - limit} more" if len(known) > limit else ""
-    return f"{name!r} not found; known: [{shown}{more}]" if known else f"{name!r} not found; none exist"
+    if not known:
+        return f"{name!r} not found; none exist"
+    return f"{name!r} not found; known: [{shown}{more}]"

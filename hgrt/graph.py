@@ -224,7 +224,8 @@ def _parse(doc: Any) -> Graph:
                 raise GraphError(f"{where}: tvm_op without attrs.func_name")
             for key in ("num_outputs", "num_inputs"):
                 if key in node_attrs and not node_attrs[key].lstrip("-").isdigit():
-                    raise GraphError(f"{where}: attrs.{key} = {node_attrs[key]!r} is not an integer")
+                    raise GraphError(f"{where}: attrs.{key} = {node_attrs[key]!r} is not an "
+                                     f"integer")
             if int(node_attrs.get("num_outputs", "1")) < 1:
                 raise GraphError(f"{where}: num_outputs must be >= 1")
             if "num_inputs" in node_attrs and int(node_attrs["num_inputs"]) != len(inputs):
@@ -365,7 +366,8 @@ def _parse_section(section: Any, g: Graph) -> None:
                          f"id ({n_storage}), got {str(offsets)[:80]}")
     for sid, off in enumerate(offsets):
         if isinstance(off, bool) or not isinstance(off, int) or off < 0:
-            raise GraphError(f"'hgrt' section: storage_offset[{sid}] = {off!r} is not a byte offset")
+            raise GraphError(f"'hgrt' section: storage_offset[{sid}] = {off!r} is not a byte "
+                             f"offset")
     g.pool_bytes = pools
     g.storage_offset = offsets
 

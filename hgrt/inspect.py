@@ -57,7 +57,7 @@ def memory_summary(g: Graph) -> list[DeviceMemory]:
             if sid not in seen:
                 seen.add(sid)
                 planned[g.entry_device(eid)] += size[sid]
-    return [DeviceMemory(p, lb, nr) for p, lb, nr in zip(planned, lower, no_reuse)]
+    return [DeviceMemory(p, lb, nr) for p, lb, nr in zip(planned, lower, no_reuse, strict=True)]
 
 
 def summary(g: Graph) -> dict:

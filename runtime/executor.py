@@ -283,7 +283,8 @@ class GraphModule:
 
     # ---- outputs ------------------------------------------------------------------------
     def get_output(self, index: int, out=None):
-        """The tensor of output ``index`` (valid until the next run); copied into ``out`` if given."""
+        """The tensor of output ``index`` (valid until the next run); copied into ``out`` if
+        given."""
         if isinstance(index, bool) or not isinstance(index, (int, np.integer)) \
                 or not 0 <= index < len(self._output_eids):
             raise InputError(f"output index {index!r} out of range: the graph has "
@@ -312,7 +313,8 @@ class GraphModule:
             idx = self._arg_index.get(name)
             if idx is None:
                 if strict:
-                    raise ParamError(f"param {did_you_mean(name, self.graph.params or list(self._arg_index))}")
+                    known = self.graph.params or list(self._arg_index)
+                    raise ParamError(f"param {did_you_mean(name, known)}")
                 continue
             try:
                 self._set_one(idx, value, what="param")

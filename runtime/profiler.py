@@ -144,7 +144,7 @@ def profile(module, repeat: int = 10, warmup: int = 1) -> ProfileReport:
         events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": d,
                        "args": {"name": name}})
     origin = last_run[0][0] if last_run else 0.0
-    for rec, (t0, t1) in zip(ops, last_run):
+    for rec, (t0, t1) in zip(ops, last_run, strict=True):
         tid = dev_names.index(rec.device)
         args = {"node": rec.node_id, "function": rec.func}
         if rec.is_copy:

@@ -12,7 +12,7 @@ from tvm import te
 N = 16
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def elementwise_lib(n: int = N, dtype: str = "float32"):
     """A library with add_one, add, mul, twice_out (a+1, a*2) and add_one_2d (on (4, n/4))."""
     a = te.placeholder((n,), dtype, name="a")

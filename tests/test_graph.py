@@ -9,7 +9,7 @@ import tvm
 
 import hgrt
 from hgrt.graph import Graph
-from hgrt_testing import N, GraphBuilder
+from hgrt_testing import GraphBuilder, N
 
 
 def base_doc():

@@ -10,7 +10,7 @@ import hgrt
 from hgrt.cli import main
 from hgrt.graph import Graph, live_ranges
 from hgrt.inspect import inspect_artifacts, memory_summary
-from hgrt_testing import N, GraphBuilder, elementwise_lib
+from hgrt_testing import GraphBuilder, N, elementwise_lib
 
 
 def artifact(tmp_path, pools=True):

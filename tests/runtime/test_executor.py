@@ -5,7 +5,7 @@ import pytest
 import tvm
 
 import hgrt
-from hgrt_testing import N, GraphBuilder
+from hgrt_testing import GraphBuilder, N
 
 
 def simplex():
@@ -184,7 +184,6 @@ def test_load_missing_artifact_names_file(tmp_path):
 
 @pytest.mark.skipif(not tvm.cuda(0).exist, reason="needs a CUDA GPU")
 def test_duplex_cpu_cuda(rng):
-    from hgrt_testing import elementwise_lib  # noqa: F401 - CUDA kernels built in the compiler tests
-
     from hgrt.build import build  # noqa: F401
+    from hgrt_testing import elementwise_lib  # noqa: F401 - CUDA kernels built in the compiler tests
     pytest.skip("CUDA duplex runs through hgrt.build; see tests/test_build.py")

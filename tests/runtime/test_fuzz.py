@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hgrt
-from hgrt_testing import N, GraphBuilder, elementwise_lib
+from hgrt_testing import GraphBuilder, N, elementwise_lib
 
 NUMPY_OPS = {
     "add_one": lambda a: [a + 1],
@@ -109,7 +109,7 @@ def test_mutated_graph_runs_right_or_raises_hgrt_error(doc, seed):
         return
     expected = reference(doc, feeds)
     assert len(outs) == len(expected)
-    for got, want in zip(outs, expected):
+    for got, want in zip(outs, expected, strict=True):
         np.testing.assert_allclose(got.reshape(want.shape) if got.size == want.size else got,
                                    want, rtol=1e-5)
 

@@ -5,7 +5,7 @@ import json
 import numpy as np
 
 import hgrt
-from hgrt_testing import N, GraphBuilder
+from hgrt_testing import GraphBuilder, N
 
 
 def two_device_graph():
@@ -40,7 +40,7 @@ def test_profile_rows_cover_every_step_and_copy_bytes_add_up(lib, two_cpus, tmp_
     begins = [e for e in trace["traceEvents"] if e["ph"] == "B"]
     ends = [e for e in trace["traceEvents"] if e["ph"] == "E"]
     assert len(begins) == len(ends) == len(op_nodes)
-    for b, e in zip(begins, ends):
+    for b, e in zip(begins, ends, strict=True):
         assert b["name"] == e["name"] and b["tid"] == e["tid"] and b["ts"] <= e["ts"]
     # profiling does not change results
     m.run()
