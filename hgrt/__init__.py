@@ -32,6 +32,10 @@ def __getattr__(name):
         for public in ("build", "Placement", "BuildResult"):
             globals()[public] = getattr(module, public)
         return globals()[name]
+    if name == "rpc":
+        import importlib
+
+        return importlib.import_module("hgrt.rpc")
     raise AttributeError(f"module 'hgrt' has no attribute {name!r}")
 
 

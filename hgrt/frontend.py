@@ -17,12 +17,26 @@ from tvm import relax
 from hgrt.errors import BuildError
 
 
+def _copy_model(model: Any) -> Any:
+    copy = type(model)()
+    copy.CopyFrom(model)
+    return copy
+
+
 def _from_onnx(model: Any, input_shapes: dict[str, Any] | None) -> tuple[tvm.IRModule, dict]:
     import onnx
     from tvm.relax.frontend.onnx import from_onnx
 
     if isinstance(model, (str, os.PathLike)):
         model = onnx.load(os.fspath(model))
+    inits = {t.name for t in model.graph.initializer}
+    if any(i.name in inits for i in model.graph.input):
+        # old exporters list initializers as inputs too; TVM's frontend then makes each weight
+        # two params, so keep only the true inputs
+        model = _copy_model(model)
+        kept = [i for i in model.graph.input if i.name not in inits]
+        del model.graph.input[:]
+        model.graph.input.extend(kept)
     shape_dict = {k: list(v) for k, v in (input_shapes or {}).items()}
     try:
         mod = from_onnx(model, shape_dict=shape_dict or None, keep_params_in_input=True)

@@ -124,6 +124,7 @@ class BuildContext:
     input_device: dict[str, int] = field(default_factory=dict)  # place_devices: hinted inputs
     report: list[PlacementRow] = field(default_factory=list)  # place_devices
     param_source: dict[str, str] = field(default_factory=dict)  # insert_copies: param -> weight
+    graph_names: dict[str, str] = field(default_factory=dict)  # insert_copies: param -> node name
     lib: Any = None  # build_library: the compiled runtime module
 
     def device_of_vdevice(self, vdev: relax.VDevice | None) -> int | None:

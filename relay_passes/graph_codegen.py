@@ -107,7 +107,8 @@ def graph_codegen(mod: tvm.IRModule, ctx: BuildContext) -> Graph:
     args = []
     for p in func.params:
         shape = static_shape(p.ty, f"input {p.name!r}")
-        g.entries[p] = g.add(Node("null", p.name), [(shape, str(p.ty.dtype))], dev[p])
+        name = ctx.graph_names.get(p.name, p.name)
+        g.entries[p] = g.add(Node("null", name), [(shape, str(p.ty.dtype))], dev[p])
         args.append(len(g.nodes) - 1)
     for block in func.body.blocks:
         for b in block.bindings:

@@ -10,10 +10,15 @@
   copied once per other device that needs it;
 - constants stay inline: they take the device of the op that reads them.
 
-Reads ``ctx.op_device`` (from place_devices); fills ``ctx.param_source``.
+Params are renamed to C identifiers (TVM names kernel arguments after them); the names the
+graph shows go to ``ctx.graph_names``.
+
+Reads ``ctx.op_device`` (from place_devices); fills ``ctx.param_source``, ``ctx.graph_names``.
 """
 
 from __future__ import annotations
+
+import re
 
 import tvm
 from tvm import relax
@@ -72,6 +77,8 @@ class _Rebuilder:
                                  f"whole by an op on {self.ctx.devices[dev].name}; unsupported")
             raise BuildError(f"variable {name!r} is used before it is defined")
         src = self.at[(name, self.home[name])]
+        if not isinstance(src.ty, (relax.TensorType, relax.TupleType)):
+            return src  # shapes and scalars are not device data: nothing to copy
         if isinstance(src.ty, relax.TupleType):
             fields = [self.bb.emit(relax.TupleGetItem(src, i)) for i in range(len(src.ty.fields))]
             copied = relax.Tuple([self.bb.emit(relax.op.to_vdevice(f, self.vdevices[dev]))
@@ -97,6 +104,17 @@ class _Rebuilder:
     def define(self, name: str, value: relax.Expr, dev: int) -> None:
         self.home[name] = dev
         self.at[(name, dev)] = value
+
+
+def _identifier(name: str, taken: dict[str, str]) -> str:
+    """A C identifier for a param name ("1", "w@cpu:1"): TVM names kernel arguments after it."""
+    ident = re.sub(r"\W", "_", name)
+    if not ident or ident[0].isdigit():
+        ident = f"p_{ident}"
+    base, k = ident, 1
+    while ident in taken:
+        ident, k = f"{base}_{k}", k + 1
+    return ident
 
 
 def _param_devices(func: relax.Function, ctx: BuildContext) -> dict[str, list[int]]:
@@ -141,6 +159,7 @@ def insert_copies(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
 
     params: list[relax.Var] = []
     ctx.param_source.clear()
+    ctx.graph_names.clear()
     for i, p in enumerate(func.params):
         if not isinstance(p.ty, relax.TensorType):
             raise BuildError(f"input {p.name!r} has type {p.ty}; hgrt takes tensor inputs only")
@@ -151,7 +170,9 @@ def insert_copies(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
             devs = [ctx.input_device.get(p.name, (uses[p.name] or [0])[0])]
         for k, dev in enumerate(devs):
             pname = p.name if k == 0 else f"{p.name}@{ctx.devices[dev].name}"
-            var = relax.Var(pname, relax.TensorType(p.ty.shape, p.ty.dtype, vdevices[dev]))
+            rname = _identifier(pname, ctx.graph_names)
+            ctx.graph_names[rname] = pname
+            var = relax.Var(rname, relax.TensorType(p.ty.shape, p.ty.dtype, vdevices[dev]))
             params.append(var)
             if k == 0:
                 rb.define(p.name, var, dev)

@@ -31,6 +31,7 @@ def _lowering_passes() -> list[tvm.transform.Pass]:
         relax.transform.FuseOps(),
         relax.transform.FuseTIR(),
         relax.transform.DeadCodeElimination(["main"]),
+        relax.transform.RewriteDataflowReshape(),  # reshape kernels → views (graph "__nop")
     ]
 
 

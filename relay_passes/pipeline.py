@@ -20,8 +20,13 @@ Pass = Callable[[Any, Any], Any]
 
 
 def _check_ir(mod: Any, name: str) -> None:
-    if isinstance(mod, tvm.IRModule) and not relax.analysis.well_formed(mod):
-        raise BuildError(f"IR is not well formed after '{name}':\n{mod.script()[:4000]}")
+    if not isinstance(mod, tvm.IRModule):
+        return
+    try:
+        relax.analysis.well_formed(mod)  # TVM 0.27: raises on the first violation
+    except Exception as e:
+        raise BuildError(f"IR is not well formed after '{name}': {e}\n"
+                         f"{mod.script()[:4000]}") from e
 
 
 def run_passes(ir: Any, ctx: Any, passes: Sequence[tuple[str, Pass]],
@@ -36,7 +41,7 @@ def run_passes(ir: Any, ctx: Any, passes: Sequence[tuple[str, Pass]],
             if verify:
                 _check_ir(ir, name)
         except Exception as e:
-            msg = f"'{name}' failed after {done}: {e}"
+            msg = f"'{name}' failed after {done}: {e if str(e) else type(e).__name__}"
             cls = type(e) if isinstance(e, HgrtError) else BuildError
             raise cls(msg) from e
         done.append(name)

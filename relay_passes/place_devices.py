@@ -2,6 +2,7 @@
 
 Precedence, first match wins (issue 3):
   1. ``R.hint_on_device(x, dev)`` in the input pins the op that produces ``x`` (or input ``x``);
+     so does a vdevice already in the type of a binding or input;
   2. per-op rules: ``{"nn.conv2d": "cuda"}``; keys are Relax op names with or without the
      ``relax.`` prefix, or fnmatch patterns (``"nn.*"``); an exact name beats a pattern, and
      patterns are tried in the order given;
@@ -92,6 +93,13 @@ def _hinted_device(call: relax.Call, ctx: BuildContext) -> int:
     return resolve_device(want, ctx.devices, f"R.hint_on_device({want})")
 
 
+def _annotated_device(var: relax.Var, ctx: BuildContext) -> int | None:
+    """A vdevice already in the input's types counts as a hint (a Relax module that says where
+    its tensors live, e.g. around its own R.to_vdevice)."""
+    vdev = getattr(var.ty, "vdevice", None)
+    return None if vdev is None else ctx.device_of_vdevice(vdev)
+
+
 def _match_rule(op_name: str, rules: dict[str, int]) -> str | None:
     short = op_name.removeprefix("relax.")
     for key in rules:
@@ -139,7 +147,14 @@ def place_devices(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
                 hinted[producer.get(src.name, src.name)] = target
         elif isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op):
             producer[b.var.name] = b.var.name
+            annotated = _annotated_device(b.var, ctx)
+            if annotated is not None and value.op.name != COPY_OP:
+                hinted.setdefault(b.var.name, annotated)
 
+    for p in func.params:
+        annotated = _annotated_device(p, ctx)
+        if annotated is not None:
+            hinted.setdefault(p.name, annotated)
     param_names = {v.name for v in func.params}
     ctx.input_device = {n: d for n, d in hinted.items() if n in param_names}
     missing = sorted(set(overrides) - names)
@@ -151,7 +166,7 @@ def place_devices(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     ctx.report.clear()
     for name, op_name in op_bindings(mod):
         if name in hinted:
-            dev, why = hinted[name], "hint_on_device"
+            dev, why = hinted[name], "hint"
         elif (rule := _match_rule(op_name, rules)) is not None:
             dev, why = rules[rule], f"rule {rule!r}"
         elif name in overrides:

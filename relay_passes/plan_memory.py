@@ -1,10 +1,11 @@
-"""plan_memory: one arena per device, byte offsets by greedy-by-size, proved by a verifier.
+"""plan_memory: one arena per device, byte offsets by greedy first-fit, proved by a verifier.
 
 Every entry gets its own storage id, except a ``__nop`` output, which shares its input's storage
 (it is a view). A storage is live from the node that first writes it to the last node that reads
-it; inputs, params and graph outputs are live for the whole run (never overwritten). Per device,
-storages are placed largest first at the lowest offset that does not overlap a storage live at
-the same time (TFLite's arena planner / tinygrad's memory.py). ``verify_memory`` re-derives the
+it; inputs and params are live for the whole run, graph outputs from their producer to the end
+(never overwritten). Per device, storages are placed one by one at the lowest offset that no
+storage live at the same time occupies (TFLite's arena planner / tinygrad's memory.py), in a few
+orders (largest first, ...), keeping the smallest arena. ``verify_memory`` re-derives the
 lifetimes from the graph alone and refuses two live storages sharing a byte.
 """
 
@@ -79,12 +80,22 @@ def _assign_storage(g: Graph) -> list[int]:
     return [dense.setdefault(s, len(dense)) for s in sids]
 
 
-def _greedy_offsets(items: list[tuple[int, int, int, int]]) -> tuple[dict[int, int], int]:
-    """items: (sid, size, first, last) → offsets (largest first, lowest fitting gap), pool size."""
+# orders to place storages in; the plan with the smallest pool wins (largest-first alone is
+# ~5% above the lower bound on inception / densenet, another order often closes the gap)
+PLACEMENT_ORDERS = {
+    "size": lambda t: (-t[1], t[2], t[0]),
+    "size_x_duration": lambda t: (-t[1] * (t[3] - t[2] + 1), t[2], t[0]),
+    "duration": lambda t: (-(t[3] - t[2]), -t[1], t[0]),
+    "first_use": lambda t: (t[2], -t[1], t[0]),
+}
+
+
+def _place(items: list[tuple[int, int, int, int]], order) -> tuple[dict[int, int], int]:
+    """First-fit at the lowest offset that no storage live at the same time occupies."""
     placed: list[tuple[int, int, int, int]] = []  # (offset, size, first, last)
     offsets: dict[int, int] = {}
     pool = 0
-    for sid, size, first, last in sorted(items, key=lambda t: (-t[1], t[2], t[0])):
+    for sid, size, first, last in sorted(items, key=order):
         busy = sorted((o, o + s) for o, s, f, la in placed if f <= last and first <= la)
         offset = 0
         for lo, hi in busy:
@@ -95,6 +106,16 @@ def _greedy_offsets(items: list[tuple[int, int, int, int]]) -> tuple[dict[int, i
         placed.append((offset, size, first, last))
         pool = max(pool, offset + size)
     return offsets, pool
+
+
+def _greedy_offsets(items: list[tuple[int, int, int, int]]) -> tuple[dict[int, int], int]:
+    """items: (sid, size, first, last) → offsets and pool size, best of PLACEMENT_ORDERS."""
+    best: tuple[dict[int, int], int] | None = None
+    for order in PLACEMENT_ORDERS.values():
+        plan = _place(items, order)
+        if best is None or plan[1] < best[1]:
+            best = plan
+    return best if best is not None else ({}, 0)
 
 
 def plan_memory(graph: Graph, ctx: object = None) -> Graph:
@@ -152,7 +173,8 @@ def verify_memory(g: Graph) -> None:
         if owner[s] >= len(g.pool_bytes) or off + size[s] > g.pool_bytes[owner[s]]:
             raise PlanError(f"storage {s} [{off}, {off + size[s]}) is outside the pool of device "
                             f"{owner[s]}")
-        by_dev.setdefault(owner[s], []).append(s)
+        if size[s]:  # an empty tensor owns no byte
+            by_dev.setdefault(owner[s], []).append(s)
     for dev, sids in by_dev.items():
         sids.sort(key=lambda s: g.storage_offset[s])
         for i, a in enumerate(sids):

@@ -274,7 +274,7 @@ class GraphModule:
         if isinstance(value, tvm.runtime.Tensor):
             _copy_tensor(value, dst)
         else:
-            dst.copyfrom(np.ascontiguousarray(value))
+            dst.copyfrom(np.asarray(value, order="C"))
 
     def get_input(self, key: int | str, out=None):
         """The tensor holding input ``key`` (by name or index); copied into ``out`` if given."""

@@ -1,0 +1,51 @@
+"""Build time: hgrt.build vs tvm.compile with the same fusion pipeline, per light zoo model.
+
+    python python/bench_build.py [model ...]
+
+Both start from the same imported Relax module (import time excluded from neither: hgrt.build
+imports the ONNX model itself, so tvm.compile's figure includes the same import).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import warnings
+
+import tvm
+from tvm import relax
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+import hgrt  # noqa: E402
+from build_testing import LIGHT_MODELS, light_model  # noqa: E402
+from hgrt.frontend import import_model  # noqa: E402
+
+
+def tvm_compile_seconds(model) -> float:
+    start = time.perf_counter()
+    mod, _ = import_model(model)
+    target = tvm.target.Target("llvm")
+    tvm.compile(mod, target, relax_pipeline=relax.get_default_pipeline(target))
+    return time.perf_counter() - start
+
+
+def hgrt_build_seconds(model) -> float:
+    start = time.perf_counter()
+    hgrt.build(model, ["cpu:0"])
+    return time.perf_counter() - start
+
+
+def main(models: list[str]) -> None:
+    print(f"{'model':14} {'hgrt s':>8} {'tvm.compile s':>14} {'ratio':>6}")
+    for name in models:
+        model = light_model(name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t_tvm = tvm_compile_seconds(model)
+            t_hgrt = hgrt_build_seconds(model)
+        print(f"{name:14} {t_hgrt:8.2f} {t_tvm:14.2f} {t_hgrt / t_tvm:6.2f}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or list(LIGHT_MODELS))

@@ -1,0 +1,438 @@
+"""schedule_cpu: a cheap default schedule for every CPU PrimFunc that MetaSchedule did not tune.
+
+Unscheduled TIR (LegalizeOps → FuseTIR output) runs on one core, scalar. This pass gives each
+CPU PrimFunc a fixed, deterministic schedule in milliseconds, without measuring anything:
+
+- producers that are plain copies / elementwise (a 1×1 conv's pad, an ``add`` before a
+  ``relu``) are inlined into their consumer; producers with an ``if_then_else`` (a real pad)
+  stay separate so that no branch lands in an inner loop;
+- the anchor reduction (conv2d, matmul, pooling) gets a register tile: the output's innermost
+  axis split into a vector of about one or two SIMD registers, another output axis whose value
+  the vectorized reads do not depend on (a conv's output channel, a matmul's row) split into
+  up to 8 rows, reductions between the outer and the tile loops, the accumulator cached in a
+  tile-sized buffer, the elementwise epilogue (bias, relu) inlined into its write-back, the
+  outer spatial loops fused and parallel;
+- every other block: outer loops fused and parallel, innermost vectorized.
+
+Functions it cannot schedule are left as they are and counted (``ScheduleReport.skipped``).
+Results never change: only schedule primitives are used, and each is checked by TVM.
+
+>>> mod = default_cpu_schedule(fused_mod, host_target())  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+import tvm
+from tvm import s_tir, tirx
+from tvm.sym.pattern import detect_linear_equation
+
+__all__ = ["ScheduleReport", "default_cpu_schedule", "host_target", "schedule_cpu_functions"]
+
+SCHEDULED_ATTR = "tirx.is_scheduled"
+# a kernel with fewer output elements than this runs serial: a parallel launch costs µs
+MIN_PARALLEL_WORK = 4096
+MAX_TILE_ROWS = 8  # rows of the register tile (× one or two vectors of lanes)
+
+_get_realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
+# a primitive that does not apply raises ScheduleError (a RuntimeError); TVM's own checks too
+_SCHEDULE_ERRORS = (RuntimeError, ValueError)
+
+
+@dataclass
+class ScheduleReport:
+    """What ``schedule_cpu_functions`` did, per PrimFunc name."""
+
+    tiled: list[str] = field(default_factory=list)  # anchor reduction got a register tile
+    scheduled: list[str] = field(default_factory=list)  # all scheduled functions
+    skipped: dict[str, str] = field(default_factory=dict)  # name → why it was left as it is
+    not_cpu: list[str] = field(default_factory=list)  # another target's, untouched
+
+    def summary(self) -> str:
+        return (f"default CPU schedule: {len(self.scheduled)} scheduled ({len(self.tiled)} "
+                f"register-tiled), {len(self.skipped)} skipped, {len(self.not_cpu)} not CPU")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            m = re.search(r"^flags\s*:(.*)$", f.read(), re.M)
+        return set(m.group(1).split()) if m else set()
+    except OSError:
+        return set()
+
+
+def host_target(num_cores: int | None = None) -> tvm.target.Target:
+    """An llvm target for this machine: its CPU (vector features) and its core count.
+
+    ``mcpu`` is LLVM's name for the host CPU (``llvm_get_system_cpu``), kept only when
+    /proc/cpuinfo agrees on the vector features that name implies (a VM may hide AVX-512 from
+    a CPU that has it); ``num-cores`` defaults to the cores this process may run on.
+
+    >>> host_target(2)  # doctest: +SKIP
+    {"kind":"llvm","mcpu":"znver4","num-cores":2,...}
+    """
+    from tvm.target.codegen import llvm_get_system_cpu
+
+    if num_cores is None:
+        num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1)
+    spec: dict = {"kind": "llvm", "num-cores": int(num_cores)}
+    cpu = llvm_get_system_cpu()
+    if cpu and cpu != "generic":
+        candidate = tvm.target.Target({"kind": "llvm", "mcpu": cpu})
+        flags = _cpu_flags()
+        wants_512 = _vector_bits(candidate) >= 512
+        if not flags or not wants_512 or "avx512f" in flags:
+            spec["mcpu"] = cpu
+    return tvm.target.Target(spec)
+
+
+def _vector_bits(target: tvm.target.Target) -> int:
+    from tvm.target.codegen import llvm_get_vector_width
+
+    try:
+        bits = int(llvm_get_vector_width(target))
+    except Exception:  # noqa: BLE001 - a target LLVM cannot describe: assume SSE
+        bits = 128
+    return bits if bits > 0 else 128
+
+
+def _num_cores(target: tvm.target.Target) -> int:
+    n = target.attrs.get("num-cores") if "num-cores" in target.attrs else None
+    if n:
+        return int(n)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+
+
+def _is_cpu(func: tirx.PrimFunc, target: tvm.target.Target | None) -> bool:
+    t = func.attrs["target"] if func.attrs is not None and "target" in func.attrs else target
+    return t is not None and t.kind.name == "llvm"
+
+
+# ---------------------------------------------------------------------------------------------
+# block analysis
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _vector_factor(n: int, lanes: int) -> int | None:
+    """Vector width for a loop of extent ``n``: a divisor of ``n``, at most one register or a
+    whole number of registers (LLVM widens a 13-lane vector to one masked register but splits
+    a 27-lane one into pieces), at least 4 lanes.
+
+    A divisor, because a split that does not divide puts a ``T.where`` in the vector loop and
+    TVM then scalarizes it; ``None`` when nothing fits.
+    """
+    if n <= lanes:
+        return n if n >= 4 else None
+    divs = _divisors(n)
+    full = [d for d in divs if d % lanes == 0 and d <= 4 * lanes]
+    if full:
+        return max(full)
+    part = [d for d in divs if 4 <= d <= lanes]
+    return max(part) if part else None
+
+
+def _uses(expr: tirx.Expr, var: tirx.Var) -> bool:
+    return any(v.same_as(var) for v in tirx.analysis.undefined_vars(expr))
+
+
+def _stride(expr: tirx.Expr, var: tirx.Var) -> int | None:
+    coef = detect_linear_equation(expr, [var])
+    if len(coef) != 2 or not isinstance(coef[0], tirx.IntImm):
+        return None
+    return int(coef[0])
+
+
+def _contains_if(block: s_tir.SBlock) -> bool:
+    return "if_then_else" in block.body.script()
+
+
+def _iter_loops(sch: s_tir.Schedule, block_rv) -> list[tuple[str, tirx.Var, object, int]] | None:
+    """``(kind, block var, loop rv, extent)`` per loop when loops map 1:1 onto block vars."""
+    block = sch.get(block_rv)
+    loops = sch.get_loops(block_rv)
+    values = list(_get_realize(sch, block_rv).iter_values)
+    if len(loops) != len(block.iter_vars) or len(values) != len(loops):
+        return None
+    out = []
+    for iv, value, lp in zip(block.iter_vars, values, loops, strict=True):
+        loop = sch.get(lp)
+        if not value.same_as(loop.loop_var) or not isinstance(loop.extent, tirx.IntImm):
+            return None
+        kind = {0: "S", 2: "R"}.get(int(iv.iter_type))
+        if kind is None:
+            return None
+        out.append((kind, iv.var, lp, int(loop.extent)))
+    return out
+
+
+def _is_reduction(sch: s_tir.Schedule, block_rv) -> bool:
+    return any(int(iv.iter_type) == 2 for iv in sch.get(block_rv).iter_vars)
+
+
+# ---------------------------------------------------------------------------------------------
+# schedules
+
+
+def _inline_producers(sch: s_tir.Schedule) -> None:
+    """Inline elementwise intermediates (not outputs, no branches) into their consumers."""
+    root = sch.get_sblock("root")
+    changed = True
+    while changed:
+        changed = False
+        outputs = {sch.get(b).name_hint for b in sch.get_output_blocks(root)}
+        for b in sch.get_child_blocks(root):
+            block = sch.get(b)
+            if (block.name_hint in outputs or _is_reduction(sch, b) or _contains_if(block)
+                    or not sch.get_consumers(b)):
+                continue
+            try:
+                sch.compute_inline(b)
+                changed = True
+                break
+            except _SCHEDULE_ERRORS:
+                continue
+
+
+def _parallel_outer(sch: s_tir.Schedule, loops: list, extents: list[int], total: int) -> None:
+    """Fuse ``loops`` (the outer spatial ones) and make them parallel if there is work enough."""
+    if not loops or total < MIN_PARALLEL_WORK or max(extents) <= 1 and len(loops) == 1:
+        return
+    fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
+    if int(sch.get(fused).extent) > 1:
+        sch.parallel(fused)
+
+
+def _vectorize_last(sch: s_tir.Schedule, loop, extent: int, lanes: int):
+    """Vectorize ``loop`` (split off a vector-sized inner part); returns the outer rest."""
+    vf = _vector_factor(extent, lanes)
+    if vf is None:
+        outer, inner = sch.split(loop, [None, lanes])
+        sch.vectorize(inner)
+        return outer
+    if vf == extent:
+        sch.vectorize(loop)
+        return None
+    outer, inner = sch.split(loop, [None, vf])
+    sch.vectorize(inner)
+    return outer
+
+
+def _schedule_spatial(sch: s_tir.Schedule, block_rv, lanes: int) -> None:
+    info = _iter_loops(sch, block_rv)
+    if info is None:
+        raise _CannotSchedule("loops do not map onto block vars")
+    extents = [e for _, _, _, e in info]
+    total = 1
+    for e in extents:
+        total *= e
+    loops = [lp for _, _, lp, _ in info]
+    rest = _vectorize_last(sch, loops[-1], extents[-1], lanes) if extents[-1] > 1 else loops[-1]
+    outer = loops[:-1] + ([rest] if rest is not None and extents[-1] > 1 else [])
+    outer_ext = [int(sch.get(lp).extent) for lp in outer]
+    _parallel_outer(sch, outer, outer_ext, total)
+
+
+def _schedule_reduction_plain(sch: s_tir.Schedule, block_rv) -> None:
+    """A reduction the register tile does not fit (e.g. a channel mean): parallel outer axes."""
+    info = _iter_loops(sch, block_rv)
+    if info is None:
+        raise _CannotSchedule("loops do not map onto block vars")
+    lead = []
+    for kind, _, lp, e in info:
+        if kind != "S":
+            break
+        lead.append((lp, e))
+    total = 1
+    for _, e in lead:
+        total *= e
+    if len(lead) > 1:  # the innermost stays serial: no div/mod of a fused index per element
+        lead = lead[:-1]
+    reduce_work = 1
+    for kind, _, _, e in info:
+        if kind == "R":
+            reduce_work *= e
+    _parallel_outer(sch, [lp for lp, _ in lead], [e for _, e in lead], total * reduce_work)
+
+
+def _schedule_anchor(sch: s_tir.Schedule, block_rv, lanes: int) -> bool:
+    """Register-tile a reduction whose output's innermost axis can be vectorized."""
+    info = _iter_loops(sch, block_rv)
+    if info is None:
+        return False
+    kinds = "".join(k for k, _, _, _ in info)
+    if not re.fullmatch(r"S+R+", kinds):
+        return False
+    block = sch.get(block_rv)
+    if len(block.writes) != 1:
+        return False
+    spatial = [(v, lp, e) for k, v, lp, e in info if k == "S"]
+    reduce_ = [(v, lp, e) for k, v, lp, e in info if k == "R"]
+    nonunit = [i for i, (_, _, e) in enumerate(spatial) if e > 1]
+    if not nonunit:
+        return False
+    vi = nonunit[-1]
+    vvar, _, vext = spatial[vi]
+    # the vector axis must be the last non-unit index of the output…
+    write = block.writes[0]
+    w_idx = [r.min for r in write.region if not (isinstance(r.extent, tirx.IntImm)
+                                                 and int(r.extent) == 1 and not _uses(r.min, vvar))]
+    if not w_idx or not w_idx[-1].same_as(vvar):
+        return False
+    # …and, in every read that depends on it, appear only in the last index
+    vec_reads = []
+    for r in block.reads:
+        idx = [x.min for x in r.region]
+        hits = [i for i, e in enumerate(idx) if _uses(e, vvar)]
+        if not hits:
+            continue
+        if hits != [len(idx) - 1]:
+            return False
+        vec_reads.append(idx)
+    vf = _vector_factor(vext, lanes)
+    if vf is None:
+        return False
+    # register rows: an output axis the vectorized reads do not depend on (its loads are reused)
+    ri, rf = None, 1
+    for i, (var, _, ext) in enumerate(spatial):
+        if i == vi or ext <= 1 or any(_uses(e, var) for idx in vec_reads for e in idx):
+            continue
+        nvec = -(-vf // lanes)
+        limit = max(1, min(MAX_TILE_ROWS, 24 // nvec))
+        f = max(d for d in _divisors(ext) if d <= limit)
+        if f > rf:
+            ri, rf = i, f
+    unit_stride = all(_stride(idx[-1], vvar) == 1 for idx in vec_reads)
+    if rf == 1 and not unit_stride:
+        return False  # a strided gather with no reuse (a pooling window): LLVM does better
+    total = 1
+    for _, _, e in spatial:
+        total *= e
+
+    outer, inner = [], []
+    for i, (_, lp, ext) in enumerate(spatial):
+        if i == vi:
+            if vf < ext:
+                o, n = sch.split(lp, [None, vf])
+                outer.append(o)
+            else:
+                n = lp
+            vec_loop = n
+        elif i == ri and rf > 1:
+            o, n = sch.split(lp, [None, rf])
+            outer.append(o)
+            inner.append(n)
+        else:
+            outer.append(lp)
+    inner = inner + [vec_loop]
+    sch.reorder(*outer, *[lp for _, lp, _ in reduce_], *inner)
+    fused = sch.fuse(*outer) if len(outer) > 1 else outer[0]
+    if total >= MIN_PARALLEL_WORK and int(sch.get(fused).extent) > 1:
+        sch.parallel(fused)
+
+    # accumulate in a tile-sized buffer; the epilogue (bias, relu) rides on its write-back
+    wb = sch.cache_write(block_rv, 0, "global")
+    while True:
+        consumers = sch.get_consumers(wb)
+        if len(consumers) != 1 or _is_reduction(sch, consumers[0]):
+            break
+        try:
+            sch.reverse_compute_inline(consumers[0])
+        except _SCHEDULE_ERRORS:
+            break
+    sch.reverse_compute_at(wb, fused, preserve_unit_loops=True)
+    wb_loops = sch.get_loops(wb)
+    if int(sch.get(wb_loops[-1]).extent) > 1:
+        sch.vectorize(wb_loops[-1])
+    r_loops = sch.get_loops(block_rv)
+    sch.vectorize(r_loops[-1])
+    if rf > 1:
+        sch.unroll(r_loops[-2])
+    # the init block inherits the vectorized / unrolled tile loops
+    sch.decompose_reduction(block_rv, sch.get_loops(block_rv)[1])
+    return True
+
+
+def _find_block(sch: s_tir.Schedule, name: str):
+    try:
+        return sch.get_sblock(name)
+    except _SCHEDULE_ERRORS:  # inlined into another block
+        return None
+
+
+class _CannotSchedule(Exception):
+    pass
+
+
+def _schedule_func(func: tirx.PrimFunc, lanes: int) -> tuple[tirx.PrimFunc, bool]:
+    sch = s_tir.Schedule(func)
+    _inline_producers(sch)
+    root = sch.get_sblock("root")
+    tiled = False
+    done: set[str] = set()
+    names = [sch.get(b).name_hint for b in sch.get_child_blocks(root)]
+    for name in names:  # anchors first: they absorb their epilogues
+        b = _find_block(sch, name)
+        if b is None or not _is_reduction(sch, b):
+            continue
+        if _schedule_anchor(sch, b, lanes):
+            tiled = True
+        else:
+            _schedule_reduction_plain(sch, sch.get_sblock(name))
+        done.add(name)
+    for name in names:
+        b = _find_block(sch, name)
+        if b is None or name in done or _is_reduction(sch, b):
+            continue
+        _schedule_spatial(sch, b, lanes)
+    return sch.mod["main"].with_attr(SCHEDULED_ATTR, True), tiled
+
+
+def schedule_cpu_functions(mod: tvm.IRModule, target: tvm.target.Target | str | None = None
+                           ) -> tuple[tvm.IRModule, ScheduleReport]:
+    """``default_cpu_schedule`` that also says which functions it scheduled, tiled, skipped."""
+    if isinstance(target, (str, dict)):
+        target = tvm.target.Target(target)
+    report = ScheduleReport()
+    new = None
+    for gv, func in sorted(mod.functions_items(), key=lambda kv: kv[0].name_hint):
+        if not isinstance(func, tirx.PrimFunc):
+            continue
+        name = gv.name_hint
+        if not _is_cpu(func, target):
+            report.not_cpu.append(name)
+            continue
+        if func.attrs is not None and bool(func.attrs.get(SCHEDULED_ATTR, False)):
+            continue  # already scheduled (a tuned function from a database, say)
+        ftarget = func.attrs["target"] if "target" in (func.attrs or {}) else target
+        lanes = max(2, _vector_bits(ftarget) // 32)
+        try:
+            scheduled, tiled = _schedule_func(func, lanes)
+        except (*_SCHEDULE_ERRORS, _CannotSchedule) as e:
+            report.skipped[name] = str(e).strip().splitlines()[0][:200] if str(e) else "error"
+            continue
+        if new is None:
+            new = mod.clone()
+        new.update_func(gv, scheduled)
+        report.scheduled.append(name)
+        if tiled:
+            report.tiled.append(name)
+    return (mod if new is None else new), report
+
+
+def default_cpu_schedule(mod: tvm.IRModule, target: tvm.target.Target | str | None = None
+                         ) -> tvm.IRModule:
+    """Give every CPU PrimFunc of ``mod`` a cheap default schedule (parallel + vectorized).
+
+    A PrimFunc is scheduled when its ``target`` attr is an llvm target, or when it has none and
+    ``target`` is one; functions already marked ``tirx.is_scheduled`` and those that cannot be
+    scheduled are left as they are. ``mod`` is returned untouched when nothing changed.
+    """
+    return schedule_cpu_functions(mod, target)[0]

@@ -1,0 +1,71 @@
+"""``hgrt rpc-server --tracker HOST:PORT --key KEY [--host H --port P]``: a TVM RPC server
+whose sessions also serve hgrt. hgrt/cli.py adds it through ``register(subparsers)``;
+``hgrt run DIR --rpc-tracker HOST:PORT --rpc-key KEY`` is in hgrt/cli.py itself.
+
+``python -m hgrt.rpc.cli rpc-server ...`` runs the server without hgrt/cli.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+
+def add_rpc_server_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``rpc-server`` subcommand to an argparse subparsers object."""
+    p = subparsers.add_parser(
+        "rpc-server", help="start a TVM RPC server that runs hgrt graphs",
+        description="Start a TVM RPC server whose sessions serve hgrt's remote executor. With "
+                    "--tracker it registers under --key; without, clients connect directly.")
+    p.add_argument("--tracker", metavar="HOST:PORT", help="RPC tracker to register with")
+    p.add_argument("--key", default="", help="device key clients request (e.g. jetson)")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=9090, help="first port to try (default 9090)")
+    p.add_argument("--port-end", type=int, default=None,
+                   help="last port to try (default: port + 100)")
+    p.add_argument("--custom-addr", default=None,
+                   help="address to report to the tracker (default: as the tracker sees it)")
+    p.add_argument("--silent", action="store_true", help="no per-session log lines")
+    p.set_defaults(func=run_rpc_server)
+    return p
+
+
+def run_rpc_server(args: argparse.Namespace) -> int:
+    """Serve until killed; prints one line with the bound port once it listens."""
+    from hgrt.rpc.server import serve
+
+    if args.tracker and not args.key:
+        print("hgrt rpc-server: --tracker needs --key", file=sys.stderr)
+        return 2
+    port_end = args.port_end if args.port_end is not None else args.port + 100
+    server = serve(args.host, args.port, port_end, tracker=args.tracker, key=args.key,
+                   custom_addr=args.custom_addr, silent=args.silent)
+
+    def stop(signum, frame):  # kill the worker and its session processes, then leave
+        server.terminate()
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    where = f"tracker {args.tracker}, key {args.key!r}" if args.tracker else \
+        f"standalone, key {args.key!r}"
+    print(f"hgrt rpc-server listening on {args.host}:{server.port} ({where})", flush=True)
+    server.proc.join()
+    return 0
+
+
+def register(subparsers) -> None:
+    """Hook hgrt/cli.py calls for optional sub-commands."""
+    add_rpc_server_parser(subparsers)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hgrt.rpc.cli")
+    add_rpc_server_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""The default CPU schedule: every kernel of a light model scheduled, parallel, same results."""
+
+import warnings
+
+import numpy as np
+import pytest
+import tvm
+from kernel_testing import fused_module, input_shape, light_model, run_relax_vm
+from tvm import tirx
+
+from hgrt.relay_passes.schedule_cpu import (
+    default_cpu_schedule,
+    host_target,
+    schedule_cpu_functions,
+)
+
+TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
+
+
+@pytest.fixture(scope="module")
+def squeezenet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = light_model("squeezenet")
+        mod, params = fused_module(model)
+    return model, mod, params
+
+
+@pytest.fixture(scope="module")
+def scheduled(squeezenet):
+    _, mod, _ = squeezenet
+    return schedule_cpu_functions(mod, TARGET)
+
+
+def _prim_funcs(mod):
+    return {gv.name_hint: f for gv, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)}
+
+
+def test_every_kernel_gets_a_schedule(squeezenet, scheduled):
+    _, mod, _ = squeezenet
+    new, report = scheduled
+    funcs = _prim_funcs(new)
+    assert report.skipped == {}
+    assert sorted(report.scheduled) == sorted(funcs)
+    assert all(bool(f.attrs["tirx.is_scheduled"]) for f in funcs.values())
+    convs = [n for n in funcs if "conv2d" in n]
+    # every conv but the first (111-wide output: no vector divisor) gets the register tile
+    assert len(set(convs) & set(report.tiled)) >= len(convs) - 1
+    assert not any("tirx.is_scheduled" in (f.attrs or {}) for f in _prim_funcs(mod).values())
+
+
+def test_scheduled_kernels_have_parallel_loops(scheduled):
+    new, _ = scheduled
+    for name, f in _prim_funcs(new).items():
+        if "conv2d" in name or "max_pool" in name:
+            assert "T.parallel(" in f.script(), name
+    assert any("T.vectorized(" in f.script() for f in _prim_funcs(new).values())
+
+
+def test_outputs_unchanged(squeezenet, scheduled):
+    model, mod, params = squeezenet
+    new, _ = scheduled
+    x = np.random.default_rng(1).standard_normal(input_shape(model)).astype("float32")
+    ref = run_relax_vm(mod, TARGET, [x, *params])
+    out = run_relax_vm(new, TARGET, [x, *params])
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_deterministic_and_idempotent(squeezenet, scheduled):
+    _, mod, _ = squeezenet
+    new, _ = scheduled
+    again = default_cpu_schedule(mod, TARGET)
+    tvm.ir.assert_structural_equal(again, new)
+    assert default_cpu_schedule(new, TARGET) is new  # all already scheduled: untouched
+
+
+def test_other_targets_are_left_alone(squeezenet):
+    _, mod, _ = squeezenet
+    name = "fused_conv2d1_add1_relu1"
+    cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_80"}, host="llvm")
+    m = mod.clone()
+    m.update_func(m.get_global_var(name), m[name].with_attr("target", cuda))
+    new, report = schedule_cpu_functions(m, TARGET)
+    assert name in report.not_cpu
+    assert new[name].same_as(m[name])
+    # no target at all: nothing is CPU, nothing changes
+    assert schedule_cpu_functions(mod, None)[0] is mod
+
+
+def test_host_target_describes_this_machine():
+    t = host_target(2)
+    assert t.kind.name == "llvm" and int(t.attrs["num-cores"]) == 2
+    assert host_target().attrs["num-cores"] >= 1

@@ -1,0 +1,118 @@
+"""Remote execution over ``tvm.rpc.LocalSession()``: the whole client/server path, in-process.
+
+Tensors, functions and errors cross the RPC layer as they do over a socket, without processes.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import numpy as np
+import pytest
+import tvm
+
+import hgrt
+import hgrt.rpc
+from hgrt.errors import DeviceError, GraphError, InputError, RemoteError
+from hgrt.rpc.client import RemoteGraphModule
+from hgrt.rpc.session import _UNAME_TO_ELF, library_machine
+from hgrt_testing import GraphBuilder, N, elementwise_lib
+
+
+@pytest.fixture(scope="module")
+def session():
+    return tvm.rpc.LocalSession()
+
+
+@pytest.fixture(scope="module")
+def remote_lib(session, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("lib") / "lib.so")
+    elementwise_lib().export_library(path)
+    return hgrt.rpc.upload(session, path)
+
+
+def graph():
+    g = GraphBuilder()
+    x = g.input("x", dev=0)
+    w = g.input("w", dev=1, param=True)
+    b = g.copy(g.op("add_one", [x], dev=0), dev=1)
+    y = g.op("mul", [b, w], dev=1)
+    z = g.op("add", [g.copy(y, dev=0), x], dev=0)
+    g.output(z, y)
+    return g
+
+
+@pytest.mark.parametrize("pools", [False, True], ids=["per-storage", "arena"])
+def test_local_session_matches_local_run(session, remote_lib, pools, rng):
+    g = graph()
+    x = rng.standard_normal(N).astype("float32")
+    w = rng.standard_normal(N).astype("float32")
+    local = hgrt.create(g.json(pools=pools), elementwise_lib(), [tvm.cpu(0), tvm.cpu(1)])
+    m = hgrt.create(g.json(pools=pools), remote_lib, [session.cpu(0), session.cpu(1)])
+    assert isinstance(m, RemoteGraphModule)
+    for mod in (local, m):
+        mod.load_params({"w": w})
+        mod.run(x=x)
+    for i in range(2):  # outputs at byte offsets in the arenas read back right (see rpc/views)
+        np.testing.assert_array_equal(m.get_output(i).numpy(), local.get_output(i).numpy())
+    out = tvm.runtime.empty((N,), "float32", session.cpu(0))
+    m.get_output(0, out)
+    np.testing.assert_array_equal(out.numpy(), local.get_output(0).numpy())
+    m.set_input("x", tvm.runtime.tensor(x * 2, session.cpu(1)))
+    m.run()
+    np.testing.assert_allclose(m.get_output(1).numpy(), (2 * x + 1) * w, rtol=1e-6)
+    assert m.get_input_info() == local.get_input_info()
+    assert m.benchmark(repeat=2, number=2).median > 0
+
+
+def test_a_local_module_or_a_path_is_uploaded_for_you(session, tmp_path):
+    g = graph()
+    path = str(tmp_path / "lib.so")
+    elementwise_lib().export_library(path)
+    for lib in (elementwise_lib(), path):
+        m = hgrt.create(g.json(), lib, [session.cpu(0), session.cpu(1)])
+        m.load_params({"w": np.ones(N, "float32")})
+        m.run(x=np.zeros(N, "float32"))
+        np.testing.assert_array_equal(m.get_output(0).numpy(), np.ones(N))
+
+
+def test_errors_cross_with_their_class(session, remote_lib):
+    with pytest.raises(GraphError, match="graph JSON does not parse"):
+        hgrt.create("{", remote_lib, [session.cpu(0)])
+    m = hgrt.create(graph().json(), remote_lib, [session.cpu(0), session.cpu(1)])
+    with pytest.raises(InputError, match="'y' not found; known: \\['x', 'w'\\]"):
+        m.set_input("y", np.zeros(N, "float32"))
+    with pytest.raises(hgrt.ParamError, match="'v' not found"):
+        m.load_params({"v": np.zeros(N, "float32")})
+
+
+def test_kernel_fault_names_node_and_device_from_the_server(session, remote_lib):
+    g = GraphBuilder()
+    x = g.input("x", dev=0)
+    g.output(g.op("add_one", [x], dev=1, name="fused_add"))  # no copy: the kernel refuses
+    m = hgrt.create(g.json(), remote_lib, [session.cpu(0), session.cpu(1)])
+    with pytest.raises(hgrt.ExecutionError, match=r"node 1 'fused_add' \('add_one'\) on cpu:1"):
+        m.run()
+
+
+def test_mixing_local_and_remote_devices_is_refused(session, remote_lib):
+    with pytest.raises(DeviceError, match=r"cannot mix local and remote devices: \['cpu:1'\] "
+                                          r"are local, \['remote cpu:0 \(session \d+\)'\]"):
+        hgrt.create(graph().json(), remote_lib, [session.cpu(0), tvm.cpu(1)])
+
+
+def test_library_machine_reads_so_and_tar(tmp_path):
+    path = str(tmp_path / "lib.so")
+    elementwise_lib().export_library(path)
+    assert library_machine(path) == _UNAME_TO_ELF[platform.machine()]
+    (tmp_path / "junk.bin").write_bytes(b"not a library")
+    assert library_machine(str(tmp_path / "junk.bin")) is None
+
+
+def test_bad_connect_arguments():
+    with pytest.raises(ValueError, match="exactly one of"):
+        hgrt.rpc.connect()
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        hgrt.rpc.connect(tracker="nohost", key="k")
+    with pytest.raises(RemoteError, match="no RPC tracker answers at 127.0.0.1:1"):
+        hgrt.rpc.connect(tracker="127.0.0.1:1", key="k", timeout=0.2)
