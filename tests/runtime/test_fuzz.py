@@ -1,6 +1,7 @@
 """Mutated graph JSONs either run and match a numpy interpretation of the same graph, or raise
 an HgrtError. Never a crash, never a silently wrong number."""
 
+import copy
 import json
 
 import numpy as np
@@ -88,7 +89,7 @@ def mutations(draw):
         if draw(st.integers(0, 4)) == 0:
             _delete(doc, path)
         else:
-            _set(doc, path, draw(REPLACEMENTS))
+            _set(doc, path, copy.deepcopy(draw(REPLACEMENTS)))  # st.just values are shared
     return doc
 
 
