@@ -11,6 +11,8 @@ unscheduled is a ``BuildError`` naming it.
 
 from __future__ import annotations
 
+import os
+
 import tvm
 from tvm import relax, tirx
 
@@ -183,6 +185,11 @@ def lower(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     mod = _assign_targets(mod, ctx)
     n = sum(1 for _, f in mod.functions_items() if isinstance(f, tirx.PrimFunc))
     ctx.log(f"lowered to {n} PrimFuncs")
+    if os.environ.get("HGRT_DEFAULT_SCHEDULE", "1") != "0":
+        # Untuned CPU kernels get parallel outer loops and vectorized inner ones.
+        from hgrt.relay_passes.schedule_cpu import default_cpu_schedule
+
+        mod = default_cpu_schedule(mod)
     return _schedule_gpu(mod, ctx)
 
 
