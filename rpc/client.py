@@ -21,12 +21,12 @@ import tvm
 
 import hgrt.errors as errors
 from hgrt.artifacts import params_to_bytes
-from hgrt.errors import DeviceError, HgrtError, InputError, ParamError, RemoteError, did_you_mean
+from hgrt.errors import DeviceError, HgrtError, InputError, ParamError, RemoteError
 from hgrt.graph import Graph
 from hgrt.rpc import session as sessions
 from hgrt.rpc.server import CREATE_FUNC, ERROR_TAG, is_registered, register
 from hgrt.rpc.session import connect, describe, upload
-from hgrt.runtime.executor import BenchmarkResult, normalize_devices
+from hgrt.runtime.executor import BenchmarkResult, normalize_devices, resolve_input
 
 __all__ = ["RemoteGraphModule", "connect", "create_remote", "load_remote", "upload"]
 
@@ -220,17 +220,7 @@ class RemoteGraphModule:
         return shapes, dtypes
 
     def _resolve_input(self, key: int | str) -> int:
-        if isinstance(key, str):
-            idx = self._arg_index.get(key)
-            if idx is None:
-                raise InputError(f"input {did_you_mean(key, list(self._arg_index))}")
-            return idx
-        if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
-            if not 0 <= key < len(self._inputs):
-                raise InputError(f"input index {key} out of range: the graph has "
-                                 f"{len(self._inputs)} inputs")
-            return int(key)
-        raise InputError(f"input key must be a name or an index, got {key!r}")
+        return resolve_input(key, self._arg_index)
 
     def set_input(self, key: int | str | Mapping | None = None, value: Any = None,
                   **inputs) -> None:

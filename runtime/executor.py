@@ -227,17 +227,7 @@ class GraphModule:
         return shapes, dtypes
 
     def _resolve_input(self, key: int | str) -> int:
-        if isinstance(key, str):
-            idx = self._arg_index.get(key)
-            if idx is None:
-                raise InputError(f"input {did_you_mean(key, list(self._arg_index))}")
-            return idx
-        if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
-            if not 0 <= key < len(self._input_eids):
-                raise InputError(f"input index {key} out of range: the graph has "
-                                 f"{len(self._input_eids)} inputs")
-            return int(key)
-        raise InputError(f"input key must be a name or an index, got {key!r}")
+        return resolve_input(key, self._arg_index)
 
     def set_input(self, key: int | str | Mapping | None = None, value: Any = None,
                   **inputs) -> None:
@@ -351,6 +341,21 @@ class GraphModule:
     def __repr__(self) -> str:
         return (f"GraphModule({len(self.graph.nodes)} nodes, {len(self._steps)} steps, "
                 f"devices={[str(d) for d in self.devices]})")
+
+
+def resolve_input(key: int | str, arg_index: dict[str, int]) -> int:
+    """Position of input ``key`` (a name or an index) among ``arg_index``'s inputs."""
+    if isinstance(key, str):
+        idx = arg_index.get(key)
+        if idx is None:
+            raise InputError(f"input {did_you_mean(key, list(arg_index))}")
+        return idx
+    if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+        if not 0 <= key < len(arg_index):
+            raise InputError(f"input index {key} out of range: the graph has "
+                             f"{len(arg_index)} inputs")
+        return int(key)
+    raise InputError(f"input key must be a name or an index, got {key!r}")
 
 
 def _decode_params(params: Any) -> dict:
