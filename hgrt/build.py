@@ -26,7 +26,7 @@ from hgrt.relay_passes.pipeline import run_passes
 from hgrt.relay_passes.place_devices import Placement, place_devices
 from hgrt.relay_passes.plan_memory import DeviceMemory, memory_report, plan_memory
 
-__all__ = ["BuildResult", "Placement", "build"]
+__all__ = ["BuildResult", "Placement", "build", "lower_model"]
 
 PASSES: tuple = (
     ("place_devices", place_devices),
@@ -48,6 +48,8 @@ class BuildResult:
     devices: list[str]
     placement_report: list[PlacementRow] = field(default_factory=list)
     memory_report: list[DeviceMemory] = field(default_factory=list)
+    targets: dict[str, str] = field(default_factory=dict)  # device name -> TVM target it got
+    tuning: Any = None  # hgrt.tune.ApplyReport: kernels tuned / fallen back (tuning_db given)
 
     def print_placement(self) -> str:
         """The placement report as a table (also what ``verbose=True`` prints)."""
@@ -63,22 +65,36 @@ def _check_static(mod: tvm.IRModule) -> None:
         static_shape(p.ty, f"input {p.name!r}")
 
 
+def _context(model: Any, devices: Any, placement: Placement | None, params: Any,
+             input_shapes: Any, cuda_arch: str, verbose: bool
+             ) -> tuple[tvm.IRModule, BuildContext]:
+    devs = parse_devices(devices, cuda_arch)
+    ctx = BuildContext(devices=devs, placement=placement or Placement(), verbose=verbose)
+    for d in devs:
+        ctx.log(f"device {d.name}: target {d.target}")
+    mod, weights = import_model(model, params, input_shapes)
+    _check_static(mod)
+    ctx.params = dict(weights)
+    return mod, ctx
+
+
 def build(model: Any, devices: Any, placement: Placement | None = None,
           params: dict[str, Any] | None = None, *, input_shapes: dict[str, Any] | None = None,
-          cuda_arch: str = DEFAULT_CUDA_ARCH, verbose: bool = False) -> BuildResult:
+          tuning_db: str | None = None, cuda_arch: str = DEFAULT_CUDA_ARCH,
+          verbose: bool = False) -> BuildResult:
     """Compile ``model`` (ONNX ModelProto / path, or Relax IRModule + ``params``) for ``devices``.
 
     ``devices``: names (``"cpu"``, ``"cpu:1"``, ``"cuda"``) or TVM targets; position i is
     ``device_index`` i of the graph and must match the i-th device given to ``hgrt.create``.
+    A CPU named by kind gets this host's target (its mcpu and core count, see
+    ``BuildResult.targets``); give a ``tvm.target.Target`` to build for another CPU.
     ``placement`` says which op runs where (default: everything on ``devices[0]``).
+    ``tuning_db``: a directory written by ``hgrt tune``; kernels found there get their tuned
+    schedule (``BuildResult.tuning`` says which), the others the default schedule.
     """
     start = time.perf_counter()
-    devs = parse_devices(devices, cuda_arch)
-    ctx = BuildContext(devices=devs, placement=placement or Placement(), verbose=verbose)
-    ctx.log(f"importing model for devices {[d.name for d in devs]}")
-    mod, weights = import_model(model, params, input_shapes)
-    _check_static(mod)
-    ctx.params = dict(weights)
+    mod, ctx = _context(model, devices, placement, params, input_shapes, cuda_arch, verbose)
+    ctx.tuning_db = tuning_db
     graph: Graph = run_passes(mod, ctx, PASSES)
     lib = ctx.lib
     out_params = {name: ctx.params[src] for name, src in ctx.param_source.items()}
@@ -87,8 +103,22 @@ def build(model: Any, devices: Any, placement: Placement | None = None,
     if verbose:
         ctx.log(f"built in {time.perf_counter() - start:.1f} s")
     return BuildResult(graph_json=graph_json, lib=lib, params=out_params,
-                       devices=[d.name for d in devs], placement_report=list(ctx.report),
-                       memory_report=memory_report(graph))
+                       devices=[d.name for d in ctx.devices],
+                       placement_report=list(ctx.report), memory_report=memory_report(graph),
+                       targets={d.name: str(d.target) for d in ctx.devices}, tuning=ctx.tuning)
+
+
+def lower_model(model: Any, devices: Any = "cpu", placement: Placement | None = None,
+                params: dict[str, Any] | None = None, *,
+                input_shapes: dict[str, Any] | None = None,
+                cuda_arch: str = DEFAULT_CUDA_ARCH, verbose: bool = False) -> tvm.IRModule:
+    """The placed, fused, unscheduled module ``build`` would schedule: what ``hgrt tune``
+    tunes. Each PrimFunc carries the ``target`` of its device, so the structural hashes and
+    targets of its kernels are the ones ``build(..., tuning_db=)`` looks up."""
+    mod, ctx = _context(model, devices, placement, params, input_shapes, cuda_arch, verbose)
+    ctx.schedule = False
+    upto = [p for p in PASSES[:[n for n, _ in PASSES].index("lower") + 1]]
+    return run_passes(mod, ctx, upto)
 
 
 def _keep_library(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:

@@ -1,6 +1,8 @@
 """The ``hgrt`` command line: compile, run, and friends.
 
-    hgrt compile model.onnx --device cpu:0 --device cpu:1 --place nn.conv2d=cpu:1 -o out/
+    hgrt tune model.onnx --device cpu:0 --device cpu:1 --place nn.conv2d=cpu:1 --db tuning/
+    hgrt compile model.onnx --device cpu:0 --device cpu:1 --place nn.conv2d=cpu:1 \
+        --tuning-db tuning/ -o out/
     hgrt run out/ --input x=x.npy [--device cpu:0 --device cpu:1] [--save-output y.npz]
 """
 
@@ -51,25 +53,48 @@ def _input_shapes(items: list[str] | None) -> dict[str, list[int]]:
 
 # ---- compile ------------------------------------------------------------------------------
 
-def cmd_compile(args: argparse.Namespace) -> int:
+def _placement(args: argparse.Namespace):
     import hgrt
 
-    placement = hgrt.Placement(
+    return hgrt.Placement(
         rules=_pairs(args.place, "--place"),
         overrides=_pairs(args.override, "--override"),
         preferred=args.prefer,
         fallback=args.fallback or args.device[0],
     )
-    kwargs = {}
-    if args.tuning_db:
-        kwargs["tuning_db"] = args.tuning_db
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    import hgrt
+
     t0 = time.perf_counter()
-    result = hgrt.build(args.model, devices=args.device, placement=placement,
+    result = hgrt.build(args.model, devices=args.device, placement=_placement(args),
                         input_shapes=_input_shapes(args.input_shape) or None,
-                        verbose=True, **kwargs)
+                        tuning_db=args.tuning_db, verbose=True)
     hgrt.save(args.output, result)
     print(f"compiled {args.model} for {args.device} in {time.perf_counter() - t0:.1f} s "
           f"-> {args.output}/ (graph.json, lib.so, params.bin)")
+    return 0
+
+
+# ---- tune ---------------------------------------------------------------------------------
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from hgrt.tune import tune
+
+    if args.trials_per_task < 1:
+        raise InputError(f"--trials-per-task {args.trials_per_task}: must be at least 1")
+    t0 = time.perf_counter()
+    summaries = tune(args.model, args.db, args.trials_per_task, devices=args.device,
+                     placement=_placement(args),
+                     input_shapes=_input_shapes(args.input_shape) or None,
+                     cost_model=args.cost_model)
+    for s in summaries:
+        print(f"{s.target}: {s.tasks} tasks, {len(s.trials)} tuned now, "
+              f"{len(s.skipped)} done before, {s.seconds:.0f} s")
+    print(f"database {args.db}/ written in {time.perf_counter() - t0:.0f} s; build with "
+          f"`hgrt compile {args.model} {' '.join('--device ' + d for d in args.device)} "
+          f"--tuning-db {args.db} -o OUT`")
     return 0
 
 
@@ -162,17 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("compile", help="compile an ONNX model into graph.json + lib.so + params")
-    c.add_argument("model", help="path of an .onnx file")
-    c.add_argument("--device", action="append", required=True,
-                   help="a device, in order (repeat): cpu, cpu:1, cuda:0 ...; the first is the "
-                        "primary device")
-    c.add_argument("--place", action="append", metavar="OP=DEVICE",
-                   help="put every op matching OP (a Relax op name or pattern) on DEVICE")
-    c.add_argument("--override", action="append", metavar="NODE=DEVICE",
-                   help="put one node (by its binding name) on DEVICE")
-    c.add_argument("--prefer", help="device for ops no rule places")
-    c.add_argument("--fallback", help="device for ops the preferred device cannot run")
-    c.add_argument("--input-shape", action="append", metavar="NAME=D0,D1,...")
+    _model_args(c)
     c.add_argument("--tuning-db", help="a MetaSchedule database written by `hgrt tune`")
     c.add_argument("-o", "--output", required=True, help="artifact directory")
     c.set_defaults(func=cmd_compile)
@@ -204,21 +219,35 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--out", help="where to write the pictures (default ARTIFACTS/inspect)")
     ins.set_defaults(func=cmd_inspect)
 
-    for register in _optional_commands():
-        register(sub)
+    t = sub.add_parser("tune", help="MetaSchedule-tune the kernels of a placed model into a "
+                                    "database that `compile --tuning-db` applies")
+    _model_args(t)
+    t.add_argument("--db", required=True, help="database directory (created; resumed if there)")
+    t.add_argument("--trials-per-task", type=int, default=16,
+                   help="measured candidates per distinct kernel (default 16)")
+    t.add_argument("--cost-model", choices=("random", "xgb"), default="random",
+                   help="xgb needs the xgboost package")
+    t.set_defaults(func=cmd_tune)
+
+    from hgrt.rpc.cli import register as register_rpc
+
+    register_rpc(sub)
     return p
 
 
-def _optional_commands():
-    """Sub-commands contributed by other hgrt modules (RPC server, tuning, profiling)."""
-    import importlib
-
-    for module in ("hgrt.rpc.cli", "hgrt.tune_cli"):
-        try:
-            mod = importlib.import_module(module)
-        except ImportError:
-            continue
-        yield mod.register
+def _model_args(p: argparse.ArgumentParser) -> None:
+    """What compile and tune share: the model, its devices and where its ops go."""
+    p.add_argument("model", help="path of an .onnx file")
+    p.add_argument("--device", action="append", required=True,
+                   help="a device, in order (repeat): cpu, cpu:1, cuda:0 ...; the first is the "
+                        "primary device")
+    p.add_argument("--place", action="append", metavar="OP=DEVICE",
+                   help="put every op matching OP (a Relax op name or pattern) on DEVICE")
+    p.add_argument("--override", action="append", metavar="NODE=DEVICE",
+                   help="put one node (by its binding name) on DEVICE")
+    p.add_argument("--prefer", help="device for ops no rule places")
+    p.add_argument("--fallback", help="device for ops the preferred device cannot run")
+    p.add_argument("--input-shape", action="append", metavar="NAME=D0,D1,...")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,12 +1,13 @@
 """``hgrt.tune``: MetaSchedule tuning of a model's fused kernels into a JSON database, and
 ``apply_database``: the tuned schedules put back into a fused module before it is built.
 
->>> mod = fuse_for_tuning("model.onnx")  # doctest: +SKIP
->>> tune(mod, host_target(), "tuning/", trials_per_task=16)  # doctest: +SKIP
-task 1/18 fused_conv2d_add_relu (weight 1): 16 trials, best 0.412 ms
->>> mod, report = apply_database(mod, host_target(), "tuning/")  # doctest: +SKIP
->>> print(report.summary())  # doctest: +SKIP
-tuned 18 of 38 kernels from tuning/; 20 fall back to the default schedule
+>>> tune("model.onnx", "tuning/", trials_per_task=16, devices=["cpu:0", "cpu:1"],
+...      placement=hgrt.Placement(rules={"nn.conv2d": "cpu:1"}))  # doctest: +SKIP
+task 1/18 fused_conv2d_add_relu (weight 1): 16 trials (16 in db), best 0.412 ms
+>>> res = hgrt.build("model.onnx", ["cpu:0", "cpu:1"], placement,
+...                  tuning_db="tuning/")  # doctest: +SKIP
+>>> print(res.tuning.summary())  # doctest: +SKIP
+tuned 18 of 38 kernels from tuning/; 20 fall back to the default schedule (...)
 
 A task is one distinct fused PrimFunc (structural hash) for one target: a function placed on two
 devices of two targets is tuned once per target. Records are matched by that hash and by the
@@ -52,32 +53,31 @@ def _builder_initializer() -> None:
     tvm_ffi.register_global_func(BUILD_FUNC, build, override=True)
 
 
-def _lowering() -> tvm.transform.Pass:
-    return tvm.transform.Sequential([
-        relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
-        relax.transform.FoldConstant(), relax.transform.FuseOps(), relax.transform.FuseTIR(),
-        relax.transform.DeadCodeElimination(["main"]),
-    ])
-
-
-def fuse_for_tuning(model: Any, params: dict[str, Any] | None = None,
-                    target: tvm.target.Target | str = "llvm") -> tvm.IRModule:
-    """A model (ONNX path / ModelProto, Relax IRModule) → the fused module ``lower`` makes.
-
-    The same passes as ``hgrt.relay_passes.lower`` (one device), so the fused functions and
-    their structural hashes are the ones the compiler looks up.
-    """
-    from hgrt.frontend import import_model
+def fuse_for_tuning(model: Any, devices: Any = "cpu", placement: Any = None,
+                    params: dict[str, Any] | None = None, *,
+                    input_shapes: dict[str, Any] | None = None) -> tvm.IRModule:
+    """A model (ONNX path / ModelProto, Relax IRModule) → the placed, fused module ``build``
+    schedules (``hgrt.build.lower_model``): same passes, same devices and placement, so the
+    functions, their structural hashes and targets are the ones ``build`` looks up.
+    A module that is already fused is returned as it is."""
+    from hgrt.build import lower_model
 
     if isinstance(model, tvm.IRModule) and _is_fused(model):
         return model
-    mod, _ = import_model(model, params)
-    with tvm.target.Target(target), tvm.transform.PassContext(opt_level=3):
-        return _lowering()(mod)
+    return lower_model(model, devices, placement, params, input_shapes=input_shapes)
 
 
 def _is_fused(mod: tvm.IRModule) -> bool:
     return any(isinstance(f, tirx.PrimFunc) for _, f in mod.functions_items())
+
+
+def module_targets(mod: tvm.IRModule) -> list[tvm.target.Target]:
+    """The distinct targets (by ``_target_key``) of the PrimFuncs of a fused module."""
+    seen: dict[tuple, tvm.target.Target] = {}
+    for _, f in mod.functions_items():
+        if isinstance(f, tirx.PrimFunc) and f.attrs is not None and "target" in f.attrs:
+            seen.setdefault(_target_key(f.attrs["target"]), f.attrs["target"])
+    return list(seen.values())
 
 
 def _target_key(target: tvm.target.Target) -> tuple:
@@ -167,27 +167,28 @@ def _best(records: list) -> float | None:
     return min(times) if times else None
 
 
-def tune(model: Any, targets: Sequence[tvm.target.Target | str] | tvm.target.Target | str,
-         db_dir: str, trials_per_task: int = 16, *, params: dict[str, Any] | None = None,
-         trials_per_round: int | None = None, population_size: int = 128,
-         builder_timeout_sec: float = 60.0, max_workers: int | None = None, seed: int = 0,
-         cost_model: str = "random",
+def tune(model: Any, db_dir: str, trials_per_task: int = 16, *, devices: Any = "cpu",
+         placement: Any = None, params: dict[str, Any] | None = None,
+         input_shapes: dict[str, Any] | None = None, trials_per_round: int | None = None,
+         population_size: int = 128, builder_timeout_sec: float = 60.0,
+         max_workers: int | None = None, seed: int = 0, cost_model: str = "random",
          log: Callable[[str], None] | None = print) -> list[TuneSummary]:
-    """Tune every distinct kernel of ``model`` for each target into ``db_dir`` (JSON database).
+    """Tune every distinct kernel of ``model`` placed on ``devices`` into ``db_dir``.
 
-    ``model``: a fused IRModule (what ``lower`` makes, PrimFuncs may carry ``target`` attrs), a
-    Relax IRModule or an ONNX model (fused here with ``fuse_for_tuning``). Resumable: run it
-    again with the same ``db_dir`` and finished tasks are skipped, unfinished ones continue.
-    ``cost_model``: ``"random"`` (no extra dependency) or ``"xgb"`` (needs xgboost; better
-    candidates per trial on long tunes).
+    ``model``: an ONNX model or Relax IRModule, placed and fused as ``hgrt.build`` does with
+    the same ``devices`` / ``placement`` (``fuse_for_tuning``), or a module already fused.
+    Every target among the kernels is tuned in turn (a kernel on two devices of one target
+    once). Resumable: run it again with the same ``db_dir`` and finished tasks are skipped,
+    unfinished ones get only their missing trials. ``cost_model``: ``"random"`` (no extra
+    dependency) or ``"xgb"`` (needs xgboost; better candidates per trial on long tunes).
     """
     from tvm.s_tir import meta_schedule as ms
 
     log = log or (lambda _m: None)
-    if isinstance(targets, (str, dict, tvm.target.Target)):
-        targets = [targets]
-    targets = [tvm.target.Target(t) for t in targets]
-    mod = fuse_for_tuning(model, params, targets[0])
+    mod = fuse_for_tuning(model, devices, placement, params, input_shapes=input_shapes)
+    targets = module_targets(mod)
+    if not targets:
+        raise BuildError("nothing to tune: the module's kernels carry no target")
     db = _database(db_dir)
     workers = max_workers or max(1, min(os.cpu_count() or 1, 2))
     builder = ms.builder.LocalBuilder(f_build=BUILD_FUNC, initializer=_builder_initializer,
@@ -249,10 +250,9 @@ class ApplyReport:
     """Which kernels ``apply_database`` scheduled from the database, and which fell back."""
 
     db_dir: str
-    target: str
-    tuned: list[str] = field(default_factory=list)
+    tuned: dict[str, str] = field(default_factory=dict)  # kernel -> target it was tuned for
     fallback: list[str] = field(default_factory=list)
-    ignored_records: int = 0  # records for other targets
+    ignored_records: int = 0  # records for targets this module does not build for
 
     def summary(self) -> str:
         n = len(self.tuned) + len(self.fallback)
@@ -260,61 +260,66 @@ class ApplyReport:
         if self.fallback:
             shown = ", ".join(self.fallback[:8]) + (" …" if len(self.fallback) > 8 else "")
             s += f"; {len(self.fallback)} fall back to the default schedule ({shown})"
+        if self.ignored_records:
+            s += f"; {self.ignored_records} records for other targets ignored"
         return s
 
 
-def apply_database(mod: tvm.IRModule, target: tvm.target.Target | str, db_dir: str,
-                   *, log: Callable[[str], None] | None = None
+def _short(target: tvm.target.Target) -> str:
+    a = target.attrs
+    return f"{target.kind.name}" + (f" -mcpu={a['mcpu']}" if "mcpu" in a else "") + (
+        f" -arch={a['arch']}" if "arch" in a else "")
+
+
+def apply_database(mod: tvm.IRModule, db_dir: str, *, log: Callable[[str], None] | None = None
                    ) -> tuple[tvm.IRModule, ApplyReport]:
-    """Give every kernel of ``mod`` on ``target`` that ``db_dir`` has a record for its tuned
+    """Give every kernel of the fused ``mod`` that ``db_dir`` has a record for its tuned
     schedule (marked ``tirx.is_scheduled``); returns the module and who was tuned / fell back.
 
-    Runs ``relax.transform.MetaScheduleApplyDatabase`` (under ``with target, db,
-    PassContext(opt_level=3)``) over the target's PrimFuncs with only the records of this
-    target; records of other targets are ignored with a warning.
+    A kernel's record must match its structural hash and its ``target`` attr (kind, mcpu,
+    mattr, arch); ``relax.transform.MetaScheduleApplyDatabase`` runs once per target of the
+    module over that target's kernels. Records for targets the module does not build for are
+    ignored with a warning (a database tuned on another CPU is never applied).
     """
     from tvm.s_tir import meta_schedule as ms
 
-    target = tvm.target.Target(target)
-    report = ApplyReport(db_dir=db_dir, target=str(target))
-    mine = _functions_for(mod, target)
-    if not os.path.isdir(db_dir):
-        raise BuildError(f"tuning database {db_dir!r} does not exist")
-    db = _database(db_dir)
-    key = _target_key(target)
-    ok = ms.database.MemoryDatabase(module_equality="structural")
-    other_targets = set()
-    for rec in db.get_all_tuning_records():
-        if _target_key(rec.target) == key:
-            ok.commit_workload(rec.workload.mod)
-            ok.commit_tuning_record(ms.database.TuningRecord(
-                rec.trace, ok.commit_workload(rec.workload.mod), rec.run_secs, rec.target,
-                rec.args_info))
-        else:
+    report = ApplyReport(db_dir=db_dir)
+    if not os.path.isdir(db_dir) or not os.path.exists(
+            os.path.join(db_dir, "database_tuning_record.json")):
+        raise BuildError(f"tuning database {db_dir!r} does not exist (no "
+                         f"database_tuning_record.json): run `hgrt tune` first")
+    targets = module_targets(mod)
+    keys = {_target_key(t): t for t in targets}
+    per_target = {k: ms.database.MemoryDatabase(module_equality="structural") for k in keys}
+    other_targets: set[str] = set()
+    for rec in _database(db_dir).get_all_tuning_records():
+        key = _target_key(rec.target)
+        if key not in per_target:
             report.ignored_records += 1
-            other_targets.add(str(rec.target.attrs.get("mcpu", rec.target.kind.name))
-                              if "mcpu" in rec.target.attrs else rec.target.kind.name)
+            other_targets.add(_short(rec.target))
+            continue
+        db = per_target[key]
+        db.commit_tuning_record(ms.database.TuningRecord(
+            rec.trace, db.commit_workload(rec.workload.mod), rec.run_secs, rec.target,
+            rec.args_info))
     if report.ignored_records:
         warnings.warn(f"tuning database {db_dir!r}: {report.ignored_records} records for other "
-                      f"targets ({sorted(other_targets)}) ignored; building for {target}",
-                      stacklevel=2)
-    if not mine:
-        return mod, report
-    sub = tvm.IRModule(dict(mine.items()))
-    with target, ok, tvm.transform.PassContext(opt_level=3):
-        applied = relax.transform.MetaScheduleApplyDatabase()(sub)
+                      f"targets ({sorted(other_targets)}) ignored; building for "
+                      f"{sorted(_short(t) for t in targets)}", stacklevel=2)
     new = mod.clone()
-    for name in sorted(mine):
-        f = applied[name]
-        if f.attrs is not None and bool(f.attrs.get("tirx.is_scheduled", False)) and not \
-                tvm_ffi.structural_equal(f, mine[name]):
-            orig = mod[name]
-            if orig.attrs is not None and "target" in orig.attrs:
-                f = f.with_attr("target", orig.attrs["target"])
-            new.update_func(new.get_global_var(name), f)
-            report.tuned.append(name)
-        else:
-            report.fallback.append(name)
+    for key, target in keys.items():
+        mine = _functions_for(mod, target)
+        sub = tvm.IRModule(dict(mine.items()))
+        with target, per_target[key], tvm.transform.PassContext(opt_level=3):
+            applied = relax.transform.MetaScheduleApplyDatabase()(sub)
+        for name in sorted(mine):
+            f = applied[name]
+            if f.attrs is not None and bool(f.attrs.get("tirx.is_scheduled", False)) and \
+                    not tvm_ffi.structural_equal(f, mine[name]):
+                new.update_func(new.get_global_var(name), f.with_attr("target", target))
+                report.tuned[name] = _short(target)
+            else:
+                report.fallback.append(name)
     if log:
         log(report.summary())
     return (new if report.tuned else mod), report

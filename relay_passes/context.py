@@ -7,6 +7,7 @@ becomes the Relax ``vdevice_id`` (and so the position the graph's ``device_index
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,7 @@ from tvm import relax
 
 from hgrt.errors import DeviceError
 
+_log = logging.getLogger("hgrt.build")
 DEFAULT_CUDA_ARCH = os.environ.get("HGRT_CUDA_ARCH", "sm_80")
 # device kind -> (target kind, is a GPU); "llvm" is accepted as another name of cpu
 KIND_TARGETS: dict[str, tuple[str, bool]] = {
@@ -48,10 +50,17 @@ class DeviceSpec:
 
 
 def _target_for(kind: str, cuda_arch: str) -> tvm.target.Target:
+    """The target of a device named by kind: a CPU is this host (``host_target``: its mcpu and
+    core count), unless ``HGRT_CPU_TARGET`` names another (``llvm`` for a plain x86-64 build)."""
     tkind, is_gpu = KIND_TARGETS[kind]
     if is_gpu:
         return tvm.target.Target({"kind": tkind, "arch": cuda_arch}, host="llvm")
-    return tvm.target.Target(tkind)
+    spec = os.environ.get("HGRT_CPU_TARGET", "")
+    if spec:
+        return tvm.target.Target(spec)
+    from hgrt.relay_passes.schedule_cpu import host_target
+
+    return host_target()
 
 
 def parse_device(spec: Any, index: int, cuda_arch: str = DEFAULT_CUDA_ARCH) -> DeviceSpec:
@@ -126,6 +135,10 @@ class BuildContext:
     param_source: dict[str, str] = field(default_factory=dict)  # insert_copies: param -> weight
     graph_names: dict[str, str] = field(default_factory=dict)  # insert_copies: param -> node name
     lib: Any = None  # build_library: the compiled runtime module
+    schedule: bool = True  # lower: schedule kernels (False: fused, unscheduled, for tuning)
+    tuning_db: str | None = None  # lower: MetaSchedule database applied before the defaults
+    tuning: Any = None  # lower: hgrt.tune.ApplyReport when a database was given
+    cpu_schedule: Any = None  # lower: schedule_cpu.ScheduleReport of the default schedule
 
     def device_of_vdevice(self, vdev: relax.VDevice | None) -> int | None:
         key = vdevice_key(vdev)
@@ -141,3 +154,5 @@ class BuildContext:
     def log(self, msg: str) -> None:
         if self.verbose:
             print(f"[hgrt.build] {msg}", flush=True)
+        else:
+            _log.debug(msg)

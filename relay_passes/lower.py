@@ -177,7 +177,10 @@ def _schedule_gpu(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
 
 
 def lower(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
-    """Legalize and fuse ``mod``; every PrimFunc gets its device's target; GPU ones scheduled."""
+    """Legalize and fuse ``mod``; every PrimFunc gets its device's target; then scheduled:
+    tuned schedules from ``ctx.tuning_db`` first, the default CPU schedule for the other CPU
+    kernels (``HGRT_DEFAULT_SCHEDULE=0`` turns it off), dlight for the other GPU kernels.
+    With ``ctx.schedule`` False the fused, unscheduled module is returned (what is tuned)."""
     target = ctx.devices[0].target
     with target, tvm.transform.PassContext(opt_level=3):
         for p in _lowering_passes():
@@ -185,11 +188,18 @@ def lower(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     mod = _assign_targets(mod, ctx)
     n = sum(1 for _, f in mod.functions_items() if isinstance(f, tirx.PrimFunc))
     ctx.log(f"lowered to {n} PrimFuncs")
-    if os.environ.get("HGRT_DEFAULT_SCHEDULE", "1") != "0":
-        # Untuned CPU kernels get parallel outer loops and vectorized inner ones.
-        from hgrt.relay_passes.schedule_cpu import default_cpu_schedule
+    if not ctx.schedule:
+        return mod
+    if ctx.tuning_db:
+        from hgrt.tune import apply_database
 
-        mod = default_cpu_schedule(mod)
+        mod, ctx.tuning = apply_database(mod, ctx.tuning_db)
+        ctx.log(ctx.tuning.summary())
+    if os.environ.get("HGRT_DEFAULT_SCHEDULE", "1") != "0":
+        from hgrt.relay_passes.schedule_cpu import schedule_cpu_functions
+
+        mod, ctx.cpu_schedule = schedule_cpu_functions(mod)
+        ctx.log(ctx.cpu_schedule.summary())
     return _schedule_gpu(mod, ctx)
 
 

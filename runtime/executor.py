@@ -7,6 +7,7 @@ At create time the graph is validated against the devices and the library, stora
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Mapping
@@ -26,6 +27,14 @@ from hgrt.errors import (
 )
 from hgrt.graph import COPY_FUNC, NOP_FUNC, Graph
 from hgrt.runtime.pools import StoragePools
+
+# TVM's thread pool starts at the first parallel kernel with TVM_NUM_THREADS workers, or else
+# with half the hardware threads on x86 (it assumes two per core): one worker on a 2-vCPU VM.
+# hgrt kernels are scheduled for every core this process may use, so the pool gets them all
+# unless the user chose (set TVM_NUM_THREADS before importing hgrt, or before TVM's first
+# parallel kernel ran).
+if hasattr(os, "sched_getaffinity"):
+    os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
 
 _copy_tensor = tvm.get_global_func("runtime.TVMTensorCopyFromTo")
 

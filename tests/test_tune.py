@@ -1,4 +1,4 @@
-"""MetaSchedule tuning into a JSON database, applying it, resuming it (a handful of trials)."""
+"""MetaSchedule tuning into a JSON database, building with it, resuming it (a few trials)."""
 
 import json
 import os
@@ -11,10 +11,12 @@ from kernel_testing import run_relax_vm
 from tvm.script import ir as I
 from tvm.script import relax as R
 
-from hgrt.relay_passes.schedule_cpu import default_cpu_schedule
-from hgrt.tune import apply_database, fuse_for_tuning, tune, tuning_tasks
+import hgrt
+from hgrt.errors import BuildError
+from hgrt.relay_passes.schedule_cpu import default_cpu_schedule, host_target
+from hgrt.tune import apply_database, fuse_for_tuning, module_targets, tune, tuning_tasks
 
-TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
+TARGET = host_target()
 
 
 @I.ir_module
@@ -40,21 +42,31 @@ def tuned(tmp_path_factory):
     db_dir = str(tmp_path_factory.mktemp("tuning"))
     mod = fuse_for_tuning(TwoKernels)
     lines = []
-    first = tune(mod, TARGET, db_dir, trials_per_task=2, log=lines.append)[0]
+    first = tune(TwoKernels, db_dir, trials_per_task=2, log=lines.append)[0]
     after_first = _records(db_dir)
-    resumed = tune(mod, TARGET, db_dir, trials_per_task=3, log=lines.append)[0]
+    resumed = tune(mod, db_dir, trials_per_task=3, log=lines.append)[0]
     return mod, db_dir, first, after_first, resumed, lines
 
 
 def test_tasks_are_the_fused_kernels():
     mod = fuse_for_tuning(TwoKernels)
+    assert [str(t) for t in module_targets(mod)] == [str(TARGET)]
     names = sorted(t.task_name for t in tuning_tasks(mod, TARGET))
-    assert names == ["fused_matmul_add", "fused_matmul_relu"]
+    assert names == ["fused_matmul_llvm_add_llvm", "fused_matmul_llvm_relu_llvm"]
+
+
+def test_a_kernel_on_two_devices_of_one_target_is_one_task():
+    split = hgrt.Placement(rules={"relax.matmul": "cpu:1"})
+    mod = fuse_for_tuning(TwoKernels, ["cpu:0", "cpu:1"], split)
+    assert len(module_targets(mod)) == 1
+    # the matmuls run on cpu:1, the relu / add on cpu:0: fusion stops at the device boundary
+    names = sorted(t.task_name for t in tuning_tasks(mod, TARGET))
+    assert names == ["add_llvm", "matmul_llvm", "relu_llvm"]
 
 
 def test_tune_writes_a_json_database_and_reports_progress(tuned):
     _, db_dir, first, after_first, _, lines = tuned
-    assert first.tasks == 2 and sorted(first.trials) == ["fused_matmul_add", "fused_matmul_relu"]
+    assert first.tasks == 2 and sorted(first.trials) == ["fused_matmul_llvm_add_llvm", "fused_matmul_llvm_relu_llvm"]
     assert len(after_first) >= 2
     assert all(v > 0 for v in first.best.values())
     assert any(line.startswith("task 1/2") and "best" in line for line in lines)
@@ -67,15 +79,15 @@ def test_resumed_tune_adds_to_the_database(tuned):
     assert len(records) > len(after_first)
     assert records[:len(after_first)] == after_first  # what the first run found is kept
     # a third run with the same budget has nothing left to do
-    again = tune(fuse_for_tuning(TwoKernels), TARGET, db_dir, trials_per_task=3, log=None)[0]
-    assert sorted(again.skipped) == ["fused_matmul_add", "fused_matmul_relu"]
+    again = tune(TwoKernels, db_dir, trials_per_task=3, log=None)[0]
+    assert sorted(again.skipped) == ["fused_matmul_llvm_add_llvm", "fused_matmul_llvm_relu_llvm"]
     assert len(_records(db_dir)) == len(records)
 
 
 def test_apply_database_schedules_the_tuned_kernels(tuned):
     mod, db_dir, *_ = tuned
-    new, report = apply_database(mod, TARGET, db_dir)
-    assert sorted(report.tuned) == ["fused_matmul_add", "fused_matmul_relu"]
+    new, report = apply_database(mod, db_dir)
+    assert sorted(report.tuned) == ["fused_matmul_llvm_add_llvm", "fused_matmul_llvm_relu_llvm"]
     assert report.fallback == []
     for name in report.tuned:
         assert bool(new[name].attrs["tirx.is_scheduled"])
@@ -87,10 +99,63 @@ def test_apply_database_schedules_the_tuned_kernels(tuned):
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_database_for_another_target_is_ignored_with_a_warning(tuned):
+def _inputs():
+    rng = np.random.default_rng(1)
+    return {"x": rng.standard_normal((32, 64)).astype("float32"),
+            "w": rng.standard_normal((64, 64)).astype("float32"),
+            "b": rng.standard_normal(64).astype("float32")}
+
+
+def _run(result, inputs):
+    m = hgrt.create(result.graph_json, result.lib, [tvm.cpu(i) for i in range(len(
+        result.devices))])
+    m.load_params(result.params)
+    m.set_input(**inputs)
+    m.run()
+    return m.get_output(0).numpy()
+
+
+@pytest.mark.parametrize("devices", [["cpu"], ["cpu:0", "cpu:1"]])
+def test_build_with_the_database_uses_the_tuned_kernels(tuned, devices):
+    *_, db_dir = tuned[:2]
+    placement = hgrt.Placement(rules={"relax.nn.relu": "cpu:1"}) if len(devices) > 1 else None
+    tuned_build = hgrt.build(TwoKernels, devices, placement, tuning_db=db_dir)
+    default_build = hgrt.build(TwoKernels, devices, placement)
+    assert default_build.tuning is None
+    report = tuned_build.tuning
+    # fused_matmul_llvm_add_llvm is whole on cpu:0 in both placements; it was tuned, so it is applied
+    assert "fused_matmul_llvm_add_llvm" in report.tuned
+    assert set(report.tuned) | set(report.fallback) >= {"fused_matmul_llvm_add_llvm"}
+    if len(devices) == 1:
+        assert sorted(report.tuned) == ["fused_matmul_llvm_add_llvm", "fused_matmul_llvm_relu_llvm"]
+    else:  # relu moved to cpu:1, so matmul and relu are two kernels nobody tuned
+        assert report.fallback and "fused_matmul_llvm_relu_llvm" not in report.tuned
+    inputs = _inputs()
+    np.testing.assert_allclose(_run(tuned_build, inputs), _run(default_build, inputs),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_tuned_kernel_is_the_database_schedule_not_the_default(tuned):
     mod, db_dir, *_ = tuned
+    new, report = apply_database(mod, db_dir)
+    defaults = default_cpu_schedule(mod)
+    for name in report.tuned:
+        assert not tvm_ffi.structural_equal(new[name], defaults[name]), name
+        # what build does next (the default schedule) leaves a tuned kernel alone
+        assert tvm_ffi.structural_equal(default_cpu_schedule(new)[name], new[name]), name
+
+
+def test_database_for_another_target_is_ignored_with_a_warning(tuned):
+    _, db_dir, *_ = tuned
     other = tvm.target.Target({"kind": "llvm", "mcpu": "cascadelake", "num-cores": 2})
+    mod = fuse_for_tuning(TwoKernels, [other])
     with pytest.warns(UserWarning, match="other targets"):
-        new, report = apply_database(mod, other, db_dir)
-    assert report.tuned == [] and report.ignored_records > 0
+        new, report = apply_database(mod, db_dir)
+    assert report.tuned == {} and report.ignored_records > 0
+    assert sorted(report.fallback) == ["fused_matmul_llvm_add_llvm", "fused_matmul_llvm_relu_llvm"]
     assert new is mod
+
+
+def test_missing_database_is_a_build_error(tmp_path):
+    with pytest.raises(BuildError, match="hgrt tune"):
+        hgrt.build(TwoKernels, ["cpu"], tuning_db=str(tmp_path / "nothing"))
