@@ -110,15 +110,24 @@ def build(model: Any, devices: Any, placement: Placement | None = None,
 
 def lower_model(model: Any, devices: Any = "cpu", placement: Placement | None = None,
                 params: dict[str, Any] | None = None, *,
-                input_shapes: dict[str, Any] | None = None,
-                cuda_arch: str = DEFAULT_CUDA_ARCH, verbose: bool = False) -> tvm.IRModule:
-    """The placed, fused, unscheduled module ``build`` would schedule: what ``hgrt tune``
-    tunes. Each PrimFunc carries the ``target`` of its device, so the structural hashes and
-    targets of its kernels are the ones ``build(..., tuning_db=)`` looks up."""
+                input_shapes: dict[str, Any] | None = None, schedule: bool = False,
+                tuning_db: str | None = None, cuda_arch: str = DEFAULT_CUDA_ARCH,
+                verbose: bool = False) -> tuple[tvm.IRModule, dict[str, np.ndarray]]:
+    """The placed, fused module of ``build`` before its library is built, and its weights by
+    ``main`` parameter name.
+
+    Unscheduled (the default) it is what ``hgrt tune`` tunes: each PrimFunc carries the
+    ``target`` of its device, so the structural hashes and targets of its kernels are the ones
+    ``build(..., tuning_db=)`` looks up. With ``schedule=True`` the kernels are the ones
+    ``build`` compiles (tuned from ``tuning_db``, else default), e.g. to hand to the Relax VM.
+    """
     mod, ctx = _context(model, devices, placement, params, input_shapes, cuda_arch, verbose)
-    ctx.schedule = False
+    ctx.schedule = schedule
+    ctx.tuning_db = tuning_db
     upto = [p for p in PASSES[:[n for n, _ in PASSES].index("lower") + 1]]
-    return run_passes(mod, ctx, upto)
+    mod = run_passes(mod, ctx, upto)
+    return mod, {var: ctx.params[ctx.param_source[name]]
+                 for var, name in ctx.graph_names.items() if name in ctx.param_source}
 
 
 def _keep_library(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:

@@ -77,6 +77,24 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- zoo ----------------------------------------------------------------------------------
+
+def cmd_zoo(args: argparse.Namespace) -> int:
+    import onnx
+
+    from hgrt.zoo import light_input, light_model
+
+    model = light_model(args.name, seed=args.seed)
+    onnx.save(model, args.output)
+    print(f"light {args.name} with random weights (seed {args.seed}) -> {args.output}")
+    if args.input:
+        for name, value in light_input(model, seed=args.seed + 1).items():
+            np.save(args.input, value)
+            print(f"input {name} {list(value.shape)} -> {args.input}")
+            break
+    return 0
+
+
 # ---- tune ---------------------------------------------------------------------------------
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -84,6 +102,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     if args.trials_per_task < 1:
         raise InputError(f"--trials-per-task {args.trials_per_task}: must be at least 1")
+    if not args.verbose:  # MetaSchedule's per-round log stays in DB/logs/, off the console
+        logging.getLogger("tvm.s_tir.meta_schedule").propagate = False
     t0 = time.perf_counter()
     summaries = tune(args.model, args.db, args.trials_per_task, devices=args.device,
                      placement=_placement(args),
@@ -229,6 +249,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="xgb needs the xgboost package")
     t.set_defaults(func=cmd_tune)
 
+    z = sub.add_parser("zoo", help="write a light zoo model of the onnx wheel with random "
+                                   "weights (squeezenet, resnet50, ...) to try hgrt on")
+    from hgrt.zoo import LIGHT_MODELS
+
+    z.add_argument("name", choices=LIGHT_MODELS)
+    z.add_argument("-o", "--output", required=True, help="the .onnx file to write")
+    z.add_argument("--input", help="also write a random input to this .npy")
+    z.add_argument("--seed", type=int, default=0)
+    z.set_defaults(func=cmd_zoo)
+
     from hgrt.rpc.cli import register as register_rpc
 
     register_rpc(sub)
@@ -252,8 +282,12 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+    # hgrt's own messages at INFO; other libraries' (MetaSchedule logs every search round at
+    # INFO) only with --verbose
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    if not args.verbose:
+        logging.getLogger("hgrt").setLevel(logging.INFO)
     try:
         return args.func(args)
     except HgrtError as e:

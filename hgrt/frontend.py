@@ -1,4 +1,5 @@
-"""Model import: ONNX (ModelProto or path) or a Relax IRModule → (IRModule, params).
+"""Model import: ONNX (ModelProto or path) or a Relax IRModule → (IRModule, params), with the
+stacked reductions of TVM's ONNX import made pairwise (``relay_passes/simplify.py``).
 
 Params are always detached: ``main`` takes the user inputs first (``num_input`` of them), then
 the weights, which come back as numpy arrays keyed by param name, so no weight is baked into
@@ -85,14 +86,18 @@ def import_model(model: Any, params: dict[str, Any] | None = None,
     >>> mod, params = import_model("model.onnx")  # doctest: +SKIP
     >>> mod["main"].attrs["num_input"], sorted(params)[:2]  # doctest: +SKIP
     """
+    from hgrt.relay_passes.simplify import pairwise_reductions
+
     if isinstance(model, tvm.IRModule):
         if input_shapes:
             raise BuildError("input_shapes applies to ONNX models; a Relax IRModule carries its "
                              "own shapes")
-        return _from_relax(model, params)
+        mod, weights = _from_relax(model, params)
+        return pairwise_reductions(mod), weights
     if isinstance(model, (str, os.PathLike)) or type(model).__name__ == "ModelProto":
         if params:
             raise BuildError("params are read from the ONNX model; do not pass them separately")
-        return _from_onnx(model, input_shapes)
+        mod, weights = _from_onnx(model, input_shapes)
+        return pairwise_reductions(mod), weights
     raise BuildError(f"cannot import a {type(model).__name__}: give an onnx ModelProto, a path to "
                      f"an .onnx file or a Relax IRModule")

@@ -19,10 +19,11 @@ to the same JSON files (MetaSchedule writes a task's records when its round fini
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,7 +65,7 @@ def fuse_for_tuning(model: Any, devices: Any = "cpu", placement: Any = None,
 
     if isinstance(model, tvm.IRModule) and _is_fused(model):
         return model
-    return lower_model(model, devices, placement, params, input_shapes=input_shapes)
+    return lower_model(model, devices, placement, params, input_shapes=input_shapes)[0]
 
 
 def _is_fused(mod: tvm.IRModule) -> bool:
@@ -161,6 +162,36 @@ def _records(db, task_mod: tvm.IRModule, target: tvm.target.Target) -> list:
     return [r for r in recs if _target_key(r.target) == key]
 
 
+class _Progress:
+    """``hgrt_progress.json`` in the database: per (target, workload hash), the trials a
+    finished tune of that task asked for."""
+
+    FILE = "hgrt_progress.json"
+
+    def __init__(self, db_dir: str) -> None:
+        self.path = os.path.join(db_dir, self.FILE)
+        try:
+            with open(self.path) as f:
+                self.asked_by_key: dict[str, int] = json.load(f)
+        except (OSError, ValueError):
+            self.asked_by_key = {}
+
+    @staticmethod
+    def _key(task_mod: tvm.IRModule, target: tvm.target.Target) -> str:
+        return f"{'/'.join(map(str, _target_key(target)))}|{tvm_ffi.structural_hash(task_mod)}"
+
+    def asked(self, task_mod: tvm.IRModule, target: tvm.target.Target) -> int:
+        return int(self.asked_by_key.get(self._key(task_mod, target), 0))
+
+    def record(self, task_mod: tvm.IRModule, target: tvm.target.Target, trials: int) -> None:
+        key = self._key(task_mod, target)
+        self.asked_by_key[key] = max(trials, self.asked_by_key.get(key, 0))
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.asked_by_key, f, indent=0, sort_keys=True)
+        os.replace(tmp, self.path)
+
+
 def _best(records: list) -> float | None:
     times = [sum(float(x) for x in r.run_secs) / len(r.run_secs) for r in records
              if r.run_secs]
@@ -194,6 +225,7 @@ def tune(model: Any, db_dir: str, trials_per_task: int = 16, *, devices: Any = "
     builder = ms.builder.LocalBuilder(f_build=BUILD_FUNC, initializer=_builder_initializer,
                                       timeout_sec=builder_timeout_sec, max_workers=workers)
     runner = ms.runner.LocalRunner(timeout_sec=builder_timeout_sec)
+    progress = _Progress(db_dir)
     summaries = []
     for target in targets:
         start = time.perf_counter()
@@ -204,7 +236,10 @@ def tune(model: Any, db_dir: str, trials_per_task: int = 16, *, devices: Any = "
         for i, task in enumerate(tasks, 1):
             task_mod = task.dispatched[0]
             done = _records(db, task_mod, target)
-            todo = trials_per_task - len(done)
+            # a task whose search space holds fewer schedules than asked for (a reshape has
+            # one) was finished by the run that asked: progress remembers what each run asked
+            asked = progress.asked(task_mod, target)
+            todo = 0 if asked >= trials_per_task else trials_per_task - len(done)
             head = f"task {i}/{len(tasks)} {task.task_name} (weight {task.weight})"
             if todo <= 0:
                 best = _best(done)
@@ -232,6 +267,7 @@ def tune(model: Any, db_dir: str, trials_per_task: int = 16, *, devices: Any = "
                 log(f"{head}: tuning failed ({str(e).strip().splitlines()[0][:160]})")
                 continue
             recs = _records(db, task_mod, target)
+            progress.record(task_mod, target, trials_per_task)
             best = _best(recs)
             summary.trials[task.task_name] = len(recs) - len(done)
             if best is not None:

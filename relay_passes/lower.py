@@ -27,6 +27,10 @@ VIEW_OPS = ("relax.reshape",)
 
 def _lowering_passes() -> list[tvm.transform.Pass]:
     return [
+        # inference batch_norm → elementwise ops that fuse into the convolution before it
+        relax.transform.DecomposeOpsForInference("main"),
+        relax.transform.CanonicalizeBindings(),  # (y, mean, var)[0] → y: relu may fuse too
+        relax.transform.DeadCodeElimination(["main"]),
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),

@@ -15,6 +15,7 @@ from tvm import relax
 import hgrt
 from hgrt.frontend import import_model
 from hgrt.relay_passes.place_devices import op_bindings
+from hgrt.zoo import LIGHT_MODELS, light_input, light_model  # noqa: F401 - re-exported
 
 ONNX_DATA = os.path.join(os.path.dirname(__import__("onnx").__file__), "backend", "test", "data")
 CASE_DIRS = ("pytorch-converted", "pytorch-operator", "simple")
@@ -123,49 +124,3 @@ def check_case(case: OnnxCase, placement: str) -> None:
         np.testing.assert_allclose(g, want, rtol=1e-3, atol=1e-4)
 
 
-LIGHT_MODELS = ("squeezenet", "bvlc_alexnet", "densenet121", "inception_v1", "inception_v2",
-                "resnet50", "shufflenet", "vgg19", "zfnet512")
-
-
-def light_model(name: str, seed: int = 0):
-    """A light zoo model with its ConstantOfShape weights replaced by seeded random initializers
-    (scaled by 1/sqrt(fan-in) so activations stay finite through the network)."""
-    import onnx
-    from onnx import numpy_helper
-
-    model = onnx.load(os.path.join(ONNX_DATA, "light", f"light_{name}.onnx"))
-    rng = np.random.default_rng(seed)
-    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-    kept, new_inits = [], []
-    for node in model.graph.node:
-        if node.op_type == "ConstantOfShape" and node.input[0] in inits:
-            shape = tuple(int(d) for d in inits[node.input[0]])
-            fan_in = int(np.prod(shape[1:])) if len(shape) > 1 else 1
-            value = rng.standard_normal(shape) / np.sqrt(fan_in)
-            if len(shape) == 1:  # biases, batch-norm vectors: keep variances positive
-                value = np.abs(value) + 0.5
-            value = value.astype("float32")
-            new_inits.append(numpy_helper.from_array(value, node.output[0]))
-        else:
-            kept.append(node)
-    used = {i for n in kept for i in n.input}
-    graph = model.graph
-    del graph.node[:]
-    graph.node.extend(kept)
-    old = [t for t in graph.initializer if t.name in used]
-    del graph.initializer[:]
-    graph.initializer.extend(old + new_inits)
-    names = {t.name for t in graph.initializer}
-    inputs = [i for i in graph.input if i.name not in names and i.name in used]
-    del graph.input[:]
-    graph.input.extend(inputs)
-    return model
-
-
-def light_input(model, seed: int = 1) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    out = {}
-    for i in model.graph.input:
-        shape = [d.dim_value for d in i.type.tensor_type.shape.dim]
-        out[i.name] = rng.standard_normal(shape).astype("float32")
-    return out

@@ -3,48 +3,11 @@ weights (the files hold ConstantOfShape placeholders), fused the way ``lower`` f
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import tvm
 from tvm import relax
 
-LIGHT = os.path.join(os.path.dirname(__import__("onnx").__file__), "backend", "test", "data",
-                     "light")
-
-
-def light_model(name: str, seed: int = 0):
-    """``light_<name>.onnx`` with every ConstantOfShape weight replaced by a random initializer
-    (He-scaled normal for ≥2-D tensors, uniform [0.5, 1.5) for 1-D: biases, BN scale/variance)."""
-    import onnx
-    from onnx import numpy_helper
-
-    m = onnx.load(os.path.join(LIGHT, f"light_{name}.onnx"))
-    rng = np.random.default_rng(seed)
-    inits = {i.name: i for i in m.graph.initializer}
-    keep = []
-    for n in m.graph.node:
-        if n.op_type == "ConstantOfShape" and n.input[0] in inits:
-            shape = numpy_helper.to_array(inits[n.input[0]]).astype(int)
-            if len(shape) > 1:
-                fan = int(np.prod(shape[1:]))
-                w = rng.standard_normal(shape) * np.sqrt(2.0 / max(fan, 1))
-            else:
-                w = rng.uniform(0.5, 1.5, shape)
-            m.graph.initializer.append(numpy_helper.from_array(w.astype(np.float32), n.output[0]))
-        else:
-            keep.append(n)
-    del m.graph.node[:]
-    m.graph.node.extend(keep)
-    used = {i for n in keep for i in n.input}
-    for name_ in list(inits):
-        if name_ not in used:
-            m.graph.initializer.remove(inits[name_])
-    names = {i.name for i in m.graph.initializer}
-    ins = [i for i in m.graph.input if i.name in used and i.name not in names]
-    del m.graph.input[:]
-    m.graph.input.extend(ins)
-    return m
+from hgrt.zoo import light_model  # noqa: F401 - re-exported
 
 
 def input_shape(model) -> list[int]:

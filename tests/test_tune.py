@@ -66,7 +66,8 @@ def test_a_kernel_on_two_devices_of_one_target_is_one_task():
 
 def test_tune_writes_a_json_database_and_reports_progress(tuned):
     _, db_dir, first, after_first, _, lines = tuned
-    assert first.tasks == 2 and sorted(first.trials) == ["fused_matmul_llvm_add_llvm", "fused_matmul_llvm_relu_llvm"]
+    assert first.tasks == 2
+    assert sorted(first.trials) == ["fused_matmul_llvm_add_llvm", "fused_matmul_llvm_relu_llvm"]
     assert len(after_first) >= 2
     assert all(v > 0 for v in first.best.values())
     assert any(line.startswith("task 1/2") and "best" in line for line in lines)
@@ -123,9 +124,8 @@ def test_build_with_the_database_uses_the_tuned_kernels(tuned, devices):
     default_build = hgrt.build(TwoKernels, devices, placement)
     assert default_build.tuning is None
     report = tuned_build.tuning
-    # fused_matmul_llvm_add_llvm is whole on cpu:0 in both placements; it was tuned, so it is applied
+    # matmul+add stays whole on cpu:0 in both placements: tuned, so applied
     assert "fused_matmul_llvm_add_llvm" in report.tuned
-    assert set(report.tuned) | set(report.fallback) >= {"fused_matmul_llvm_add_llvm"}
     if len(devices) == 1:
         assert sorted(report.tuned) == ["fused_matmul_llvm_add_llvm", "fused_matmul_llvm_relu_llvm"]
     else:  # relu moved to cpu:1, so matmul and relu are two kernels nobody tuned

@@ -1,0 +1,181 @@
+"""What the benchmarks share: the models, the peers (Relax VM on hgrt's kernels, onnxruntime),
+timing, and the machine line every table starts with.
+
+Every figure is a median of timed calls made in this process; ratios compare runs made here.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+# a few pytorch-converted backend cases of the onnx wheel: one or two ops, so their latency
+# is mostly the runtime's per-call cost rather than kernel time
+PYTORCH_CASES = ("test_Conv2d", "test_ConvTranspose2d", "test_BatchNorm2d_eval", "test_Linear",
+                 "test_MaxPool2d", "test_Softmax", "test_Embedding")
+
+
+@dataclass
+class Model:
+    name: str
+    model: object  # onnx ModelProto
+    inputs: dict[str, np.ndarray]  # by hgrt / Relax input name
+
+
+def light(name: str) -> Model:
+    from hgrt.zoo import light_input, light_model
+
+    model = light_model(name)
+    return Model(name, model, light_input(model))
+
+
+def pytorch_case(name: str) -> Model:
+    import onnx
+
+    from build_testing import case_inputs, load_case
+
+    case = load_case(f"pytorch-converted/{name}")
+    return Model(name, onnx.load(case.model_path), case_inputs(case))
+
+
+def machine() -> str:
+    """CPU model, cores usable, load, Python, TVM and onnxruntime versions."""
+    import tvm
+
+    cpu = platform.processor() or "cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f
+                       if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        import onnxruntime as ort
+
+        ort_v = ort.__version__
+    except ImportError:
+        ort_v = "absent"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (f"{cpu}, {cores} cores usable, load {os.getloadavg()[0]:.2f}; Python "
+            f"{platform.python_version()}, TVM {tvm.__version__}, onnxruntime {ort_v}, "
+            f"TVM_NUM_THREADS={os.environ.get('TVM_NUM_THREADS', '-')}")
+
+
+def median_time(fn: Callable[[], object], repeat: int, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` in seconds over ``repeat`` calls after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def median_times(fns: dict[str, Callable[[], object]], repeat: int, warmup: int = 1
+                 ) -> dict[str, float]:
+    """Median seconds per call of each function, calls interleaved round by round so that a
+    change of machine load during the measurement hits every contender alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeat):
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def hgrt_runner(result, inputs: dict[str, np.ndarray]):
+    """A GraphModule for a ``BuildResult`` on cpu(0), cpu(1)…, params and inputs set."""
+    import tvm
+
+    import hgrt
+
+    m = hgrt.create(result.graph_json, result.lib, [tvm.cpu(i) for i in range(len(
+        result.devices))])
+    m.load_params(result.params)
+    m.set_input(**inputs)
+    return m
+
+
+def hgrt_outputs(m) -> list[np.ndarray]:
+    m.run()
+    return [m.get_output(i).numpy() for i in range(m.get_num_outputs())]
+
+
+def vm_on_hgrt_kernels(model, inputs: dict[str, np.ndarray], tuning_db: str | None = None
+                       ) -> Callable[[], list[np.ndarray]]:
+    """The Relax VM running the very kernels ``hgrt.build(model, ["cpu"])`` compiles (same
+    fusion, same schedules), so a latency ratio compares the runtimes and nothing else."""
+    import tvm
+    from tvm import relax
+
+    from hgrt.build import lower_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mod, weights = lower_model(model, ["cpu"], schedule=True, tuning_db=tuning_db)
+        ex = tvm.compile(mod, relax_pipeline=relax.pipeline.default_build_pipeline())
+    dev = tvm.cpu()
+    vm = relax.VirtualMachine(ex, dev)
+    main = mod["main"]
+    n_in = int(main.attrs["num_input"]) if "num_input" in main.attrs else len(inputs)
+    # inputs in graph order (the frontend may have renamed them: "gpu_0/data_0" → "gpu_0_data_0")
+    args = [tvm.runtime.tensor(v, dev) for v in inputs.values()]
+    assert len(args) == n_in, (list(inputs), [p.name for p in main.params[:n_in]])
+    args += [tvm.runtime.tensor(weights[p.name], dev) for p in main.params[n_in:]]
+    f = vm["main"]
+
+    def call() -> list[np.ndarray]:
+        return _flatten(f(*args))
+
+    call.run = lambda: f(*args)  # timed: no copy back
+    return call
+
+
+def _flatten(out) -> list[np.ndarray]:
+    if hasattr(out, "numpy"):
+        return [out.numpy()]
+    return [a for o in out for a in _flatten(o)]
+
+
+def ort_session(model, threads: int):
+    """onnxruntime's CPU provider at ``threads`` intra-op threads, or None when not installed."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return None
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    return ort.InferenceSession(model.SerializeToString(), so,
+                                providers=["CPUExecutionProvider"])
+
+
+def ort_feed(sess, model, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """hgrt's inputs under onnxruntime's names (the graph inputs that are not initializers)."""
+    inits = {t.name for t in model.graph.initializer}
+    onnx_names = [i.name for i in model.graph.input if i.name not in inits]
+    ort_names = {i.name for i in sess.get_inputs()}
+    return {o: v for o, v in zip(onnx_names, inputs.values(), strict=True) if o in ort_names}
+
+
+def max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    return max(float(np.max(np.abs(np.asarray(x, np.float64).reshape(-1)
+                                    - np.asarray(y, np.float64).reshape(-1))))
+               for x, y in zip(a, b, strict=True))

@@ -1,0 +1,179 @@
+"""Real models end to end: hgrt build time, run latency and memory, next to the Relax VM running
+hgrt's own kernels (so the ratio is the runtime's) and next to onnxruntime's CPU provider.
+
+    python python/bench_models.py                     # light zoo + pytorch-converted cases
+    python python/bench_models.py --models squeezenet resnet50 --tuning-db tuning/
+    python python/bench_models.py --markdown BENCHMARKS.md   # also write the table there
+
+For each model, in one process: ``hgrt.build(model, ["cpu"])`` (build time), run() latency
+(median of ``--repeat``), the same model split over cpu:0 + cpu:1 (convolutions and matmuls on
+cpu:1), the Relax VM on the same fused and scheduled kernels, onnxruntime at the same thread
+count; planned bytes per device against the VM's static memory plan; and from hgrt's profiler
+the share of run() spent inside kernels (the rest is the runtime: dispatch, copies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import warnings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+SPLIT_RULES = {"nn.conv2d": "cpu:1", "matmul": "cpu:1", "nn.conv2d_transpose": "cpu:1"}
+
+
+def _parse() -> argparse.Namespace:
+    from bench_common import PYTORCH_CASES
+
+    from hgrt.zoo import LIGHT_MODELS
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=list(LIGHT_MODELS) + list(PYTORCH_CASES))
+    p.add_argument("--repeat", type=int, default=20, help="timed runs per model (median)")
+    p.add_argument("--tuning-db", help="build with this database (hgrt and the VM alike)")
+    p.add_argument("--markdown", help="write the table (with command and machine) here")
+    return p.parse_args()
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.3f}" if s < 0.01 else f"{s * 1e3:.2f}" if s < 1 else f"{s * 1e3:.0f}"
+
+
+def bench_one(entry, repeat: int, tuning_db: str | None) -> dict:
+    from bench_common import (
+        hgrt_outputs,
+        hgrt_runner,
+        max_diff,
+        median_time,
+        median_times,
+        ort_feed,
+        ort_session,
+        vm_on_hgrt_kernels,
+    )
+    from bench_memory import vm_planned_bytes
+
+    import hgrt
+
+    row: dict = {"model": entry.name}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t = time.perf_counter()
+        single = hgrt.build(entry.model, ["cpu"], tuning_db=tuning_db)
+        row["build_s"] = time.perf_counter() - t
+        split = hgrt.build(entry.model, ["cpu:0", "cpu:1"],
+                           hgrt.Placement(rules=SPLIT_RULES, fallback="cpu:0"),
+                           tuning_db=tuning_db)
+        vm_call = vm_on_hgrt_kernels(entry.model, entry.inputs, tuning_db)
+        vm_bytes = vm_planned_bytes(entry.model)
+    m = hgrt_runner(single, entry.inputs)
+    ms = hgrt_runner(split, entry.inputs)
+    ref = vm_call()
+    row["diff_vm"] = max(max_diff(hgrt_outputs(m), ref), max_diff(hgrt_outputs(ms), ref))
+    row.update(median_times({"hgrt": m.run, "vm": vm_call.run, "split": ms.run}, repeat))
+    # onnxruntime is timed on its own: its pool threads spin after each run (its default), and
+    # interleaved with TVM's pool the two slow each other down
+    threads = int(os.environ.get("TVM_NUM_THREADS", "1"))
+    sess = ort_session(entry.model, threads)
+    if sess is not None:
+        feed = ort_feed(sess, entry.model, entry.inputs)
+        row["diff_ort"] = max_diff(sess.run(None, feed), ref)
+        time.sleep(0.2)  # let TVM's workers stop spinning
+        row["ort"] = median_time(lambda: sess.run(None, feed), repeat)
+    prof = m.profile(repeat=max(3, repeat // 4))
+    row["kernel_share"] = prof.op_sum_us / max(prof.run_wall_us, 1e-9)
+    row["nodes"] = len(prof.ops)
+    row["copies"] = sum(1 for n in split_graph_nodes(split) if n == "__copy")
+    row["mem"] = sum(d.planned_bytes for d in single.memory_report)
+    row["mem_split"] = [d.planned_bytes for d in split.memory_report]
+    row["mem_vm"] = vm_bytes
+    return row
+
+
+def split_graph_nodes(result) -> list[str]:
+    from hgrt.graph import Graph
+
+    g = Graph.from_json(result.graph_json)
+    return [n.func_name for n in g.nodes if n.op == "tvm_op"]
+
+
+HEADER = ("model", "build s", "hgrt ms", "VM ms", "hgrt/VM", "split ms", "copies", "ORT ms",
+          "hgrt/ORT", "in kernels", "MB hgrt", "MB VM", "mem/VM")
+
+
+def format_rows(rows: list[dict]) -> list[tuple[str, ...]]:
+    out = []
+    for r in rows:
+        ort = r.get("ort")
+        out.append((
+            r["model"], f"{r['build_s']:.1f}", _ms(r["hgrt"]), _ms(r["vm"]),
+            f"{r['hgrt'] / r['vm']:.2f}", _ms(r["split"]), str(r["copies"]),
+            _ms(ort) if ort else "-", f"{r['hgrt'] / ort:.2f}" if ort else "-",
+            f"{r['kernel_share'] * 100:.0f}%", f"{r['mem'] / 2**20:.2f}",
+            f"{r['mem_vm'] / 2**20:.2f}", f"{r['mem'] / max(r['mem_vm'], 1):.2f}"))
+    return out
+
+
+def text_table(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(x[i]) for x in [HEADER, *rows]) for i in range(len(HEADER))]
+    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
+                               enumerate(zip(line, widths, strict=True)))
+                     for line in [HEADER, *rows])
+
+
+def markdown_table(rows: list[tuple[str, ...]]) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    args = _parse()
+    from bench_common import PYTORCH_CASES, light, machine, pytorch_case
+
+    print(machine())
+    rows = []
+    for name in args.models:
+        entry = pytorch_case(name) if name in PYTORCH_CASES else light(name)
+        r = bench_one(entry, args.repeat, args.tuning_db)
+        rows.append(r)
+        print(f"{name}: hgrt {_ms(r['hgrt'])} ms, VM {_ms(r['vm'])} ms, split "
+              f"{_ms(r['split'])} ms, ORT {_ms(r['ort']) if 'ort' in r else '-'} ms; max |diff| "
+              f"vs VM {r['diff_vm']:.1e}, ORT vs VM {r.get('diff_ort', float('nan')):.1e}",
+              flush=True)
+    table = format_rows(rows)
+    print()
+    print(text_table(table))
+    if args.markdown:
+        write_markdown(args.markdown, table, " ".join(sys.argv[1:]))
+
+
+def write_markdown(path: str, table: list[tuple[str, ...]], argv: str) -> None:
+    """Replace the block between the bench_models markers of ``path`` with this run's table."""
+    from bench_common import machine
+
+    begin, end = "<!-- bench_models:begin -->", "<!-- bench_models:end -->"
+    block = "\n".join([
+        begin,
+        f"`python python/bench_models.py {argv}`".replace(" `", "`"),
+        "",
+        f"Machine: {machine()}.",
+        "",
+        markdown_table(table),
+        end,
+    ])
+    text = open(path).read() if os.path.exists(path) else ""
+    if begin in text and end in text:
+        text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
+    else:
+        text = (text + "\n\n" if text else "") + block + "\n"
+    with open(path, "w") as f:
+        f.write(text)
+    print(f"table written to {path}")
+
+
+if __name__ == "__main__":
+    main()

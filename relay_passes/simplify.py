@@ -1,0 +1,92 @@
+"""simplify: rewrites of the imported model that make it cheaper (``import_model`` runs them,
+so placement rules and node names see the rewritten graph).
+
+A reduction over a stack of broadcasts, ``R.sum(R.stack([R.broadcast_to(a, S),
+  R.broadcast_to(b, S)]), axis=0)``, is how TVM's ONNX frontend imports ``Sum`` / ``Mean`` /
+  ``Max`` / ``Min`` with static shapes (resnet50's residual adds). It materialises the stack
+  and keeps the add apart from the ``relu`` after it. It becomes the pairwise op
+  (``a + b``, ``maximum``, ``minimum``; ``Mean`` divided by n), broadcast to ``S`` only if
+the operands do not already have that shape, so FuseOps fuses it like any elementwise op.
+The result is the same sum in another order (floating point sums of two or three terms).
+
+(``lower`` decomposes inference ``batch_norm`` into elementwise ops after placement, so that a
+rule naming ``nn.batch_norm`` still places it and it then fuses into the convolution before it.)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import tvm
+import tvm_ffi
+from tvm import relax
+
+_PAIRWISE = {"relax.sum": relax.op.add, "relax.mean": relax.op.add,
+             "relax.max": relax.op.maximum, "relax.min": relax.op.minimum}
+
+
+def _op(expr: relax.Expr) -> str | None:
+    if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
+        return expr.op.name
+    return None
+
+
+def _axis_is_zero(call: relax.Call) -> bool:
+    axis = call.attrs.axis
+    return (axis is not None and len(axis) == 1 and int(axis[0]) == 0
+            and not bool(call.attrs.keepdims))
+
+
+@relax.expr_functor.mutator
+class _StackedReductions(relax.PyExprMutator):
+    def __init__(self, mod: tvm.IRModule, var2val: dict) -> None:
+        super().__init__(mod)
+        self.var2val = var2val
+        self.rewritten = 0
+
+    def _value(self, expr: relax.Expr) -> relax.Expr:
+        return self.var2val.get(expr, expr) if isinstance(expr, relax.Var) else expr
+
+    def _operands(self, call: relax.Call) -> list[relax.Expr] | None:
+        if _op(call) not in _PAIRWISE or not _axis_is_zero(call):
+            return None
+        stack = self._value(call.args[0])
+        if _op(stack) != "relax.stack" or int(stack.attrs.axis) != 0:
+            return None
+        items = self._value(stack.args[0])
+        if not isinstance(items, relax.Tuple) or len(items.fields) < 2:
+            return None
+        out = []
+        for item in items.fields:
+            v = self._value(item)
+            out.append(v.args[0] if _op(v) == "relax.broadcast_to" else item)
+        return out
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        operands = self._operands(call)
+        if operands is None:
+            return call
+        op = _PAIRWISE[call.op.name]
+        out = functools.reduce(lambda a, b: self.builder_.normalize(op(a, b)),
+                               [self.visit_expr(x) for x in operands])
+        want = call.ty
+        if call.op.name == "relax.mean":
+            out = self.builder_.normalize(relax.op.divide(
+                out, relax.const(float(len(operands)), want.dtype)))
+        if not tvm_ffi.structural_equal(out.ty.shape, want.shape):
+            out = self.builder_.normalize(relax.op.broadcast_to(out, want.shape))
+        self.rewritten += 1
+        return out
+
+
+def pairwise_reductions(mod: tvm.IRModule) -> tvm.IRModule:
+    """Stacked reductions of ``main`` rewritten as pairwise ops (see module doc)."""
+    func = mod["main"]
+    m = _StackedReductions(mod, relax.analysis.get_var2val(func))
+    new_func = m.visit_expr(func)
+    if not m.rewritten:
+        return mod
+    mod = mod.clone()
+    mod.update_func(mod.get_global_var("main"), new_func)
+    return relax.transform.DeadCodeElimination(["main"])(mod)
