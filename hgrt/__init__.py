@@ -24,12 +24,11 @@ __version__ = "0.1.0"
 
 def __getattr__(name):
     # The compiler pulls in TVM's Relax stack; import it only when asked for.
-    if name in ("build", "Placement", "BuildResult"):
+    if name in ("build", "Placement", "BuildResult", "lower_model"):
         import importlib
 
-        module = importlib.import_module("hgrt.build")
-        # Importing the submodule set `hgrt.build` to the module: put the function back.
-        for public in ("build", "Placement", "BuildResult"):
+        module = importlib.import_module("hgrt.compiler")
+        for public in ("build", "Placement", "BuildResult", "lower_model"):
             globals()[public] = getattr(module, public)
         return globals()[name]
     if name == "rpc":

@@ -1,5 +1,6 @@
 """Model import: ONNX (ModelProto or path) or a Relax IRModule → (IRModule, params), with the
-stacked reductions of TVM's ONNX import made pairwise (``relay_passes/simplify.py``).
+stacked reductions of TVM's ONNX import made pairwise and computations on weights alone done
+once, here (``relay_passes/simplify.py``).
 
 Params are always detached: ``main`` takes the user inputs first (``num_input`` of them), then
 the weights, which come back as numpy arrays keyed by param name, so no weight is baked into
@@ -78,6 +79,13 @@ def _from_relax(mod: tvm.IRModule, params: dict[str, Any] | None) -> tuple[tvm.I
     return mod, given
 
 
+def _simplified(mod: tvm.IRModule, weights: dict[str, np.ndarray]
+                ) -> tuple[tvm.IRModule, dict[str, np.ndarray]]:
+    from hgrt.relay_passes.simplify import fold_weight_transforms, pairwise_reductions
+
+    return fold_weight_transforms(pairwise_reductions(mod), weights)
+
+
 def import_model(model: Any, params: dict[str, Any] | None = None,
                  input_shapes: dict[str, Any] | None = None
                  ) -> tuple[tvm.IRModule, dict[str, np.ndarray]]:
@@ -86,18 +94,14 @@ def import_model(model: Any, params: dict[str, Any] | None = None,
     >>> mod, params = import_model("model.onnx")  # doctest: +SKIP
     >>> mod["main"].attrs["num_input"], sorted(params)[:2]  # doctest: +SKIP
     """
-    from hgrt.relay_passes.simplify import pairwise_reductions
-
     if isinstance(model, tvm.IRModule):
         if input_shapes:
             raise BuildError("input_shapes applies to ONNX models; a Relax IRModule carries its "
                              "own shapes")
-        mod, weights = _from_relax(model, params)
-        return pairwise_reductions(mod), weights
+        return _simplified(*_from_relax(model, params))
     if isinstance(model, (str, os.PathLike)) or type(model).__name__ == "ModelProto":
         if params:
             raise BuildError("params are read from the ONNX model; do not pass them separately")
-        mod, weights = _from_onnx(model, input_shapes)
-        return pairwise_reductions(mod), weights
+        return _simplified(*_from_onnx(model, input_shapes))
     raise BuildError(f"cannot import a {type(model).__name__}: give an onnx ModelProto, a path to "
                      f"an .onnx file or a Relax IRModule")

@@ -61,7 +61,7 @@ def fuse_for_tuning(model: Any, devices: Any = "cpu", placement: Any = None,
     schedules (``hgrt.build.lower_model``): same passes, same devices and placement, so the
     functions, their structural hashes and targets are the ones ``build`` looks up.
     A module that is already fused is returned as it is."""
-    from hgrt.build import lower_model
+    from hgrt.compiler import lower_model
 
     if isinstance(model, tvm.IRModule) and _is_fused(model):
         return model

@@ -125,7 +125,7 @@ def vm_on_hgrt_kernels(model, inputs: dict[str, np.ndarray], tuning_db: str | No
     import tvm
     from tvm import relax
 
-    from hgrt.build import lower_model
+    from hgrt.compiler import lower_model
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

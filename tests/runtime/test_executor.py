@@ -180,10 +180,3 @@ def test_save_load_round_trip(tmp_path, lib, two_cpus, rng):
 def test_load_missing_artifact_names_file(tmp_path):
     with pytest.raises(hgrt.HgrtError, match="no graph.json"):
         hgrt.load(str(tmp_path), tvm.cpu(0))
-
-
-@pytest.mark.skipif(not tvm.cuda(0).exist, reason="needs a CUDA GPU")
-def test_duplex_cpu_cuda(rng):
-    from hgrt.build import build  # noqa: F401
-    from hgrt_testing import elementwise_lib  # noqa: F401 - CUDA kernels built in the compiler tests
-    pytest.skip("CUDA duplex runs through hgrt.build; see tests/test_build.py")

@@ -1,0 +1,100 @@
+"""Import-time rewrites: ONNX Sum/Mean/Max/Min made pairwise, weight-only computations folded,
+batch_norm fused into its convolution. Reference: onnx's own ReferenceEvaluator."""
+
+import numpy as np
+import onnx
+import pytest
+import tvm
+from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+import hgrt
+from hgrt.compiler import lower_model
+from hgrt.frontend import import_model
+
+
+def _model(nodes, inputs, output, inits=(), opset=13):
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs],
+        [helper.make_tensor_value_info(output[0], TensorProto.FLOAT, output[1])],
+        initializer=[numpy_helper.from_array(v, k) for k, v in inits])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    onnx.checker.check_model(model)
+    return model
+
+
+def _run(model, feeds, devices=("cpu",), placement=None):
+    res = hgrt.build(model, list(devices), placement)
+    m = hgrt.create(res.graph_json, res.lib, [tvm.cpu(i) for i in range(len(devices))])
+    m.load_params(res.params)
+    m.set_input(**feeds)
+    m.run()
+    return m.get_output(0).numpy(), res
+
+
+def _ops(mod) -> str:
+    return mod["main"].script()
+
+
+@pytest.mark.parametrize("op", ["Sum", "Mean", "Max", "Min"])
+def test_variadic_reductions_become_pairwise_and_match_onnx(op):
+    shapes = [("a", [2, 3, 4]), ("b", [3, 4]), ("c", [2, 1, 4])]  # multidirectional broadcast
+    model = _model([helper.make_node(op, ["a", "b", "c"], ["y"])], shapes, ("y", [2, 3, 4]))
+    mod, _ = import_model(model)
+    assert "R.stack" not in _ops(mod)
+    rng = np.random.default_rng(0)
+    feeds = {n: rng.standard_normal(s).astype("float32") for n, s in shapes}
+    want = ReferenceEvaluator(model).run(None, feeds)[0]
+    got, _ = _run(model, feeds, ("cpu:0", "cpu:1"), hgrt.Placement(rules={"add": "cpu:1"}))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_weight_only_computation_is_done_at_build_time():
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((16, 8)).astype("float32")  # Gemm transB: y = x @ w.T + b
+    b = rng.standard_normal(16).astype("float32")
+    model = _model([helper.make_node("Gemm", ["x", "w", "b"], ["y"], transB=1)],
+                   [("x", [4, 8])], ("y", [4, 16]), inits=[("w", w), ("b", b)])
+    mod, weights = import_model(model)
+    assert "permute_dims" not in _ops(mod) and "transpose" not in _ops(mod)
+    assert "w" not in weights  # only the transpose read it: replaced by its result
+    assert any(v.shape == (8, 16) and np.array_equal(v, w.T) for v in weights.values())
+    x = rng.standard_normal((4, 8)).astype("float32")
+    got, res = _run(model, {"x": x})
+    np.testing.assert_allclose(got, x @ w.T + b, rtol=1e-5, atol=1e-5)
+    assert not any(v.shape == (16, 8) for v in res.params.values())
+
+
+def test_nothing_to_fold_leaves_weights_alone():
+    w = np.ones((4, 4), "float32")
+    model = _model([helper.make_node("MatMul", ["x", "w"], ["y"])], [("x", [2, 4])],
+                   ("y", [2, 4]), inits=[("w", w)])
+    mod, weights = import_model(model)
+    assert list(weights) == ["w"] and weights["w"] is not None
+    assert [gv.name_hint for gv in mod.get_global_vars()] == ["main"]
+
+
+def test_batch_norm_fuses_into_its_convolution():
+    rng = np.random.default_rng(2)
+    c = 8
+    inits = [("w", rng.standard_normal((c, 3, 3, 3)).astype("float32") / 5),
+             ("s", rng.uniform(0.5, 1.5, c).astype("float32")),
+             ("bias", rng.standard_normal(c).astype("float32")),
+             ("mean", rng.standard_normal(c).astype("float32")),
+             ("var", rng.uniform(0.5, 1.5, c).astype("float32"))]
+    model = _model([helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+                    helper.make_node("BatchNormalization", ["c", "s", "bias", "mean", "var"],
+                                     ["bn"]),
+                    helper.make_node("Relu", ["bn"], ["y"])],
+                   [("x", [1, 3, 10, 10])], ("y", [1, c, 10, 10]), inits=inits)
+    mod, _ = lower_model(model)
+    kernels = [gv.name_hint for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert len(kernels) == 1 and "conv2d" in kernels[0] and "relu" in kernels[0], kernels
+    x = rng.standard_normal((1, 3, 10, 10)).astype("float32")
+    conv = ReferenceEvaluator(_model(model.graph.node[:1], [("x", [1, 3, 10, 10])],
+                                     ("c", [1, c, 10, 10]), inits=inits[:1]))
+    v = {k: a.reshape(-1, 1, 1) for k, a in inits[1:]}
+    bn = (conv.run(None, {"x": x})[0] - v["mean"]) / np.sqrt(v["var"] + 1e-5) * v["s"] + v["bias"]
+    want = np.maximum(bn, 0)
+    got, _ = _run(model, {"x": x})
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
