@@ -245,8 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--db", required=True, help="database directory (created; resumed if there)")
     t.add_argument("--trials-per-task", type=int, default=16,
                    help="measured candidates per distinct kernel (default 16)")
-    t.add_argument("--cost-model", choices=("random", "xgb"), default="random",
-                   help="xgb needs the xgboost package")
+    t.add_argument("--cost-model", choices=("auto", "random", "xgb"), default="auto",
+                   help="xgb needs xgboost (pip install 'hgrt[tune]'); auto: xgb if installed")
     t.set_defaults(func=cmd_tune)
 
     z = sub.add_parser("zoo", help="write a light zoo model of the onnx wheel with random "

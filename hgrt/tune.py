@@ -162,6 +162,37 @@ def _records(db, task_mod: tvm.IRModule, target: tvm.target.Target) -> list:
     return [r for r in recs if _target_key(r.target) == key]
 
 
+def _record_default(db, task_mod: tvm.IRModule, target: tvm.target.Target, builder, runner,
+                    log: Callable[[str], None]) -> float | None:
+    """Build and time hgrt's default schedule of the task with MetaSchedule's own builder and
+    runner, and commit it as a tuning record; its mean seconds, or None when it cannot be
+    scheduled, built or run."""
+    from tvm.s_tir import meta_schedule as ms
+
+    from hgrt.relay_passes.schedule_cpu import default_schedule_trace
+
+    func = task_mod["main"]
+    trace = default_schedule_trace(func, target)
+    if trace is None:
+        return None
+    sch = tvm.s_tir.Schedule(task_mod)
+    trace.apply_to_schedule(sch, remove_postproc=False)
+    built = builder.build([ms.builder.BuilderInput(sch.mod, target)])[0]
+    if built.error_msg:
+        log(f"  the default schedule does not build: {built.error_msg.splitlines()[0][:160]}")
+        return None
+    args_info = ms.arg_info.ArgInfo.from_prim_func(func)
+    device = "cpu" if target.kind.name == "llvm" else target.kind.name
+    res = runner.run([ms.runner.RunnerInput(built.artifact_path, device,
+                                            args_info)])[0].result()
+    if res.error_msg or not res.run_secs:
+        return None
+    secs = [float(x) for x in res.run_secs]
+    db.commit_tuning_record(ms.database.TuningRecord(
+        trace, db.commit_workload(task_mod), secs, target, args_info))
+    return sum(secs) / len(secs)
+
+
 class _Progress:
     """``hgrt_progress.json`` in the database: per (target, workload hash), the trials a
     finished tune of that task asked for."""
@@ -177,14 +208,17 @@ class _Progress:
             self.asked_by_key = {}
 
     @staticmethod
-    def _key(task_mod: tvm.IRModule, target: tvm.target.Target) -> str:
-        return f"{'/'.join(map(str, _target_key(target)))}|{tvm_ffi.structural_hash(task_mod)}"
+    def _key(task_mod: tvm.IRModule, target: tvm.target.Target, what: str) -> str:
+        return (f"{'/'.join(map(str, _target_key(target)))}|"
+                f"{tvm_ffi.structural_hash(task_mod)}|{what}")
 
-    def asked(self, task_mod: tvm.IRModule, target: tvm.target.Target) -> int:
-        return int(self.asked_by_key.get(self._key(task_mod, target), 0))
+    def asked(self, task_mod: tvm.IRModule, target: tvm.target.Target,
+              what: str = "trials") -> int:
+        return int(self.asked_by_key.get(self._key(task_mod, target, what), 0))
 
-    def record(self, task_mod: tvm.IRModule, target: tvm.target.Target, trials: int) -> None:
-        key = self._key(task_mod, target)
+    def record(self, task_mod: tvm.IRModule, target: tvm.target.Target, trials: int,
+               what: str = "trials") -> None:
+        key = self._key(task_mod, target, what)
         self.asked_by_key[key] = max(trials, self.asked_by_key.get(key, 0))
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
@@ -200,9 +234,9 @@ def _best(records: list) -> float | None:
 
 def tune(model: Any, db_dir: str, trials_per_task: int = 16, *, devices: Any = "cpu",
          placement: Any = None, params: dict[str, Any] | None = None,
-         input_shapes: dict[str, Any] | None = None, trials_per_round: int | None = None,
+         input_shapes: dict[str, Any] | None = None, trials_per_round: int = 16,
          population_size: int = 128, builder_timeout_sec: float = 60.0,
-         max_workers: int | None = None, seed: int = 0, cost_model: str = "random",
+         max_workers: int | None = None, seed: int = 0, cost_model: str = "auto",
          log: Callable[[str], None] | None = print) -> list[TuneSummary]:
     """Tune every distinct kernel of ``model`` placed on ``devices`` into ``db_dir``.
 
@@ -210,12 +244,21 @@ def tune(model: Any, db_dir: str, trials_per_task: int = 16, *, devices: Any = "
     the same ``devices`` / ``placement`` (``fuse_for_tuning``), or a module already fused.
     Every target among the kernels is tuned in turn (a kernel on two devices of one target
     once). Resumable: run it again with the same ``db_dir`` and finished tasks are skipped,
-    unfinished ones get only their missing trials. ``cost_model``: ``"random"`` (no extra
-    dependency) or ``"xgb"`` (needs xgboost; better candidates per trial on long tunes).
+    unfinished ones get only their missing trials. Each task first records hgrt's default
+    schedule, measured like any candidate, so a tuned build is never slower than an untuned
+    one by more than the measurement noise. ``cost_model``: ``"xgb"`` (needs xgboost, the
+    ``tune`` extra: it learns from each round of ``trials_per_round`` which candidates to
+    measure next), ``"random"``, or ``"auto"`` (xgb when xgboost is installed).
     """
     from tvm.s_tir import meta_schedule as ms
 
     log = log or (lambda _m: None)
+    if cost_model == "auto":
+        try:
+            import xgboost  # noqa: F401
+            cost_model = "xgb"
+        except ImportError:
+            cost_model = "random"
     mod = fuse_for_tuning(model, devices, placement, params, input_shapes=input_shapes)
     targets = module_targets(mod)
     if not targets:
@@ -236,17 +279,27 @@ def tune(model: Any, db_dir: str, trials_per_task: int = 16, *, devices: Any = "
         for i, task in enumerate(tasks, 1):
             task_mod = task.dispatched[0]
             done = _records(db, task_mod, target)
+            # the default schedule is measured and recorded first, so the database's best is
+            # never a candidate slower than what an untuned build would run
+            has_default = progress.asked(task_mod, target, "default_ns") > 0
+            if not has_default and target.kind.name == "llvm":
+                secs = _record_default(db, task_mod, target, builder, runner, log)
+                if secs is not None:
+                    has_default = True
+                    progress.record(task_mod, target, max(1, round(secs * 1e9)), "default_ns")
+                    done = _records(db, task_mod, target)
             # a task whose search space holds fewer schedules than asked for (a reshape has
             # one) was finished by the run that asked: progress remembers what each run asked
             asked = progress.asked(task_mod, target)
-            todo = 0 if asked >= trials_per_task else trials_per_task - len(done)
+            measured = len(done) - int(has_default)
+            todo = 0 if asked >= trials_per_task else trials_per_task - measured
             head = f"task {i}/{len(tasks)} {task.task_name} (weight {task.weight})"
             if todo <= 0:
                 best = _best(done)
                 summary.skipped.append(task.task_name)
                 if best is not None:
                     summary.best[task.task_name] = best
-                log(f"{head}: done before ({len(done)} trials), best "
+                log(f"{head}: done before ({len(done)} records), best "
                     f"{best * 1e3:.3f} ms" if best is not None else f"{head}: done before")
                 continue
             ctx = ms.TuneContext(
@@ -258,7 +311,7 @@ def tune(model: Any, db_dir: str, trials_per_task: int = 16, *, devices: Any = "
             try:
                 ms.tune_tasks(tasks=[ctx], task_weights=[1.0], work_dir=db_dir,
                               max_trials_global=todo, max_trials_per_task=todo,
-                              num_trials_per_iter=min(trials_per_round or todo, todo),
+                              num_trials_per_iter=min(trials_per_round, todo),
                               builder=builder, runner=runner, database=db,
                               cost_model=(ms.cost_model.RandomModel() if cost_model == "random"
                                           else cost_model),
@@ -273,7 +326,9 @@ def tune(model: Any, db_dir: str, trials_per_task: int = 16, *, devices: Any = "
             if best is not None:
                 summary.best[task.task_name] = best
             best_s = f"{best * 1e3:.3f} ms" if best is not None else "no valid trial"
-            log(f"{head}: {len(recs) - len(done)} trials ({len(recs)} in db), best {best_s}")
+            default = progress.asked(task_mod, target, "default_ns") * 1e-9
+            vs = f" (default schedule {default * 1e3:.3f} ms)" if default else ""
+            log(f"{head}: {len(recs) - len(done)} trials ({len(recs)} in db), best {best_s}{vs}")
         summary.seconds = time.perf_counter() - start
         log(f"tuned {len(summary.trials)} tasks, {len(summary.skipped)} already done, "
             f"{summary.seconds:.0f} s")

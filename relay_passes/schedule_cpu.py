@@ -30,7 +30,8 @@ import tvm
 from tvm import s_tir, tirx
 from tvm.sym.pattern import detect_linear_equation
 
-__all__ = ["ScheduleReport", "default_cpu_schedule", "host_target", "schedule_cpu_functions"]
+__all__ = ["ScheduleReport", "default_cpu_schedule", "default_schedule_trace", "host_target",
+           "schedule_cpu_functions"]
 
 SCHEDULED_ATTR = "tirx.is_scheduled"
 # a kernel with fewer output elements than this runs serial: a parallel launch costs µs
@@ -372,6 +373,22 @@ class _CannotSchedule(Exception):
 
 
 def _schedule_func(func: tirx.PrimFunc, lanes: int) -> tuple[tirx.PrimFunc, bool]:
+    sch, tiled = _default_schedule(func, lanes)
+    return sch.mod["main"].with_attr(SCHEDULED_ATTR, True), tiled
+
+
+def default_schedule_trace(func: tirx.PrimFunc, target: tvm.target.Target
+                           ) -> s_tir.Trace | None:
+    """The default schedule of one PrimFunc as a schedule trace (what ``hgrt tune`` measures
+    and records next to MetaSchedule's candidates), or None when it cannot be scheduled."""
+    try:
+        sch, _ = _default_schedule(func, max(2, _vector_bits(target) // 32))
+    except (*_SCHEDULE_ERRORS, _CannotSchedule):
+        return None
+    return sch.trace
+
+
+def _default_schedule(func: tirx.PrimFunc, lanes: int) -> tuple[s_tir.Schedule, bool]:
     sch = s_tir.Schedule(func)
     _inline_producers(sch)
     root = sch.get_sblock("root")
@@ -392,7 +409,7 @@ def _schedule_func(func: tirx.PrimFunc, lanes: int) -> tuple[tirx.PrimFunc, bool
         if b is None or name in done or _is_reduction(sch, b):
             continue
         _schedule_spatial(sch, b, lanes)
-    return sch.mod["main"].with_attr(SCHEDULED_ATTR, True), tiled
+    return sch, tiled
 
 
 def schedule_cpu_functions(mod: tvm.IRModule, target: tvm.target.Target | str | None = None
