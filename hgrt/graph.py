@@ -465,3 +465,56 @@ def check_lifetimes(g: Graph) -> None:
     raise GraphError(f"memory plan: entries {a} and {b} on device {g.entry_device(a)} share "
                      f"{where} while both are live (at node {max(step, 0)} "
                      f"'{g.nodes[max(step, 0)].name}')")
+
+
+ALIGN = 64  # bytes: every storage of an hgrt memory plan starts at a multiple of this
+
+
+def align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass
+class DeviceMemory:
+    """Bytes of one device's arena: planned, the lower bound (most bytes live at once, so no
+    plan can do better), and the total without any reuse. Sizes are rounded up to ``ALIGN``."""
+
+    device: int
+    planned_bytes: int
+    lower_bound: int
+    no_reuse_bytes: int
+
+
+def memory_report(g: Graph) -> list[DeviceMemory]:
+    """Per device: planned bytes (the ``hgrt`` pools, else one buffer per storage id), the lower
+    bound over the live ranges of entry groups, and the no-reuse total."""
+    n_dev = 1 + max(g.device_index or [0])
+    if g.pool_bytes is not None:
+        n_dev = max(n_dev, len(g.pool_bytes))
+    no_reuse = [0] * n_dev
+    events: list[list[tuple[int, int]]] = [[] for _ in range(n_dev)]
+    for root, (lo, hi, group) in live_ranges(g).items():
+        dev = g.entry_device(root)
+        nbytes = align(max(g.entry_bytes(e) for e in group))
+        no_reuse[dev] += nbytes
+        events[dev].append((lo, nbytes))
+        events[dev].append((hi + 1, -nbytes))  # live through step hi inclusive
+    lower = []
+    for ev in events:
+        live = peak = 0
+        for _, delta in sorted(ev):  # at one step, frees (negative) before allocations
+            live += delta
+            peak = max(peak, live)
+        lower.append(peak)
+    if g.pool_bytes is not None:
+        planned = list(g.pool_bytes) + [0] * (n_dev - len(g.pool_bytes))
+    else:
+        size: dict[int, int] = {}
+        for eid, sid in enumerate(g.storage_ids):
+            size[sid] = max(size.get(sid, 0), align(g.entry_bytes(eid)))
+        planned = [0] * n_dev
+        for sid, eid in {sid: eid for eid, sid in reversed(list(enumerate(g.storage_ids)))
+                         }.items():
+            planned[g.entry_device(eid)] += size[sid]
+    return [DeviceMemory(d, p, lb, nr)
+            for d, (p, lb, nr) in enumerate(zip(planned, lower, no_reuse, strict=True))]

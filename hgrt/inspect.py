@@ -9,55 +9,11 @@ import os
 import shutil
 import subprocess
 from collections import Counter
-from dataclasses import dataclass
 
-from hgrt.graph import COPY_FUNC, NOP_FUNC, Graph, live_ranges
+from hgrt.graph import COPY_FUNC, NOP_FUNC, Graph, live_ranges, memory_report
 
 # One colour per device position (Graphviz / matplotlib names).
 PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#b07aa1", "#76b7b2"]
-
-
-@dataclass
-class DeviceMemory:
-    planned: int  # bytes the executor allocates on the device
-    lower_bound: int  # most bytes live at one time: no plan can do better
-    no_reuse: int  # every entry in its own storage
-
-
-def memory_summary(g: Graph) -> list[DeviceMemory]:
-    """Per device: planned bytes, the lower bound, and the total without reuse."""
-    n_dev = 1 + max(g.device_index or [0])
-    if g.pool_bytes is not None:
-        n_dev = max(n_dev, len(g.pool_bytes))
-    ranges = live_ranges(g)
-    no_reuse = [0] * n_dev
-    events: list[list[tuple[int, int]]] = [[] for _ in range(n_dev)]
-    for root, (lo, hi, group) in ranges.items():
-        dev = g.entry_device(root)
-        nbytes = max(g.entry_bytes(e) for e in group)
-        no_reuse[dev] += nbytes
-        events[dev].append((lo, nbytes))
-        events[dev].append((hi + 1, -nbytes))  # live through step hi inclusive
-    lower = []
-    for ev in events:
-        live = peak = 0
-        for _, delta in sorted(ev, key=lambda t: (t[0], t[1])):  # frees before allocations
-            live += delta
-            peak = max(peak, live)
-        lower.append(peak)
-    if g.pool_bytes is not None:
-        planned = list(g.pool_bytes) + [0] * (n_dev - len(g.pool_bytes))
-    else:
-        size: dict[int, int] = {}
-        for eid, sid in enumerate(g.storage_ids):
-            size[sid] = max(size.get(sid, 0), g.entry_bytes(eid))
-        planned = [0] * n_dev
-        seen = set()
-        for eid, sid in enumerate(g.storage_ids):
-            if sid not in seen:
-                seen.add(sid)
-                planned[g.entry_device(eid)] += size[sid]
-    return [DeviceMemory(p, lb, nr) for p, lb, nr in zip(planned, lower, no_reuse, strict=True)]
 
 
 def summary(g: Graph) -> dict:
@@ -73,7 +29,7 @@ def summary(g: Graph) -> dict:
             copies[(g.entry_device(src), dev)] += g.entry_bytes(src)
         else:
             per_dev[dev] += 1
-    mem = memory_summary(g)
+    mem = memory_report(g)
     return {
         "devices": names,
         "kernels_per_device": {names[d]: per_dev[d] for d in range(len(names))},
@@ -90,8 +46,9 @@ def format_summary(s: dict) -> str:
     lines += [f"  {k}: {b} bytes per run" for k, b in s["copies"].items()]
     lines.append("memory per device (bytes):   planned   lower bound   no reuse   planned/bound")
     for d, m in s["memory"].items():
-        ratio = m["planned"] / m["lower_bound"] if m["lower_bound"] else 1.0
-        lines.append(f"  {d:<20} {m['planned']:>12} {m['lower_bound']:>13} {m['no_reuse']:>10} "
+        ratio = m["planned_bytes"] / m["lower_bound"] if m["lower_bound"] else 1.0
+        lines.append(f"  {d:<20} {m['planned_bytes']:>12} {m['lower_bound']:>13} "
+                     f"{m['no_reuse_bytes']:>10} "
                      f"{ratio:>14.3f}")
     return "\n".join(lines)
 
@@ -189,7 +146,7 @@ def draw_memory(g: Graph, device: int, path_png: str) -> str | None:
     except ImportError:
         return None
     n_steps = len(g.nodes)
-    mem = memory_summary(g)[device]
+    mem = memory_report(g)[device]
     fig, ax = plt.subplots(figsize=(10, 5))
     offsets: dict[int, int] = {}
     next_sid_base = 0
@@ -210,7 +167,7 @@ def draw_memory(g: Graph, device: int, path_png: str) -> str | None:
         colour = "#9c9c9c" if node.op == "null" else PALETTE[(sid * 7) % 6]
         ax.add_patch(Rectangle((max(lo, -1), y), hi - max(lo, -1) + 1, nbytes, fc=colour,
                                ec="black", lw=0.4, alpha=0.85))
-    top = max(mem.planned, 1)
+    top = max(mem.planned_bytes, 1)
     ax.axhline(mem.lower_bound, color="#d62728", ls="--", lw=1,
                label=f"lower bound {mem.lower_bound} B")
     ax.set_xlim(-1, n_steps + 1)
@@ -218,8 +175,8 @@ def draw_memory(g: Graph, device: int, path_png: str) -> str | None:
     ax.set_xlabel("step (node id)")
     ax.set_ylabel("byte offset in pool")
     name = (g.device_names or [f"device {device}"] * (device + 1))[device]
-    ax.set_title(f"memory plan of {name}: {mem.planned} B planned, lower bound "
-                 f"{mem.lower_bound} B, {mem.no_reuse} B without reuse (grey: inputs/params)")
+    ax.set_title(f"memory plan of {name}: {mem.planned_bytes} B planned, lower bound "
+                 f"{mem.lower_bound} B, {mem.no_reuse_bytes} B without reuse (grey: inputs/params)")
     ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path_png, dpi=110)
@@ -243,7 +200,7 @@ def inspect_artifacts(directory: str, out_dir: str | None = None) -> tuple[dict,
     png = draw_graph(g, os.path.join(out_dir, "graph.png"))
     if png:
         files.append(png)
-    n_dev = len(memory_summary(g))
+    n_dev = len(memory_report(g))
     for d in range(n_dev):
         png = draw_memory(g, d, os.path.join(out_dir, f"memory_{d}.png"))
         if png:

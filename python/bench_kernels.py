@@ -79,7 +79,7 @@ def main() -> None:
         outs = {k: hgrt_outputs(m) for k, m in runners.items()}
         ref = outs["default"]
         for k, o in outs.items():
-            notes.append(f"{k} max |diff| vs default {max_diff(o, ref):.1e}")
+            notes.append(f"{k} max rel. diff vs default {max_diff(o, ref):.1e}")
         # unscheduled kernels take seconds: a few runs are enough for them
         times = median_times({k: m.run for k, m in runners.items() if k != "unscheduled"},
                              args.repeat)
@@ -89,7 +89,7 @@ def main() -> None:
         sess = ort_session(entry.model, threads)
         if sess is not None:
             feed = ort_feed(sess, entry.model, entry.inputs)
-            notes.append(f"onnxruntime max |diff| vs default "
+            notes.append(f"onnxruntime max rel. diff vs default "
                          f"{max_diff(sess.run(None, feed), ref):.1e}")
             time.sleep(0.2)
             times["onnxruntime"] = median_time(lambda s=sess, f=feed: s.run(None, f),

@@ -141,7 +141,7 @@ def main() -> None:
         r = bench_one(entry, args.repeat, args.tuning_db)
         rows.append(r)
         print(f"{name}: hgrt {_ms(r['hgrt'])} ms, VM {_ms(r['vm'])} ms, split "
-              f"{_ms(r['split'])} ms, ORT {_ms(r['ort']) if 'ort' in r else '-'} ms; max |diff| "
+              f"{_ms(r['split'])} ms, ORT {_ms(r['ort']) if 'ort' in r else '-'} ms; max rel. diff "
               f"vs VM {r['diff_vm']:.1e}, ORT vs VM {r.get('diff_ort', float('nan')):.1e}",
               flush=True)
     table = format_rows(rows)

@@ -12,27 +12,10 @@ lifetimes from the graph alone and refuses two live storages sharing a byte.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 from hgrt.errors import PlanError
-from hgrt.graph import NOP_FUNC, Graph
-
-ALIGN = 64
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-@dataclass
-class DeviceMemory:
-    """Bytes of one device's arena: planned, the lower bound (most bytes live at once), and the
-    total without any reuse. Sizes are rounded up to ``ALIGN``."""
-
-    device: int
-    planned_bytes: int
-    lower_bound: int
-    no_reuse_bytes: int
+from hgrt.graph import ALIGN, NOP_FUNC, DeviceMemory, Graph, memory_report  # noqa: F401
+from hgrt.graph import align as _align
 
 
 def _lifetimes(g: Graph) -> tuple[dict[int, list[int]], dict[int, int]]:
@@ -140,22 +123,6 @@ def plan_memory(graph: Graph, ctx: object = None) -> Graph:
             ctx.log(f"memory on device {m.device}: {m.planned_bytes} B planned, lower bound "
                     f"{m.lower_bound} B, {m.no_reuse_bytes} B without reuse")
     return g
-
-
-def memory_report(g: Graph) -> list[DeviceMemory]:
-    """Per device: planned bytes, the lower bound (max bytes live at once), no-reuse total."""
-    live, size = _lifetimes(g)
-    owner = _storage_devices(g)
-    n_dev = len(g.pool_bytes) if g.pool_bytes is not None else max(owner.values(), default=0) + 1
-    out = []
-    for dev in range(n_dev):
-        mine = [s for s in size if owner[s] == dev]
-        events = sorted({live[s][0] for s in mine})
-        bound = max((sum(size[s] for s in mine if live[s][0] <= t <= live[s][1])
-                     for t in events), default=0)
-        planned = g.pool_bytes[dev] if g.pool_bytes is not None else sum(size[s] for s in mine)
-        out.append(DeviceMemory(dev, planned, bound, sum(size[s] for s in mine)))
-    return out
 
 
 def verify_memory(g: Graph) -> None:

@@ -8,8 +8,8 @@ import pytest
 
 import hgrt
 from hgrt.cli import main
-from hgrt.graph import Graph, live_ranges
-from hgrt.inspect import inspect_artifacts, memory_summary
+from hgrt.graph import Graph, align, live_ranges, memory_report
+from hgrt.inspect import inspect_artifacts
 from hgrt_testing import GraphBuilder, N, elementwise_lib
 
 
@@ -32,23 +32,23 @@ def artifact(tmp_path, pools=True):
 def brute_force_peak(g, dev):
     peak = 0
     for step in range(-1, len(g.nodes) + 1):
-        live = sum(max(g.entry_bytes(e) for e in grp) for r, (lo, hi, grp)
+        live = sum(align(max(g.entry_bytes(e) for e in grp)) for r, (lo, hi, grp)
                    in live_ranges(g).items() if g.entry_device(r) == dev and lo <= step <= hi)
         peak = max(peak, live)
     return peak
 
 
 @pytest.mark.parametrize("pools", [True, False])
-def test_memory_summary_matches_plan_and_brute_force(tmp_path, pools):
+def test_memory_report_matches_plan_and_brute_force(tmp_path, pools):
     _, g = artifact(tmp_path, pools)
-    mem = memory_summary(g)
+    mem = memory_report(g)
     assert len(mem) == 2
     for dev, m in enumerate(mem):
         assert m.lower_bound == brute_force_peak(g, dev)
-        assert m.lower_bound <= m.planned <= m.no_reuse
+        assert m.lower_bound <= m.planned_bytes <= m.no_reuse_bytes
     if pools:
-        assert [m.planned for m in mem] == g.pool_bytes
-    assert mem[0].no_reuse == 5 * N * 4  # x, a, b, copy back, out: one storage each
+        assert [m.planned_bytes for m in mem] == g.pool_bytes
+    assert mem[0].no_reuse_bytes == 5 * align(N * 4)  # x, a, b, copy back, out: one storage each
 
 
 def test_inspect_writes_pictures_and_summary(tmp_path, capsys):
@@ -56,7 +56,7 @@ def test_inspect_writes_pictures_and_summary(tmp_path, capsys):
     summary, files = inspect_artifacts(path)
     assert summary["kernels_per_device"] == {"cpu:0": 3, "cpu:1": 1}
     assert summary["copies"] == {"cpu:0 -> cpu:1": N * 4, "cpu:1 -> cpu:0": N * 4}
-    assert summary["memory"]["cpu:0"]["planned"] == g.pool_bytes[0]
+    assert summary["memory"]["cpu:0"]["planned_bytes"] == g.pool_bytes[0]
     dot = open(os.path.join(path, "inspect", "graph.dot")).read()
     assert dot.count("shape=diamond") == 2 and dot.startswith("digraph")
     pngs = [f for f in files if f.endswith(".png")]
