@@ -120,7 +120,8 @@ def graph_codegen(mod: tvm.IRModule, ctx: BuildContext) -> Graph:
     return Graph(nodes=g.nodes, arg_nodes=inputs + weights + g.const_nodes,
                  node_row_ptr=g.row_ptr, heads=heads, shapes=g.shapes, dtypes=g.dtypes,
                  storage_ids=list(range(n)), device_index=g.devices,
-                 params=[g.nodes[i].name for i in weights + g.const_nodes])
+                 params=[g.nodes[i].name for i in weights + g.const_nodes],
+                 device_names=[d.name for d in ctx.devices])
 
 
 def _emit(g: _GraphBuilder, b: relax.VarBinding, dev: dict[relax.Var, int]) -> None:

@@ -217,6 +217,21 @@ def test_graph_json_contract(model):
     assert all(off % 64 == 0 for off in g.storage_offset)
     assert len(g.pool_bytes) == 2
     assert res.devices == ["cpu:0", "cpu:1"]
+    assert doc["hgrt"]["devices"] == ["cpu:0", "cpu:1"]  # what `hgrt run` uses by default
+
+
+def test_cli_runs_artifacts_on_the_devices_they_were_built_for(model, x, reference, tmp_path,
+                                                               capsys):
+    from hgrt.cli import main
+
+    res = hgrt.build(model, ["cpu:0", "cpu:1"], alternating(model))
+    hgrt.save(str(tmp_path / "out"), res)
+    np.save(tmp_path / "x.npy", x)
+    rc = main(["run", str(tmp_path / "out"), "--input", f"x={tmp_path / 'x.npy'}",
+               "--save-output", str(tmp_path / "y.npz")])
+    assert rc == 0, capsys.readouterr()
+    np.testing.assert_allclose(np.load(tmp_path / "y.npz")["arr_0"], reference,
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_build_is_deterministic(model):
