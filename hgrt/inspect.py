@@ -53,29 +53,74 @@ def format_summary(s: dict) -> str:
     return "\n".join(lines)
 
 
+def op_label(func_name: str) -> str:
+    """A kernel's function name as a person would say it: ``fused_conv2d3_add2_llvm_relu2_llvm``
+    → ``conv2d+add+relu``."""
+    parts = [p for p in func_name.split("_") if p not in ("fused", "llvm", "cuda", "")]
+    words: list[str] = []
+    for p in parts:
+        p = p.rstrip("0123456789") or p
+        if p in ("dims", "dim", "to", "pool2d", "2d") and words:  # expand_dims, broadcast_to
+            words[-1] += "_" + p
+        elif not words or words[-1] != p:
+            words.append(p)
+    return "+".join(words)[:40]
+
+
+def _drawn_nodes(g: Graph) -> list[int]:
+    """Every node but the weights (tens of them fan into the first kernels and hide the graph)."""
+    params = set(g.params or [])
+    return [nid for nid, n in enumerate(g.nodes) if not (n.op == "null" and n.name in params)]
+
+
+def _label(g: Graph, nid: int) -> str:
+    node, eid = g.nodes[nid], g.entry_id(nid)
+    shape = "x".join(str(d) for d in g.shapes[eid]) or "scalar"
+    if node.op == "null":
+        return f"{node.name}\n{shape}"
+    if node.func_name == COPY_FUNC:
+        return f"copy {g.entry_bytes(eid) / 1024:.0f} KiB"
+    if node.func_name == NOP_FUNC:
+        return f"view\n{shape}"
+    return f"{op_label(node.func_name)}\n{shape}"
+
+
+def _title(g: Graph, n_devices: int, hidden: int) -> str:
+    funcs = [n.func_name for n in g.nodes if n.op == "tvm_op"]
+    kernels = sum(1 for f in funcs if f not in (COPY_FUNC, NOP_FUNC))
+    return (f"{kernels} kernels on {n_devices} devices, {funcs.count(COPY_FUNC)} copies; "
+            f"{hidden} weights not drawn")
+
+
 def graph_dot(g: Graph) -> str:
-    """The graph in Graphviz DOT: nodes filled with their device's colour, copies as diamonds."""
+    """The graph in Graphviz DOT: kernels filled with their device's colour, copies as red
+    diamonds, weights left out (their count is in the title)."""
     names = g.device_names or [f"device {i}" for i in range(1 + max(g.device_index or [0]))]
-    lines = ["digraph hgrt {", "  rankdir=TB; node [style=filled, fontname=Helvetica, "
-             "fontsize=10, fontcolor=white];"]
+    keep = _drawn_nodes(g)
+    kept = set(keep)
+    title = _title(g, len(names), len(g.nodes) - len(keep))
+    lines = ["digraph hgrt {", f'  label="{title}"; labelloc=t; fontname=Helvetica;',
+             "  rankdir=TB; nodesep=0.15; ranksep=0.25; node [style=filled, fontname=Helvetica, "
+             "fontsize=9, fontcolor=white, height=0.3, margin=\"0.08,0.02\"];"]
+    lines.append("  { rank=source; " + " ".join(f"legend{d}" for d in range(len(names))) + " }")
     for d, name in enumerate(names):
         lines.append(f'  legend{d} [label="{name}", shape=box, fillcolor="{PALETTE[d % 6]}"];')
-    for nid, node in enumerate(g.nodes):
+    for nid in keep:
+        node = g.nodes[nid]
         dev = g.entry_device(g.entry_id(nid))
-        eid = g.entry_id(nid)
-        label = f"{node.name}\\n{list(g.shapes[eid])} {g.dtypes[eid]}"
         if node.op == "null":
-            shape = "box" if node.name in g.params else "invhouse"
+            shape = "invhouse"
         elif node.func_name == COPY_FUNC:
-            shape = "diamond"
-            label = f"copy\\n{g.entry_bytes(eid)} B"
+            shape = 'diamond, color="#d62728", penwidth=2'
         else:
-            shape = "ellipse"
+            shape = "box, style=\"filled,rounded\""
+        label = _label(g, nid).replace("\n", "\\n")
         lines.append(f'  n{nid} [label="{label}", shape={shape}, '
                      f'fillcolor="{PALETTE[dev % 6]}"];')
         for src, _, _ in node.inputs:
-            style = ' [color="#d62728", penwidth=2]' if node.func_name == COPY_FUNC else ""
-            lines.append(f"  n{src} -> n{nid}{style};")
+            if src in kept:
+                style = ' [color="#d62728", penwidth=2]' if node.func_name == COPY_FUNC else ""
+                lines.append(f"  n{src} -> n{nid}{style};")
     lines.append("}")
     return "\n".join(lines)
 
@@ -84,7 +129,8 @@ def draw_graph(g: Graph, path_png: str) -> str | None:
     """Write ``path_png`` with Graphviz if ``dot`` is installed, else with matplotlib."""
     dot = shutil.which("dot")
     if dot:
-        subprocess.run([dot, "-Tpng", "-o", path_png], input=graph_dot(g).encode(), check=True)
+        subprocess.run([dot, "-Tpng", "-Gdpi=80", "-o", path_png], input=graph_dot(g).encode(),
+                       check=True)
         return path_png
     try:
         import matplotlib
@@ -93,44 +139,50 @@ def draw_graph(g: Graph, path_png: str) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    # Layered layout: a node's row is one below its deepest input.
-    depth = []
-    for node in g.nodes:
-        depth.append(1 + max((depth[i] for i, _, _ in node.inputs), default=-1))
+    keep = _drawn_nodes(g)
+    kept = set(keep)
+    # Layered layout: a node's row is one below its deepest drawn input.
+    depth: dict[int, int] = {}
+    for nid in keep:
+        depth[nid] = 1 + max((depth[i] for i, _, _ in g.nodes[nid].inputs if i in kept),
+                             default=-1)
     rows: dict[int, list[int]] = {}
-    for nid, d in enumerate(depth):
-        rows.setdefault(d, []).append(nid)
+    for nid in keep:
+        rows.setdefault(depth[nid], []).append(nid)
     pos = {}
     for d, nids in rows.items():
         for k, nid in enumerate(nids):
-            pos[nid] = (k - (len(nids) - 1) / 2, -d)
+            pos[nid] = (2.2 * (k - (len(nids) - 1) / 2), -d)
     width = max(len(v) for v in rows.values())
-    fig, ax = plt.subplots(figsize=(max(6, 2.2 * width), max(4, 0.9 * len(rows))))
-    for nid, node in enumerate(g.nodes):
+    fig, ax = plt.subplots(figsize=(max(6.0, 2.2 * width + 1), max(4.0, 0.42 * len(rows) + 1)))
+    for nid in keep:
+        node = g.nodes[nid]
         for src, _, _ in node.inputs:
+            if src not in kept:
+                continue
             (x0, y0), (x1, y1) = pos[src], pos[nid]
             copy = node.func_name == COPY_FUNC
-            ax.annotate("", (x1, y1), (x0, y0), arrowprops={
-                "arrowstyle": "->", "color": "#d62728" if copy else "#555555",
-                "lw": 2 if copy else 0.8})
+            ax.annotate("", (x1, y1 + 0.18), (x0, y0 - 0.18), arrowprops={
+                "arrowstyle": "->", "color": "#d62728" if copy else "#888888",
+                "lw": 1.6 if copy else 0.7, "shrinkA": 0, "shrinkB": 0})
     names = g.device_names or [f"device {i}" for i in range(1 + max(g.device_index or [0]))]
-    for nid, node in enumerate(g.nodes):
+    for nid in keep:
         dev = g.entry_device(g.entry_id(nid))
-        copy = node.func_name == COPY_FUNC
-        label = "copy" if copy else node.name[:28]
-        ax.text(*pos[nid], label, ha="center", va="center", fontsize=7, color="white",
-                bbox={"boxstyle": "round4" if not copy else "darrow", "fc": PALETTE[dev % 6],
-                      "ec": "#d62728" if copy else "none", "lw": 2})
+        copy = g.nodes[nid].func_name == COPY_FUNC
+        ax.text(*pos[nid], _label(g, nid).replace("\n", "  "), ha="center", va="center",
+                fontsize=6.5, color="white",
+                bbox={"boxstyle": "round,pad=0.25", "fc": PALETTE[dev % 6],
+                      "ec": "#d62728" if copy else "none", "lw": 1.6})
     for d, name in enumerate(names):
-        ax.scatter([], [], color=PALETTE[d % 6], label=name, s=80)
-    ax.scatter([], [], color="#d62728", marker=">", label="__copy", s=60)
+        ax.scatter([], [], color=PALETTE[d % 6], label=name, s=80, marker="s")
+    ax.scatter([], [], facecolor="white", edgecolor="#d62728", label="copy", s=80, marker="s")
     ax.legend(loc="upper right", fontsize=8)
-    ax.set_xlim(-width / 2 - 1, width / 2 + 1)
-    ax.set_ylim(-len(rows), 1)
+    ax.set_xlim(-1.1 * width - 1, 1.1 * width + 1)
+    ax.set_ylim(-len(rows), 0.6)
     ax.axis("off")
-    ax.set_title(f"{len(g.nodes)} nodes across {len(names)} devices")
+    ax.set_title(_title(g, len(names), len(g.nodes) - len(keep)), fontsize=9)
     fig.tight_layout()
-    fig.savefig(path_png, dpi=110)
+    fig.savefig(path_png, dpi=100)
     plt.close(fig)
     return path_png
 
@@ -147,6 +199,15 @@ def draw_memory(g: Graph, device: int, path_png: str) -> str | None:
         return None
     n_steps = len(g.nodes)
     mem = memory_report(g)[device]
+    # x is the kernel step: the i-th kernel call of run() (inputs and weights are not steps)
+    step = [0] * (n_steps + 1)
+    for nid, node in enumerate(g.nodes):
+        step[nid + 1] = step[nid] + (node.op == "tvm_op")
+    n_kernels = step[n_steps]
+
+    def x_of(nid: int) -> int:
+        return -1 if nid < 0 else step[min(nid, n_steps)]
+
     fig, ax = plt.subplots(figsize=(10, 5))
     offsets: dict[int, int] = {}
     next_sid_base = 0
@@ -165,18 +226,21 @@ def draw_memory(g: Graph, device: int, path_png: str) -> str | None:
         node = g.nodes[next(n for n in range(n_steps) if g.entry_id(n) <= root <
                             g.node_row_ptr[n + 1])]
         colour = "#9c9c9c" if node.op == "null" else PALETTE[(sid * 7) % 6]
-        ax.add_patch(Rectangle((max(lo, -1), y), hi - max(lo, -1) + 1, nbytes, fc=colour,
+        x0, x1 = x_of(lo), x_of(hi)
+        ax.add_patch(Rectangle((x0, y / 2**20), x1 - x0 + 1, nbytes / 2**20, fc=colour,
                                ec="black", lw=0.4, alpha=0.85))
-    top = max(mem.planned_bytes, 1)
-    ax.axhline(mem.lower_bound, color="#d62728", ls="--", lw=1,
-               label=f"lower bound {mem.lower_bound} B")
-    ax.set_xlim(-1, n_steps + 1)
+    top = max(mem.planned_bytes, 1) / 2**20
+    ax.axhline(mem.lower_bound / 2**20, color="#d62728", ls="--", lw=1,
+               label=f"lower bound {mem.lower_bound / 2**20:.2f} MiB")
+    ax.set_xlim(-1.5, n_kernels + 1.5)
     ax.set_ylim(0, top * 1.05)
-    ax.set_xlabel("step (node id)")
-    ax.set_ylabel("byte offset in pool")
+    ax.set_xlabel("kernel step of run() (inputs and weights live from -1 to the end, grey)")
+    ax.set_ylabel("offset in the device pool, MiB")
     name = (g.device_names or [f"device {device}"] * (device + 1))[device]
-    ax.set_title(f"memory plan of {name}: {mem.planned_bytes} B planned, lower bound "
-                 f"{mem.lower_bound} B, {mem.no_reuse_bytes} B without reuse (grey: inputs/params)")
+    ax.set_title(f"memory plan of {name}: {mem.planned_bytes / 2**20:.2f} MiB planned, "
+                 f"lower bound {mem.lower_bound / 2**20:.2f} MiB\n"
+                 f"({mem.no_reuse_bytes / 2**20:.2f} MiB without reuse; one box per tensor: "
+                 f"steps live × bytes)", fontsize=10)
     ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path_png, dpi=110)
