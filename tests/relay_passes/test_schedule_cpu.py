@@ -1,5 +1,8 @@
 """The default CPU schedule: every kernel of a light model scheduled, parallel, same results."""
 
+import os
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -91,3 +94,31 @@ def test_host_target_describes_this_machine():
     t = host_target(2)
     assert t.kind.name == "llvm" and int(t.attrs["num-cores"]) == 2
     assert host_target().attrs["num-cores"] >= 1
+
+
+def test_build_schedules_every_cpu_kernel_for_this_host():
+    from hgrt.compiler import lower_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mod, _ = lower_model(light_model("squeezenet"), ["cpu"], schedule=True)
+    funcs = _prim_funcs(mod)
+    cores = len(os.sched_getaffinity(0))
+    for name, f in funcs.items():
+        target = f.attrs["target"]
+        assert target.kind.name == "llvm" and int(target.attrs["num-cores"]) == cores, name
+        assert bool(f.attrs.get("tirx.is_scheduled", False)), name
+        if "conv2d" in name:
+            assert "T.parallel(" in f.script(), name
+
+
+def test_runtime_gives_tvm_every_usable_core():
+    env = {k: v for k, v in os.environ.items() if k != "TVM_NUM_THREADS"}
+    code = ("import hgrt, tvm; print(tvm.get_global_func('runtime.NumThreads')())")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    assert int(out.split()[-1]) == len(os.sched_getaffinity(0))
+    env["TVM_NUM_THREADS"] = "1"  # the user's choice is kept
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    assert int(out.split()[-1]) == 1
