@@ -58,17 +58,25 @@ class _Rebuilder:
             name = self.alias[name]
         return name
 
-    def on_device(self, expr: relax.Expr, dev: int) -> relax.Expr:
-        """``expr`` as seen by an op on ``dev``: copies tensors over once, rebuilds tuples."""
+    def _lookup(self, expr: relax.Expr, visit) -> tuple[relax.Expr | None, str | None]:
+        """Tuples rebuilt field by field with ``visit``; non-variables, constants and tuple
+        literals resolved: ``(expr, None)``. A variable holding device data: ``(None, name)``."""
         if isinstance(expr, relax.Tuple):
-            return relax.Tuple([self.on_device(f, dev) for f in expr.fields])
+            return relax.Tuple([visit(f) for f in expr.fields]), None
         if not isinstance(expr, relax.Var):
-            return expr
+            return expr, None
         name = self.canon(expr.name)
         if name in self.consts:
-            return self.consts[name]
+            return self.consts[name], None
         if name in self.tuple_lits:
-            return self.on_device(self.tuple_lits[name], dev)
+            return visit(self.tuple_lits[name]), None
+        return None, name
+
+    def on_device(self, expr: relax.Expr, dev: int) -> relax.Expr:
+        """``expr`` as seen by an op on ``dev``: copies tensors over once, rebuilds tuples."""
+        done, name = self._lookup(expr, lambda e: self.on_device(e, dev))
+        if name is None:
+            return done
         if (name, dev) in self.at:
             return self.at[(name, dev)]
         if name not in self.home:
@@ -90,16 +98,9 @@ class _Rebuilder:
         return copied
 
     def on_home(self, expr: relax.Expr) -> relax.Expr:
-        if isinstance(expr, relax.Tuple):
-            return relax.Tuple([self.on_home(f) for f in expr.fields])
-        if not isinstance(expr, relax.Var):
-            return expr
-        name = self.canon(expr.name)
-        if name in self.consts:
-            return self.consts[name]
-        if name in self.tuple_lits:
-            return self.on_home(self.tuple_lits[name])
-        return self.at[(name, self.home[name])]
+        """``expr`` on the device that made it (no copy)."""
+        done, name = self._lookup(expr, self.on_home)
+        return done if name is None else self.at[(name, self.home[name])]
 
     def define(self, name: str, value: relax.Expr, dev: int) -> None:
         self.home[name] = dev

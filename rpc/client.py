@@ -26,7 +26,12 @@ from hgrt.graph import Graph
 from hgrt.rpc import session as sessions
 from hgrt.rpc.server import CREATE_FUNC, ERROR_TAG, is_registered, register
 from hgrt.rpc.session import connect, describe, upload
-from hgrt.runtime.executor import BenchmarkResult, normalize_devices, resolve_input
+from hgrt.runtime.executor import (
+    BenchmarkResult,
+    input_items,
+    normalize_devices,
+    resolve_input,
+)
 
 __all__ = ["RemoteGraphModule", "connect", "create_remote", "load_remote", "upload"]
 
@@ -226,14 +231,8 @@ class RemoteGraphModule:
                   **inputs) -> None:
         """Like GraphModule.set_input: numpy arrays (sent as bytes, one round trip each), local
         tensors, or tensors of the same session (copied in the server, nothing downloaded)."""
-        if isinstance(key, Mapping):
-            inputs = {**key, **inputs}
-        elif key is not None:
-            if value is None:
-                raise InputError(f"set_input({key!r}): no value given")
-            self._set_one(self._resolve_input(key), value)
-        for name, val in inputs.items():
-            self._set_one(self._resolve_input(name), val)
+        for idx, val in input_items(key, value, inputs, self._resolve_input):
+            self._set_one(idx, val)
 
     def _set_one(self, idx: int, value: Any, what: str = "input") -> None:
         inp = self._inputs[idx]

@@ -251,7 +251,7 @@ def serve(host: str = "0.0.0.0", port: int = 9090, port_end: int = 9199,
     """
     tracker_addr = parse_address(tracker, "tracker") if isinstance(tracker, str) else tracker
     if tracker_addr is not None and not key:
-        raise ValueError("a server registered with a tracker needs a key (e.g. key='jetson')")
+        raise InputError("a server registered with a tracker needs a key (e.g. key='jetson')")
     return tvm.rpc.Server(host, port, port_end, tracker_addr=tracker_addr, key=key,
                           load_library=load_library, custom_addr=custom_addr, silent=silent,
                           server_init_callback=_server_init)
@@ -261,5 +261,5 @@ def parse_address(address: str, what: str = "address") -> tuple[str, int]:
     """``"host:port"`` -> ``("host", port)``."""
     host, sep, port = str(address).rpartition(":")
     if not sep or not host or not port.isdigit():
-        raise ValueError(f"{what} must be HOST:PORT (e.g. 127.0.0.1:9190), got {address!r}")
+        raise InputError(f"{what} must be HOST:PORT (e.g. 127.0.0.1:9190), got {address!r}")
     return host, int(port)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import tvm
 from tvm.rpc import base as rpc_base
 
-from hgrt.errors import RemoteError
+from hgrt.errors import InputError, RemoteError
 from hgrt.rpc.server import PLATFORM_FUNC, parse_address
 
 
@@ -77,26 +77,29 @@ def connect(tracker: str | None = None, key: str = "", *, server: str | None = N
     >>> remote = hgrt.rpc.connect(server="10.0.0.2:9090")                 # doctest: +SKIP
     """
     if (tracker is None) == (server is None):
-        raise ValueError("connect: give exactly one of tracker='HOST:PORT' (with key=...) "
+        raise InputError("connect: give exactly one of tracker='HOST:PORT' (with key=...) "
                          "or server='HOST:PORT'")
     if server is not None:
         host, port = parse_address(server, "server")
-        try:
-            sess = tvm.rpc.connect(host, port, key, session_timeout)
-        except Exception as e:
-            raise RemoteError(f"cannot open an RPC session with server {host}:{port}"
-                              f"{f' (key {key!r})' if key else ''}: {e}") from e
-        return remember(sess, f"server {host}:{port}")
+        where = f"server {host}:{port}"
+        return remember(_open(host, port, key, session_timeout,
+                              f"cannot open an RPC session with {where}"
+                              f"{f' (key {key!r})' if key else ''}"), where)
     if not key:
-        raise ValueError("connect: a tracker request needs key=... (the server's --key)")
+        raise InputError("connect: a tracker request needs key=... (the server's --key)")
     addr = parse_address(tracker, "tracker")
     host, port, matchkey = _request_server(addr, key, timeout, priority)
-    try:
-        sess = tvm.rpc.connect(host, port, matchkey, session_timeout)
-    except Exception as e:
-        raise RemoteError(f"tracker {tracker} gave server {host}:{port} for key {key!r}, "
-                          f"but the session could not be opened: {e}") from e
+    sess = _open(host, port, matchkey, session_timeout,
+                 f"tracker {tracker} gave server {host}:{port} for key {key!r}, but the "
+                 f"session could not be opened")
     return remember(sess, f"tracker {tracker}, key {key!r}, server {host}:{port}")
+
+
+def _open(host: str, port: int, key: str, session_timeout: float, failure: str):
+    try:
+        return tvm.rpc.connect(host, port, key, session_timeout)
+    except Exception as e:
+        raise RemoteError(f"{failure}: {e}") from e
 
 
 def _tracker_socket(addr: tuple[str, int], timeout: float) -> socket.socket:

@@ -99,6 +99,19 @@ def _module_summary(lib) -> str:
     return f"module '{kinds[0]}'" + (f" and its imports {kinds[1:]}" if kinds[1:] else "")
 
 
+def input_items(key: Any, value: Any, inputs: dict[str, Any], resolve
+                ) -> list[tuple[int, Any]]:
+    """The ``set_input`` call forms (key + value, a mapping, keywords) as (input index, value)
+    pairs, every key resolved before anything is copied."""
+    if isinstance(key, Mapping):
+        inputs = {**key, **inputs}
+    elif key is not None:
+        if value is None:
+            raise InputError(f"set_input({key!r}): no value given")
+        inputs = {key: value, **inputs}
+    return [(resolve(k), v) for k, v in inputs.items()]
+
+
 class GraphModule:
     """Runs a graph across several devices; the API of TVM's classic graph executor.
 
@@ -243,14 +256,8 @@ class GraphModule:
         """Copy values into inputs: ``set_input("x", arr)``, ``set_input(0, arr)``,
         ``set_input(x=arr, y=arr2)`` or ``set_input({"x": arr})``. numpy or TVM tensors
         (on any device, local or remote-to-local) are accepted; shape and dtype are checked."""
-        if isinstance(key, Mapping):
-            inputs = {**key, **inputs}
-        elif key is not None:
-            if value is None:
-                raise InputError(f"set_input({key!r}): no value given")
-            self._set_one(self._resolve_input(key), value)
-        for name, val in inputs.items():
-            self._set_one(self._resolve_input(name), val)
+        for idx, val in input_items(key, value, inputs, self._resolve_input):
+            self._set_one(idx, val)
 
     def _set_one(self, idx: int, value: Any, what: str = "input") -> None:
         eid = self._input_eids[idx]

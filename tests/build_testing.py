@@ -9,7 +9,9 @@ import warnings
 from dataclasses import dataclass
 
 import numpy as np
+import onnx
 import tvm
+from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 
 import hgrt
@@ -124,3 +126,18 @@ def check_case(case: OnnxCase, placement: str) -> None:
         np.testing.assert_allclose(g, want, rtol=1e-3, atol=1e-4)
 
 
+def conv_model(seed: int = 0) -> onnx.ModelProto:
+    """x → Conv(w, b) → Relu → Flatten → Add(f, f) + Mul(f, w2): a weight used by two ops."""
+    rng = np.random.default_rng(seed)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    inits = [numpy_helper.from_array(rng.standard_normal(s).astype("float32"), n)
+             for n, s in (("w", (4, 3, 3, 3)), ("b", (4,)), ("s", (1, 256)))]
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"]),
+             helper.make_node("Flatten", ["r"], ["f"]),
+             helper.make_node("Add", ["f", "s"], ["g"]),
+             helper.make_node("Mul", ["g", "s"], ["h"]),
+             helper.make_node("Add", ["h", "f"], ["y"])]
+    graph = helper.make_graph(nodes, "conv", [x], [y], initializer=inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])

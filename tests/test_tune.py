@@ -14,7 +14,7 @@ from tvm.script import relax as R
 import hgrt
 from hgrt.errors import BuildError
 from hgrt.relay_passes.schedule_cpu import default_cpu_schedule, host_target
-from hgrt.tune import apply_database, fuse_for_tuning, module_targets, tune, tuning_tasks
+from hgrt.tune import _bare, apply_database, fuse_for_tuning, module_targets, tune, tuning_tasks
 
 TARGET = host_target()
 
@@ -135,14 +135,32 @@ def test_build_with_the_database_uses_the_tuned_kernels(tuned, devices):
                                rtol=1e-4, atol=1e-4)
 
 
-def test_tuned_kernel_is_the_database_schedule_not_the_default(tuned):
+def test_tuned_kernel_is_the_best_schedule_of_the_database(tuned):
+    from tvm.s_tir import meta_schedule as ms
+
     mod, db_dir, *_ = tuned
     new, report = apply_database(mod, db_dir)
-    defaults = default_cpu_schedule(mod)
+    db = ms.database.JSONDatabase(work_dir=db_dir, module_equality="structural")
+    records = db.get_all_tuning_records()
     for name in report.tuned:
-        assert not tvm_ffi.structural_equal(new[name], defaults[name]), name
+        bare = _bare(mod[name])
+        mine = [r for r in records
+                if tvm_ffi.structural_equal(_bare(r.workload.mod["main"]), bare)]
+        assert mine, name
+        best = min(mine, key=lambda r: sum(float(x) for x in r.run_secs) / len(r.run_secs))
+        sch = tvm.s_tir.Schedule(tvm.IRModule({"main": bare}))
+        best.trace.apply_to_schedule(sch, remove_postproc=False)
+        assert tvm_ffi.structural_equal(sch.mod["main"].body, new[name].body), name
         # what build does next (the default schedule) leaves a tuned kernel alone
         assert tvm_ffi.structural_equal(default_cpu_schedule(new)[name], new[name]), name
+
+
+def test_the_default_schedule_is_a_record_of_every_task(tuned):
+    _, db_dir, first, *_ = tuned
+    with open(os.path.join(db_dir, "hgrt_progress.json")) as f:
+        progress = json.load(f)
+    timed = [k for k, v in progress.items() if k.endswith("|default_ns") and v > 0]
+    assert len(timed) == first.tasks
 
 
 def test_database_for_another_target_is_ignored_with_a_warning(tuned):

@@ -18,6 +18,7 @@ from tvm import te
 
 import hgrt
 import hgrt.rpc
+from build_testing import conv_model
 from hgrt.errors import DeviceError, GraphError, InputError, RemoteError
 from hgrt_testing import GraphBuilder, N, elementwise_lib
 
@@ -285,36 +286,8 @@ def test_hgrt_run_cli_on_a_remote_server(rpc_env, lib_path, tmp_path, rng):
     np.testing.assert_allclose(y["arr_1"], ref(x, w)[1], rtol=1e-6)
 
 
-def _build_available() -> str | None:
-    try:
-        hgrt.build  # noqa: B018 - the lazy attribute imports the compiler
-    except Exception as e:  # noqa: BLE001
-        return f"hgrt.build is not available yet: {type(e).__name__}: {e}"
-    return None
-
-
-def _conv_model():
-    pytest.importorskip("onnx")
-    from onnx import TensorProto, helper, numpy_helper
-
-    rng = np.random.default_rng(0)
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
-    inits = [numpy_helper.from_array(rng.standard_normal(s).astype("float32"), n)
-             for n, s in (("w", (4, 3, 3, 3)), ("b", (4,)), ("s", (1, 256)))]
-    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
-             helper.make_node("Relu", ["c"], ["r"]),
-             helper.make_node("Flatten", ["r"], ["f"]),
-             helper.make_node("Mul", ["f", "s"], ["y"])]
-    graph = helper.make_graph(nodes, "conv", [x], [y], initializer=inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-
-
 def test_model_compiled_with_hgrt_build_matches_local(rpc_env, tmp_path, rng):
-    reason = _build_available()
-    if reason:
-        pytest.skip(reason)
-    model = _conv_model()
+    model = conv_model()
     result = hgrt.build(model, ["cpu:0", "cpu:1"],
                         hgrt.Placement(rules={"nn.conv2d": "cpu:1"}, preferred="cpu:0"))
     assert set(hgrt.Graph.from_json(result.graph_json).device_index) == {0, 1}
