@@ -114,7 +114,10 @@ def _check_light(name: str) -> None:
         assert len(got) == len(ref)
         for g, r in zip(got, ref, strict=True):
             assert np.isfinite(r).all() and r.std() > 0
-            np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6)
+            # hgrt fuses batch_norm into the conv epilogue (the VM runs it apart): float sums
+            # in another order, which over 121 layers (densenet) moves outputs of magnitude
+            # ~700 by ~5e-4, so the absolute tolerance scales with the output
+            np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5 * float(np.abs(r).max()))
 
 
 def test_light_squeezenet_matches_vm():
