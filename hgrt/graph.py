@@ -518,3 +518,17 @@ def memory_report(g: Graph) -> list[DeviceMemory]:
             planned[g.entry_device(eid)] += size[sid]
     return [DeviceMemory(d, p, lb, nr)
             for d, (p, lb, nr) in enumerate(zip(planned, lower, no_reuse, strict=True))]
+
+
+def op_label(func_name: str) -> str:
+    """A kernel's function name as a person would say it: ``fused_conv2d3_add2_llvm_relu2_llvm``
+    → ``conv2d+add+relu``."""
+    parts = [p for p in func_name.split("_") if p not in ("fused", "llvm", "cuda", "")]
+    words: list[str] = []
+    for p in parts:
+        p = p.rstrip("0123456789") or p
+        if p in ("dims", "dim", "to", "pool2d", "2d") and words:  # expand_dims, broadcast_to
+            words[-1] += "_" + p
+        elif not words or words[-1] != p:
+            words.append(p)
+    return "+".join(words)[:40]

@@ -10,7 +10,7 @@ import shutil
 import subprocess
 from collections import Counter
 
-from hgrt.graph import COPY_FUNC, NOP_FUNC, Graph, live_ranges, memory_report
+from hgrt.graph import COPY_FUNC, NOP_FUNC, Graph, live_ranges, memory_report, op_label
 
 # One colour per device position (Graphviz / matplotlib names).
 PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#b07aa1", "#76b7b2"]
@@ -51,20 +51,6 @@ def format_summary(s: dict) -> str:
                      f"{m['no_reuse_bytes']:>10} "
                      f"{ratio:>14.3f}")
     return "\n".join(lines)
-
-
-def op_label(func_name: str) -> str:
-    """A kernel's function name as a person would say it: ``fused_conv2d3_add2_llvm_relu2_llvm``
-    → ``conv2d+add+relu``."""
-    parts = [p for p in func_name.split("_") if p not in ("fused", "llvm", "cuda", "")]
-    words: list[str] = []
-    for p in parts:
-        p = p.rstrip("0123456789") or p
-        if p in ("dims", "dim", "to", "pool2d", "2d") and words:  # expand_dims, broadcast_to
-            words[-1] += "_" + p
-        elif not words or words[-1] != p:
-            words.append(p)
-    return "+".join(words)[:40]
 
 
 def _drawn_nodes(g: Graph) -> list[int]:

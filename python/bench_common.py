@@ -187,3 +187,19 @@ def max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
         scale = float(np.max(np.abs(y))) if y.size else 0.0
         out = max(out, float(np.max(np.abs(x - y))) / (scale or 1.0) if y.size else 0.0)
     return out
+
+
+def write_block(path: str, name: str, command: str, body: str) -> None:
+    """Put ``body`` (with the command and the machine line) between the ``name`` markers of the
+    markdown file ``path`` (appended when the markers are not there yet)."""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    block = "\n".join([begin, f"`{command.strip()}`", "", f"Machine: {machine()}.", "", body,
+                       end])
+    text = open(path).read() if os.path.exists(path) else ""
+    if begin in text and end in text:
+        text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
+    else:
+        text = (text.rstrip("\n") + "\n\n" if text else "") + block + "\n"
+    with open(path, "w") as f:
+        f.write(text)
+    print(f"{name} table written to {path}")

@@ -29,6 +29,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--db", action="append", default=[], metavar="MODEL=DIR",
                    help="tuned database of a model (written by `hgrt tune`)")
     p.add_argument("--skip-unscheduled", action="store_true")
+    p.add_argument("--markdown", help="also write the table (command, machine) into this file")
     return p.parse_args()
 
 
@@ -58,7 +59,7 @@ def main() -> None:
 
     dbs = dict(item.split("=", 1) for item in args.db)
     print(machine())
-    rows = []
+    rows, notes_all = [], []
     for name in args.models:
         entry = light(name)
         runners, notes = {}, []
@@ -95,22 +96,32 @@ def main() -> None:
             times["onnxruntime"] = median_time(lambda s=sess, f=feed: s.run(None, f),
                                                args.repeat)
         print(f"{name}: " + "; ".join(notes), flush=True)
+        notes_all.append(f"{name}: " + "; ".join(notes))
         rows.append((name, times))
 
-    cols = ["unscheduled", "default", "tuned", "onnxruntime"]
-    print(f"\nrun() latency, ms (median), TVM_NUM_THREADS={os.environ.get('TVM_NUM_THREADS')}, "
-          f"onnxruntime intra-op threads the same")
-    print(f"{'model':12s}" + "".join(f"{c:>13s}" for c in cols)
-          + "  unsched/default  default/ort  tuned/ort")
+    header = ["model", "unscheduled ms", "default ms", "tuned ms", "onnxruntime ms",
+              "unscheduled/default", "default/ORT", "tuned/ORT"]
+    table = []
     for name, t in rows:
-        line = f"{name:12s}" + "".join(
-            f"{t[c] * 1e3:13.2f}" if c in t else f"{'-':>13s}" for c in cols)
-
         def ratio(a, b, r=t):
-            return f"{r[a] / r[b]:.2f}x" if a in r and b in r else "-"
-        line += (f"  {ratio('unscheduled', 'default'):>15s}  "
-                 f"{ratio('default', 'onnxruntime'):>11s}  {ratio('tuned', 'onnxruntime'):>9s}")
-        print(line)
+            return f"{r[a] / r[b]:.2f}" if a in r and b in r else "-"
+        table.append([name] + [f"{t[c] * 1e3:.2f}" if c in t else "-" for c in
+                               ("unscheduled", "default", "tuned", "onnxruntime")]
+                     + [ratio("unscheduled", "default"), ratio("default", "onnxruntime"),
+                        ratio("tuned", "onnxruntime")])
+    print(f"\nrun() latency, median of {args.repeat}, TVM_NUM_THREADS="
+          f"{os.environ.get('TVM_NUM_THREADS')}, onnxruntime intra-op threads the same")
+    widths = [max(len(r[i]) for r in [header, *table]) for i in range(len(header))]
+    for r in [header, *table]:
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
+    if args.markdown:
+        from bench_common import write_block
+
+        md = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+                       + ["| " + " | ".join(r) + " |" for r in table])
+        write_block(args.markdown, "bench_kernels", "python python/bench_kernels.py "
+                    + " ".join(sys.argv[1:]), md + "\n\n" + "\n".join(
+                        f"- {n}" for n in notes_all))
 
 
 if __name__ == "__main__":

@@ -132,7 +132,7 @@ def markdown_table(rows: list[tuple[str, ...]]) -> str:
 
 def main() -> None:
     args = _parse()
-    from bench_common import PYTORCH_CASES, light, machine, pytorch_case
+    from bench_common import PYTORCH_CASES, light, machine, pytorch_case, write_block
 
     print(machine())
     rows = []
@@ -148,31 +148,8 @@ def main() -> None:
     print()
     print(text_table(table))
     if args.markdown:
-        write_markdown(args.markdown, table, " ".join(sys.argv[1:]))
-
-
-def write_markdown(path: str, table: list[tuple[str, ...]], argv: str) -> None:
-    """Replace the block between the bench_models markers of ``path`` with this run's table."""
-    from bench_common import machine
-
-    begin, end = "<!-- bench_models:begin -->", "<!-- bench_models:end -->"
-    block = "\n".join([
-        begin,
-        f"`python python/bench_models.py {argv}`".replace(" `", "`"),
-        "",
-        f"Machine: {machine()}.",
-        "",
-        markdown_table(table),
-        end,
-    ])
-    text = open(path).read() if os.path.exists(path) else ""
-    if begin in text and end in text:
-        text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
-    else:
-        text = (text + "\n\n" if text else "") + block + "\n"
-    with open(path, "w") as f:
-        f.write(text)
-    print(f"table written to {path}")
+        write_block(args.markdown, "bench_models", "python python/bench_models.py "
+                    + " ".join(sys.argv[1:]), markdown_table(table))
 
 
 if __name__ == "__main__":

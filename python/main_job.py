@@ -21,7 +21,8 @@ import tvm
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 import hgrt  # noqa: E402
-from build_testing import light_input, light_model, run_relax_vm  # noqa: E402
+from build_testing import run_relax_vm  # noqa: E402
+from hgrt.zoo import light_input, light_model  # noqa: E402
 
 
 def main() -> None:

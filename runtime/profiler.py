@@ -13,7 +13,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from hgrt.graph import COPY_FUNC
+from hgrt.graph import COPY_FUNC, NOP_FUNC, op_label
 
 
 @dataclass
@@ -65,25 +65,41 @@ class ProfileReport:
                 out[f"{op.copy_from} -> {op.device}"] += op.copy_bytes
         return dict(out)
 
+    def by_op(self) -> dict[str, tuple[int, float]]:
+        """op (``conv2d+add+relu``, ``copy``, ``view``) -> (calls, total median µs)."""
+        out: dict[str, list] = defaultdict(lambda: [0, 0.0])
+        for op in self.ops:
+            key = "copy" if op.is_copy else "view" if op.func == NOP_FUNC else op_label(op.func)
+            out[key][0] += 1
+            out[key][1] += op.median_us
+        return {k: (v[0], v[1]) for k, v in sorted(out.items(), key=lambda kv: -kv[1][1])}
+
     def table(self, top: int | None = None) -> str:
-        """A text table, slowest op first, then the summaries by op and by device."""
+        """A text table, slowest op first, then the summaries by op, by device and copies, and
+        the sum of op times next to the wall time of ``run()`` (the difference is the runtime's
+        own cost: the loop, argument passing, and anything between the kernels)."""
         rows = sorted(self.ops, key=lambda op: -op.median_us)[:top]
+        labels = {id(op): "copy" if op.is_copy else op_label(op.func) for op in rows}
         w = max([len(op.name) for op in rows] + [4])
-        fw = max([len(op.func) for op in rows] + [4])
-        lines = [f"{'node':>5}  {'name':<{w}}  {'function':<{fw}}  {'device':<8} "
+        fw = max([len(v) for v in labels.values()] + [2])
+        lines = [f"{'node':>5}  {'name':<{w}}  {'op':<{fw}}  {'device':<8} "
                  f"{'median us':>10} {'%':>6}"]
         total = self.op_sum_us or 1.0
         for op in rows:
-            lines.append(f"{op.node_id:>5}  {op.name:<{w}}  {op.func:<{fw}}  {op.device:<8} "
-                         f"{op.median_us:>10.1f} {100 * op.median_us / total:>5.1f}%")
+            share = 100 * op.median_us / total
+            lines.append(f"{op.node_id:>5}  {op.name:<{w}}  {labels[id(op)]:<{fw}}  "
+                         f"{op.device:<8} {op.median_us:>10.1f} {share:>5.1f}%")
         lines.append("")
+        lines.append("by op:")
+        for name, (n, us) in list(self.by_op().items())[:10]:
+            lines.append(f"  {name:<32} {n:>4} calls {us:>12.1f} us {100 * us / total:>5.1f}%")
         lines.append("by device:")
         for dev, (n, us) in self.by_device().items():
-            lines.append(f"  {dev:<8} {n:>5} steps {us:>12.1f} us")
+            lines.append(f"  {dev:<8} {n:>5} steps {us:>12.1f} us {100 * us / total:>5.1f}%")
         copies = self.copy_bytes()
         n_copies = sum(op.is_copy for op in self.ops)
         lines.append(f"copies: {n_copies} per run" + "".join(
-            f"\n  {k}: {v} bytes" for k, v in copies.items()))
+            f"\n  {k}: {v / 2**20:.2f} MiB" for k, v in copies.items()))
         lines.append(f"sum of op medians {self.op_sum_us:.1f} us; run() wall time "
                      f"{self.run_wall_us:.1f} us (median of {self.repeat})")
         return "\n".join(lines)

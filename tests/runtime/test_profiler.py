@@ -32,8 +32,13 @@ def test_profile_rows_cover_every_step_and_copy_bytes_add_up(lib, two_cpus, tmp_
     assert sum(rep.copy_bytes().values()) == len(copy_nodes) * N * 4
     assert rep.copy_bytes() == {"cpu:0 -> cpu:1": N * 4, "cpu:1 -> cpu:0": N * 4}
     assert {d: n for d, (n, _) in rep.by_device().items()} == {"cpu:0": 3, "cpu:1": 2}
+    by_op = rep.by_op()
+    assert by_op["copy"][0] == len(copy_nodes)
+    assert sum(n for n, _ in by_op.values()) == len(op_nodes)
+    assert abs(sum(us for _, us in by_op.values()) - rep.op_sum_us) < 1e-6
     table = rep.table()
     assert "mul" in table and "cpu:1" in table and "copies: 2 per run" in table
+    assert "by op:" in table
     assert rep.run_wall_us > 0
 
     trace = json.loads(open(rep.save_chrome_trace(str(tmp_path / "t.json"))).read())
