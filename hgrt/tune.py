@@ -34,7 +34,7 @@ from tvm import relax, tirx
 from hgrt.errors import BuildError
 
 __all__ = ["ApplyReport", "TuneSummary", "apply_database", "fuse_for_tuning", "tune",
-           "tuning_tasks"]
+           "tuning_tasks", "verify_in_model"]
 
 # registered in each builder worker by _builder_initializer: tvm.build without the
 # `import tvm.s_tir.tensor_intrin` of MetaSchedule's default_build (~46 s per worker here)
@@ -220,10 +220,30 @@ class _Progress:
                what: str = "trials") -> None:
         key = self._key(task_mod, target, what)
         self.asked_by_key[key] = max(trials, self.asked_by_key.get(key, 0))
+        self._save()
+
+    def default_wins(self) -> set[str]:
+        """Kernels (``kernel_key``) whose tuned schedule ran slower in the model than the
+        default one when ``verify_in_model`` last ran."""
+        return {k.rsplit("|", 1)[0] for k, v in self.asked_by_key.items()
+                if k.endswith("|default_wins") and v}
+
+    def set_default_wins(self, keys: set[str]) -> None:
+        self.asked_by_key = {k: v for k, v in self.asked_by_key.items()
+                             if not k.endswith("|default_wins")}
+        self.asked_by_key.update({f"{k}|default_wins": 1 for k in keys})
+        self._save()
+
+    def _save(self) -> None:
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(self.asked_by_key, f, indent=0, sort_keys=True)
         os.replace(tmp, self.path)
+
+
+def kernel_key(func: tirx.PrimFunc, target: tvm.target.Target) -> str:
+    """A kernel of a fused module: its target (``_target_key``) and its structural hash."""
+    return f"{'/'.join(map(str, _target_key(target)))}|{tvm_ffi.structural_hash(_bare(func))}"
 
 
 def _best(records: list) -> float | None:
@@ -237,7 +257,7 @@ def tune(model: Any, db_dir: str, trials_per_task: int = 16, *, devices: Any = "
          input_shapes: dict[str, Any] | None = None, trials_per_round: int = 16,
          population_size: int = 128, builder_timeout_sec: float = 60.0,
          max_workers: int | None = None, seed: int = 0, cost_model: str = "auto",
-         log: Callable[[str], None] | None = print) -> list[TuneSummary]:
+         verify: bool = True, log: Callable[[str], None] | None = print) -> list[TuneSummary]:
     """Tune every distinct kernel of ``model`` placed on ``devices`` into ``db_dir``.
 
     ``model``: an ONNX model or Relax IRModule, placed and fused as ``hgrt.build`` does with
@@ -249,6 +269,8 @@ def tune(model: Any, db_dir: str, trials_per_task: int = 16, *, devices: Any = "
     one by more than the measurement noise. ``cost_model``: ``"xgb"`` (needs xgboost, the
     ``tune`` extra: it learns from each round of ``trials_per_round`` which candidates to
     measure next), ``"random"``, or ``"auto"`` (xgb when xgboost is installed).
+    ``verify``: then time each tuned kernel inside the model against the default schedule and
+    keep the default where it is faster there (``verify_in_model``).
     """
     from tvm.s_tir import meta_schedule as ms
 
@@ -333,7 +355,78 @@ def tune(model: Any, db_dir: str, trials_per_task: int = 16, *, devices: Any = "
         log(f"tuned {len(summary.trials)} tasks, {len(summary.skipped)} already done, "
             f"{summary.seconds:.0f} s")
         summaries.append(summary)
+    if verify:
+        verify_in_model(model, db_dir, devices=devices, placement=placement, params=params,
+                        input_shapes=input_shapes, log=log)
     return summaries
+
+
+def verify_in_model(model: Any, db_dir: str, *, devices: Any = "cpu", placement: Any = None,
+                    params: dict[str, Any] | None = None,
+                    input_shapes: dict[str, Any] | None = None, repeat: int = 20,
+                    margin: float = 0.02, log: Callable[[str], None] | None = print
+                    ) -> dict[str, tuple[float, float]]:
+    """Time every tuned kernel inside the model against its default schedule; where the tuned
+    one is slower (by more than ``margin``), record that the default wins, so that
+    ``apply_database`` (and so ``build``) keeps the default for it.
+
+    MetaSchedule times a kernel alone, on random data, over and over; inside the model it runs
+    after other kernels, on another cache state, and a candidate that wins alone can lose there
+    (seen on squeezenet and resnet50: single convolutions 1.5-2.5x slower in the model than
+    the default they beat in isolation). Both builds are profiled with hgrt's profiler (median
+    of ``repeat`` runs per node) on the local devices. Returns name -> (default µs, tuned µs)
+    summed over the kernel's calls; nothing is done for models that are not all on CPUs.
+    """
+    import numpy as np
+
+    import hgrt
+    from hgrt.compiler import build
+
+    log = log or (lambda _m: None)
+    if isinstance(model, tvm.IRModule) and _is_fused(model):
+        log("verify: given an already fused module, not a model: nothing to build and re-time")
+        return {}
+    mod = fuse_for_tuning(model, devices, placement, params, input_shapes=input_shapes)
+    if any(t.kind.name != "llvm" for t in module_targets(mod)):
+        log("verify: not every device is a CPU; tuned kernels are not re-timed in the model")
+        return {}
+    progress = _Progress(db_dir)
+    progress.set_default_wins(set())
+    kwargs = {"params": params, "input_shapes": input_shapes}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        default = build(model, devices, placement, **kwargs)
+        tuned = build(model, devices, placement, tuning_db=db_dir, **kwargs)
+    times = []
+    rng = np.random.default_rng(0)
+    for res in (default, tuned):
+        m = hgrt.create(res.graph_json, res.lib, [tvm.cpu(i) for i in range(len(res.devices))])
+        m.load_params(res.params)
+        shapes, dtypes = m.get_input_info()
+        for name, shape in shapes.items():
+            dtype = dtypes[name]
+            m.set_input(name, rng.standard_normal(shape).astype(dtype)
+                        if dtype.startswith("float") else np.zeros(shape, dtype))
+        per_func: dict[str, float] = {}
+        for op in m.profile(repeat=repeat).ops:
+            per_func[op.func] = per_func.get(op.func, 0.0) + op.median_us
+        times.append(per_func)
+    out, losers = {}, set()
+    for name in tuned.tuning.tuned:
+        d, t = times[0].get(name), times[1].get(name)
+        if d is None or t is None:
+            continue
+        out[name] = (d, t)
+        if t > d * (1 + margin):
+            func = mod[name]
+            losers.add(kernel_key(func, func.attrs["target"]))
+    progress.set_default_wins(losers)
+    total_d = sum(d for d, _ in out.values())
+    total_t = sum(min(d, t) for d, t in out.values())
+    log(f"verify in the model: {len(losers)} of {len(out)} tuned kernels ran slower than the "
+        f"default schedule and keep it; tuned kernels {total_d / 1e3:.2f} ms -> "
+        f"{total_t / 1e3:.2f} ms per run")
+    return out
 
 
 @dataclass
@@ -343,6 +436,7 @@ class ApplyReport:
     db_dir: str
     tuned: dict[str, str] = field(default_factory=dict)  # kernel -> target it was tuned for
     fallback: list[str] = field(default_factory=list)
+    default_faster: list[str] = field(default_factory=list)  # of fallback: verified in the model
     ignored_records: int = 0  # records for targets this module does not build for
 
     def summary(self) -> str:
@@ -351,6 +445,9 @@ class ApplyReport:
         if self.fallback:
             shown = ", ".join(self.fallback[:8]) + (" …" if len(self.fallback) > 8 else "")
             s += f"; {len(self.fallback)} fall back to the default schedule ({shown})"
+        if self.default_faster:
+            s += (f" ({len(self.default_faster)} of them because the default schedule ran "
+                  f"faster in the model)")
         if self.ignored_records:
             s += f"; {self.ignored_records} records for other targets ignored"
         return s
@@ -362,15 +459,17 @@ def _short(target: tvm.target.Target) -> str:
         f" -arch={a['arch']}" if "arch" in a else "")
 
 
-def apply_database(mod: tvm.IRModule, db_dir: str, *, log: Callable[[str], None] | None = None
-                   ) -> tuple[tvm.IRModule, ApplyReport]:
+def apply_database(mod: tvm.IRModule, db_dir: str, *, log: Callable[[str], None] | None = None,
+                   use_verdicts: bool = True) -> tuple[tvm.IRModule, ApplyReport]:
     """Give every kernel of the fused ``mod`` that ``db_dir`` has a record for its tuned
     schedule (marked ``tirx.is_scheduled``); returns the module and who was tuned / fell back.
 
     A kernel's record must match its structural hash and its ``target`` attr (kind, mcpu,
     mattr, arch); ``relax.transform.MetaScheduleApplyDatabase`` runs once per target of the
     module over that target's kernels. Records for targets the module does not build for are
-    ignored with a warning (a database tuned on another CPU is never applied).
+    ignored with a warning (a database tuned on another CPU is never applied). A kernel whose
+    tuned schedule ran slower inside the model than the default one (``verify_in_model``)
+    keeps the default; ``use_verdicts=False`` applies every record regardless.
     """
     from tvm.s_tir import meta_schedule as ms
 
@@ -397,6 +496,7 @@ def apply_database(mod: tvm.IRModule, db_dir: str, *, log: Callable[[str], None]
         warnings.warn(f"tuning database {db_dir!r}: {report.ignored_records} records for other "
                       f"targets ({sorted(other_targets)}) ignored; building for "
                       f"{sorted(_short(t) for t in targets)}", stacklevel=2)
+    default_wins = _Progress(db_dir).default_wins() if use_verdicts else set()
     new = mod.clone()
     for key, target in keys.items():
         mine = _functions_for(mod, target)
@@ -405,7 +505,10 @@ def apply_database(mod: tvm.IRModule, db_dir: str, *, log: Callable[[str], None]
             applied = relax.transform.MetaScheduleApplyDatabase()(sub)
         for name in sorted(mine):
             f = applied[name]
-            if f.attrs is not None and bool(f.attrs.get("tirx.is_scheduled", False)) and \
+            if kernel_key(mine[name], target) in default_wins:
+                report.fallback.append(name)
+                report.default_faster.append(name)
+            elif f.attrs is not None and bool(f.attrs.get("tirx.is_scheduled", False)) and \
                     not tvm_ffi.structural_equal(f, mine[name]):
                 new.update_func(new.get_global_var(name), f.with_attr("target", target))
                 report.tuned[name] = _short(target)

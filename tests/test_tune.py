@@ -177,3 +177,25 @@ def test_database_for_another_target_is_ignored_with_a_warning(tuned):
 def test_missing_database_is_a_build_error(tmp_path):
     with pytest.raises(BuildError, match="hgrt tune"):
         hgrt.build(TwoKernels, ["cpu"], tuning_db=str(tmp_path / "nothing"))
+
+
+def test_a_kernel_slower_in_the_model_keeps_the_default_schedule(tuned):
+    from hgrt.tune import _Progress, kernel_key, verify_in_model
+
+    mod, db_dir, *_ = tuned
+    times = verify_in_model(TwoKernels, db_dir, log=None)
+    assert sorted(times) == ["fused_matmul_llvm_add_llvm", "fused_matmul_llvm_relu_llvm"]
+    assert all(d > 0 and t > 0 for d, t in times.values())
+    name = "fused_matmul_llvm_add_llvm"
+    progress = _Progress(db_dir)
+    saved = progress.default_wins()
+    try:  # as if the verification had found the tuned matmul+add slower in the model
+        progress.set_default_wins({kernel_key(mod[name], mod[name].attrs["target"])})
+        new, report = apply_database(mod, db_dir)
+        assert name in report.fallback and report.default_faster == [name]
+        assert "default schedule ran faster in the model" in report.summary()
+        assert "tirx.is_scheduled" not in (new[name].attrs or {})  # left to the default pass
+        _, everything = apply_database(mod, db_dir, use_verdicts=False)
+        assert name in everything.tuned
+    finally:
+        progress.set_default_wins(saved)

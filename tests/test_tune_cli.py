@@ -1,0 +1,80 @@
+"""The command-line flow a user follows: hgrt zoo → hgrt tune → hgrt compile --tuning-db → run."""
+
+import json
+import os
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from hgrt.cli import main
+
+
+def _matmul_model(path: str) -> np.ndarray:
+    w = np.random.default_rng(0).standard_normal((64, 32)).astype("float32")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Relu", ["m"], ["y"])],
+        "mm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [16, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [16, 32])],
+        initializer=[numpy_helper.from_array(w, "w")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), path)
+    return w
+
+
+def test_tune_compile_run(tmp_path, capsys):
+    model = str(tmp_path / "mm.onnx")
+    w = _matmul_model(model)
+    db = str(tmp_path / "db")
+    assert main(["tune", model, "--device", "cpu", "--db", db, "--trials-per-task", "2",
+                 "--cost-model", "random"]) == 0
+    out = capsys.readouterr().out
+    assert "task 1/1" in out and "default schedule" in out and "--tuning-db" in out
+    assert os.path.exists(os.path.join(db, "database_tuning_record.json"))
+
+    # again: nothing left to do, nothing measured
+    records = open(os.path.join(db, "database_tuning_record.json")).read()
+    assert main(["tune", model, "--device", "cpu", "--db", db, "--trials-per-task", "2"]) == 0
+    assert "done before" in capsys.readouterr().out
+    assert open(os.path.join(db, "database_tuning_record.json")).read() == records
+
+    art = str(tmp_path / "out")
+    assert main(["compile", model, "--device", "cpu", "--tuning-db", db, "-o", art]) == 0
+    out = capsys.readouterr().out
+    assert "tuned 1 of 1 kernels" in out and "target" in out and "num-cores" in out
+    x = np.random.default_rng(1).standard_normal((16, 64)).astype("float32")
+    np.save(tmp_path / "x.npy", x)
+    assert main(["run", art, "--input", f"x={tmp_path / 'x.npy'}", "--save-output",
+                 str(tmp_path / "y.npz")]) == 0
+    np.testing.assert_allclose(np.load(tmp_path / "y.npz")["arr_0"], np.maximum(x @ w, 0),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_tune_refuses_a_bad_budget(tmp_path, capsys):
+    model = str(tmp_path / "mm.onnx")
+    _matmul_model(model)
+    assert main(["tune", model, "--device", "cpu", "--db", str(tmp_path / "db"),
+                 "--trials-per-task", "0"]) == 2
+    assert "at least 1" in capsys.readouterr().err
+
+
+def test_zoo_writes_a_runnable_model(tmp_path, capsys):
+    path = str(tmp_path / "sq.onnx")
+    assert main(["zoo", "squeezenet", "-o", path, "--input", str(tmp_path / "x.npy")]) == 0
+    model = onnx.load(path)
+    assert not [n for n in model.graph.node if n.op_type == "ConstantOfShape"]
+    assert np.load(tmp_path / "x.npy").shape == (1, 3, 224, 224)
+    with pytest.raises(SystemExit):
+        main(["zoo", "nosuchnet", "-o", path])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_compile_with_a_missing_database_names_it(tmp_path, capsys):
+    model = str(tmp_path / "mm.onnx")
+    _matmul_model(model)
+    rc = main(["compile", model, "--device", "cpu", "--tuning-db", str(tmp_path / "nope"),
+               "-o", str(tmp_path / "out")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "nope" in err and "hgrt tune" in err
+    assert not json.dumps(err).count("Traceback")
