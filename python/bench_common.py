@@ -86,20 +86,34 @@ def median_time(fn: Callable[[], object], repeat: int, warmup: int = 1) -> float
     return statistics.median(times)
 
 
-def median_times(fns: dict[str, Callable[[], object]], repeat: int, warmup: int = 1
-                 ) -> dict[str, float]:
-    """Median seconds per call of each function, calls interleaved round by round so that a
-    change of machine load during the measurement hits every contender alike."""
+def timed_interleaved(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
+    """Median seconds per call of each function, called in turn, so that the machine's slow
+    and fast moments fall on each alike. Only for functions sharing TVM's thread pool: time
+    onnxruntime with ``time_onnxruntime`` after everything else."""
+    samples: dict[str, list[float]] = {k: [] for k in fns}
     for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
+        fn()  # warm-up
     for _ in range(repeat):
         for k, fn in fns.items():
             t = time.perf_counter()
             fn()
-            times[k].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
+            samples[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def time_onnxruntime(model, inputs: dict[str, np.ndarray], repeat: int
+                     ) -> tuple[float, list[np.ndarray]] | None:
+    """onnxruntime's median seconds per run (and its outputs) at TVM_NUM_THREADS threads, or
+    None when it is not installed. Call it last: onnxruntime's pool threads spin for a long
+    while after each run (its default) and a TVM kernel started meanwhile runs up to twice as
+    slow, so nothing of TVM's may be timed after it in the same process."""
+    sess = ort_session(model, int(os.environ.get("TVM_NUM_THREADS", "1")))
+    if sess is None:
+        return None
+    feed = ort_feed(sess, model, inputs)
+    time.sleep(0.2)  # TVM's workers spin briefly after a parallel kernel
+    outs = sess.run(None, feed)
+    return median_time(lambda: sess.run(None, feed), repeat), outs
 
 
 def hgrt_runner(result, inputs: dict[str, np.ndarray]):
@@ -157,7 +171,8 @@ def _flatten(out) -> list[np.ndarray]:
 
 
 def ort_session(model, threads: int):
-    """onnxruntime's CPU provider at ``threads`` intra-op threads, or None when not installed."""
+    """onnxruntime's CPU provider at ``threads`` intra-op threads, or None when it is not
+    installed or cannot load the model (said on stdout)."""
     try:
         import onnxruntime as ort
     except ImportError:
@@ -165,8 +180,13 @@ def ort_session(model, threads: int):
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
-    return ort.InferenceSession(model.SerializeToString(), so,
-                                providers=["CPUExecutionProvider"])
+    try:
+        return ort.InferenceSession(model.SerializeToString(), so,
+                                    providers=["CPUExecutionProvider"])
+    except Exception as e:  # noqa: BLE001 - e.g. an opset onnxruntime no longer implements
+        print(f"onnxruntime cannot run {model.graph.name or 'this model'}: "
+              f"{str(e).splitlines()[0][:160]}")
+        return None
 
 
 def ort_feed(sess, model, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -5,10 +5,17 @@ onnxruntime's CPU provider at the same thread count, in one process.
     hgrt zoo squeezenet -o sq.onnx && hgrt tune sq.onnx --device cpu --db tuning/sq
     python python/bench_kernels.py --models squeezenet --db squeezenet=tuning/sq
 
+The databases behind BENCHMARKS.md (64 trials per task; 19 min for squeezenet, 21 min for
+resnet50 on 2 cores):
+
+    hgrt zoo squeezenet -o sq.onnx && hgrt tune sq.onnx --device cpu --db tuning/squeezenet
+        --trials-per-task 64
+    hgrt zoo resnet50 -o r50.onnx && hgrt tune r50.onnx --device cpu --db tuning/resnet50
+        --trials-per-task 64
+
 Every variant runs through ``hgrt.create`` on cpu:0 (the Relax VM on the same kernels is
-``bench_models.py``'s business). The three hgrt builds are timed interleaved, round by round;
-onnxruntime on its own afterwards (its pool threads spin after each run and would slow TVM's
-down, and the other way round). ``--skip-unscheduled`` saves minutes on resnet50.
+``bench_models.py``'s business). The hgrt builds are timed interleaved call by call, onnxruntime
+after them on its own (``time_onnxruntime`` says why). ``--skip-unscheduled`` saves a minute.
 """
 
 from __future__ import annotations
@@ -52,9 +59,8 @@ def main() -> None:
         machine,
         max_diff,
         median_time,
-        median_times,
-        ort_feed,
-        ort_session,
+        time_onnxruntime,
+        timed_interleaved,
     )
 
     dbs = dict(item.split("=", 1) for item in args.db)
@@ -76,25 +82,24 @@ def main() -> None:
         if name in dbs:
             res, secs = _build(entry.model, tuning_db=dbs[name])
             runners["tuned"] = hgrt_runner(res, entry.inputs)
-            notes.append(f"tuned build {secs:.1f} s, {res.tuning.summary()}")
+            t = res.tuning
+            n = len(t.tuned) + len(t.fallback)
+            notes.append(f"tuned build {secs:.1f} s: {len(t.tuned)} of {n} kernels from the "
+                         f"database, {len(t.default_faster)} kept the default schedule (faster "
+                         f"in the model), {len(t.fallback) - len(t.default_faster)} untuned")
         outs = {k: hgrt_outputs(m) for k, m in runners.items()}
         ref = outs["default"]
         for k, o in outs.items():
-            notes.append(f"{k} max rel. diff vs default {max_diff(o, ref):.1e}")
-        # unscheduled kernels take seconds: a few runs are enough for them
-        times = median_times({k: m.run for k, m in runners.items() if k != "unscheduled"},
-                             args.repeat)
-        if "unscheduled" in runners:
+            if k != "default":
+                notes.append(f"{k} max rel. diff vs default {max_diff(o, ref):.1e}")
+        times = timed_interleaved({k: m.run for k, m in runners.items()
+                                   if k != "unscheduled"}, args.repeat)
+        if "unscheduled" in runners:  # seconds per run: a few runs are enough
             times["unscheduled"] = median_time(runners["unscheduled"].run, 3)
-        threads = int(os.environ.get("TVM_NUM_THREADS", "1"))
-        sess = ort_session(entry.model, threads)
-        if sess is not None:
-            feed = ort_feed(sess, entry.model, entry.inputs)
-            notes.append(f"onnxruntime max rel. diff vs default "
-                         f"{max_diff(sess.run(None, feed), ref):.1e}")
-            time.sleep(0.2)
-            times["onnxruntime"] = median_time(lambda s=sess, f=feed: s.run(None, f),
-                                               args.repeat)
+        ort = time_onnxruntime(entry.model, entry.inputs, args.repeat)
+        if ort is not None:
+            times["onnxruntime"] = ort[0]
+            notes.append(f"onnxruntime max rel. diff vs default {max_diff(ort[1], ref):.1e}")
         print(f"{name}: " + "; ".join(notes), flush=True)
         notes_all.append(f"{name}: " + "; ".join(notes))
         rows.append((name, times))

@@ -40,7 +40,9 @@ def _parse() -> argparse.Namespace:
 
 
 def _ms(s: float) -> str:
-    return f"{s * 1e3:.3f}" if s < 0.01 else f"{s * 1e3:.2f}" if s < 1 else f"{s * 1e3:.0f}"
+    ms = s * 1e3
+    return f"{ms:.4f}" if ms < 0.1 else f"{ms:.3f}" if ms < 10 else f"{ms:.2f}" if ms < 1000 \
+        else f"{ms:.0f}"
 
 
 def bench_one(entry, repeat: int, tuning_db: str | None) -> dict:
@@ -48,10 +50,8 @@ def bench_one(entry, repeat: int, tuning_db: str | None) -> dict:
         hgrt_outputs,
         hgrt_runner,
         max_diff,
-        median_time,
-        median_times,
-        ort_feed,
-        ort_session,
+        time_onnxruntime,
+        timed_interleaved,
         vm_on_hgrt_kernels,
     )
     from bench_memory import vm_planned_bytes
@@ -73,18 +73,13 @@ def bench_one(entry, repeat: int, tuning_db: str | None) -> dict:
     ms = hgrt_runner(split, entry.inputs)
     ref = vm_call()
     row["diff_vm"] = max(max_diff(hgrt_outputs(m), ref), max_diff(hgrt_outputs(ms), ref))
-    row.update(median_times({"hgrt": m.run, "vm": vm_call.run, "split": ms.run}, repeat))
-    # onnxruntime is timed on its own: its pool threads spin after each run (its default), and
-    # interleaved with TVM's pool the two slow each other down
-    threads = int(os.environ.get("TVM_NUM_THREADS", "1"))
-    sess = ort_session(entry.model, threads)
-    if sess is not None:
-        feed = ort_feed(sess, entry.model, entry.inputs)
-        row["diff_ort"] = max_diff(sess.run(None, feed), ref)
-        time.sleep(0.2)  # let TVM's workers stop spinning
-        row["ort"] = median_time(lambda: sess.run(None, feed), repeat)
+    row.update(timed_interleaved({"hgrt": m.run, "vm": vm_call.run, "split": ms.run}, repeat))
     prof = m.profile(repeat=max(3, repeat // 4))
     row["kernel_share"] = prof.op_sum_us / max(prof.run_wall_us, 1e-9)
+    ort = time_onnxruntime(entry.model, entry.inputs, repeat)  # last: see its doc
+    if ort is not None:
+        row["ort"], outs = ort
+        row["diff_ort"] = max_diff(outs, ref)
     row["nodes"] = len(prof.ops)
     row["copies"] = sum(1 for n in split_graph_nodes(split) if n == "__copy")
     row["mem"] = sum(d.planned_bytes for d in single.memory_report)
