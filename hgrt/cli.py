@@ -108,7 +108,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     summaries = tune(args.model, args.db, args.trials_per_task, devices=args.device,
                      placement=_placement(args),
                      input_shapes=_input_shapes(args.input_shape) or None,
-                     cost_model=args.cost_model)
+                     cost_model=args.cost_model, verify=not args.no_verify)
     for s in summaries:
         print(f"{s.target}: {s.tasks} tasks, {len(s.trials)} tuned now, "
               f"{len(s.skipped)} done before, {s.seconds:.0f} s")
@@ -247,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measured candidates per distinct kernel (default 16)")
     t.add_argument("--cost-model", choices=("auto", "random", "xgb"), default="auto",
                    help="xgb needs xgboost (pip install 'hgrt[tune]'); auto: xgb if installed")
+    t.add_argument("--no-verify", action="store_true",
+                   help="skip timing the tuned kernels inside the model against the default "
+                        "schedule (then every tuned kernel is applied)")
     t.set_defaults(func=cmd_tune)
 
     z = sub.add_parser("zoo", help="write a light zoo model of the onnx wheel with random "

@@ -42,7 +42,9 @@ def tuned(tmp_path_factory):
     db_dir = str(tmp_path_factory.mktemp("tuning"))
     mod = fuse_for_tuning(TwoKernels)
     lines = []
-    first = tune(TwoKernels, db_dir, trials_per_task=2, log=lines.append)[0]
+    # verify=False: which kernels win inside the model depends on timing; the verification has
+    # its own test below
+    first = tune(TwoKernels, db_dir, trials_per_task=2, log=lines.append, verify=False)[0]
     after_first = _records(db_dir)
     resumed = tune(mod, db_dir, trials_per_task=3, log=lines.append)[0]
     return mod, db_dir, first, after_first, resumed, lines
@@ -80,7 +82,7 @@ def test_resumed_tune_adds_to_the_database(tuned):
     assert len(records) > len(after_first)
     assert records[:len(after_first)] == after_first  # what the first run found is kept
     # a third run with the same budget has nothing left to do
-    again = tune(TwoKernels, db_dir, trials_per_task=3, log=None)[0]
+    again = tune(TwoKernels, db_dir, trials_per_task=3, log=None, verify=False)[0]
     assert sorted(again.skipped) == ["fused_matmul_llvm_add_llvm", "fused_matmul_llvm_relu_llvm"]
     assert len(_records(db_dir)) == len(records)
 
@@ -183,13 +185,16 @@ def test_a_kernel_slower_in_the_model_keeps_the_default_schedule(tuned):
     from hgrt.tune import _Progress, kernel_key, verify_in_model
 
     mod, db_dir, *_ = tuned
-    times = verify_in_model(TwoKernels, db_dir, log=None)
-    assert sorted(times) == ["fused_matmul_llvm_add_llvm", "fused_matmul_llvm_relu_llvm"]
-    assert all(d > 0 and t > 0 for d, t in times.values())
-    name = "fused_matmul_llvm_add_llvm"
     progress = _Progress(db_dir)
     saved = progress.default_wins()
-    try:  # as if the verification had found the tuned matmul+add slower in the model
+    name = "fused_matmul_llvm_add_llvm"
+    try:
+        times = verify_in_model(TwoKernels, db_dir, log=None)
+        assert sorted(times) == ["fused_matmul_llvm_add_llvm", "fused_matmul_llvm_relu_llvm"]
+        assert all(d > 0 and t > 0 for d, t in times.values())
+        slower = {n for n, (d, t) in times.items() if t > d * 1.02}
+        assert set(apply_database(mod, db_dir)[1].default_faster) == slower
+        # as if the verification had found the tuned matmul+add slower in the model
         progress.set_default_wins({kernel_key(mod[name], mod[name].attrs["target"])})
         new, report = apply_database(mod, db_dir)
         assert name in report.fallback and report.default_faster == [name]

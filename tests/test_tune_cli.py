@@ -41,7 +41,11 @@ def test_tune_compile_run(tmp_path, capsys):
     art = str(tmp_path / "out")
     assert main(["compile", model, "--device", "cpu", "--tuning-db", db, "-o", art]) == 0
     out = capsys.readouterr().out
-    assert "tuned 1 of 1 kernels" in out and "target" in out and "num-cores" in out
+    assert "target" in out and "num-cores" in out
+    # the tune verified the tuned kernel inside the model: it is applied, or kept out for a
+    # reason the build states (which one wins depends on timing)
+    assert ("tuned 1 of 1 kernels" in out) != (
+        "tuned 0 of 1 kernels" in out and "default schedule ran faster in the model" in out)
     x = np.random.default_rng(1).standard_normal((16, 64)).astype("float32")
     np.save(tmp_path / "x.npy", x)
     assert main(["run", art, "--input", f"x={tmp_path / 'x.npy'}", "--save-output",
