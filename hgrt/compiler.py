@@ -80,8 +80,8 @@ def _context(model: Any, devices: Any, placement: Placement | None, params: Any,
 
 def build(model: Any, devices: Any, placement: Placement | None = None,
           params: dict[str, Any] | None = None, *, input_shapes: dict[str, Any] | None = None,
-          tuning_db: str | None = None, cuda_arch: str = DEFAULT_CUDA_ARCH,
-          verbose: bool = False) -> BuildResult:
+          tuning_db: str | None = None, tuning_verdicts: bool = True,
+          cuda_arch: str = DEFAULT_CUDA_ARCH, verbose: bool = False) -> BuildResult:
     """Compile ``model`` (ONNX ModelProto / path, or Relax IRModule + ``params``) for ``devices``.
 
     ``devices``: names (``"cpu"``, ``"cpu:1"``, ``"cuda"``) or TVM targets; position i is
@@ -90,11 +90,14 @@ def build(model: Any, devices: Any, placement: Placement | None = None,
     ``BuildResult.targets``); give a ``tvm.target.Target`` to build for another CPU.
     ``placement`` says which op runs where (default: everything on ``devices[0]``).
     ``tuning_db``: a directory written by ``hgrt tune``; kernels found there get their tuned
-    schedule (``BuildResult.tuning`` says which), the others the default schedule.
+    schedule (``BuildResult.tuning`` says which), the others the default schedule, as do
+    tuned kernels that ``hgrt tune`` found slower inside the model (``tuning_verdicts=False``
+    applies them anyway).
     """
     start = time.perf_counter()
     mod, ctx = _context(model, devices, placement, params, input_shapes, cuda_arch, verbose)
     ctx.tuning_db = tuning_db
+    ctx.tuning_verdicts = tuning_verdicts
     graph: Graph = run_passes(mod, ctx, PASSES)
     lib = ctx.lib
     out_params = {name: ctx.params[src] for name, src in ctx.param_source.items()}

@@ -228,9 +228,12 @@ class _Progress:
         return {k.rsplit("|", 1)[0] for k, v in self.asked_by_key.items()
                 if k.endswith("|default_wins") and v}
 
-    def set_default_wins(self, keys: set[str]) -> None:
+    def set_default_wins(self, keys: set[str], scope: set[str] | None = None) -> None:
+        """Record ``keys`` as the kernels whose default schedule wins, replacing the verdicts
+        on the kernels of ``scope`` (default: all; several models may share a database)."""
         self.asked_by_key = {k: v for k, v in self.asked_by_key.items()
-                             if not k.endswith("|default_wins")}
+                             if not k.endswith("|default_wins") or (
+                                 scope is not None and k.rsplit("|", 1)[0] not in scope)}
         self.asked_by_key.update({f"{k}|default_wins": 1 for k in keys})
         self._save()
 
@@ -305,7 +308,12 @@ def tune(model: Any, db_dir: str, trials_per_task: int = 16, *, devices: Any = "
             # never a candidate slower than what an untuned build would run
             has_default = progress.asked(task_mod, target, "default_ns") > 0
             if not has_default and target.kind.name == "llvm":
-                secs = _record_default(db, task_mod, target, builder, runner, log)
+                try:
+                    secs = _record_default(db, task_mod, target, builder, runner, log)
+                except Exception as e:  # noqa: BLE001 - one task failing must not lose the rest
+                    log(f"  the default schedule could not be timed "
+                        f"({str(e).strip().splitlines()[0][:160]})")
+                    secs = None
                 if secs is not None:
                     has_default = True
                     progress.record(task_mod, target, max(1, round(secs * 1e9)), "default_ns")
@@ -342,7 +350,8 @@ def tune(model: Any, db_dir: str, trials_per_task: int = 16, *, devices: Any = "
                 log(f"{head}: tuning failed ({str(e).strip().splitlines()[0][:160]})")
                 continue
             recs = _records(db, task_mod, target)
-            progress.record(task_mod, target, trials_per_task)
+            if len(recs) > len(done):  # a round where every candidate failed finishes nothing
+                progress.record(task_mod, target, trials_per_task)
             best = _best(recs)
             summary.trials[task.task_name] = len(recs) - len(done)
             if best is not None:
@@ -390,13 +399,12 @@ def verify_in_model(model: Any, db_dir: str, *, devices: Any = "cpu", placement:
     if any(t.kind.name != "llvm" for t in module_targets(mod)):
         log("verify: not every device is a CPU; tuned kernels are not re-timed in the model")
         return {}
-    progress = _Progress(db_dir)
-    progress.set_default_wins(set())
     kwargs = {"params": params, "input_shapes": input_shapes}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         default = build(model, devices, placement, **kwargs)
-        tuned = build(model, devices, placement, tuning_db=db_dir, **kwargs)
+        tuned = build(model, devices, placement, tuning_db=db_dir, tuning_verdicts=False,
+                      **kwargs)
     times = []
     rng = np.random.default_rng(0)
     for res in (default, tuned):
@@ -412,6 +420,8 @@ def verify_in_model(model: Any, db_dir: str, *, devices: Any = "cpu", placement:
             per_func[op.func] = per_func.get(op.func, 0.0) + op.median_us
         times.append(per_func)
     out, losers = {}, set()
+    mine = {kernel_key(f, f.attrs["target"]) for _, f in mod.functions_items()
+            if isinstance(f, tirx.PrimFunc)}
     for name in tuned.tuning.tuned:
         d, t = times[0].get(name), times[1].get(name)
         if d is None or t is None:
@@ -420,7 +430,7 @@ def verify_in_model(model: Any, db_dir: str, *, devices: Any = "cpu", placement:
         if t > d * (1 + margin):
             func = mod[name]
             losers.add(kernel_key(func, func.attrs["target"]))
-    progress.set_default_wins(losers)
+    _Progress(db_dir).set_default_wins(losers, scope=mine)
     total_d = sum(d for d, _ in out.values())
     total_t = sum(min(d, t) for d, t in out.values())
     log(f"verify in the model: {len(losers)} of {len(out)} tuned kernels ran slower than the "

@@ -137,6 +137,7 @@ class BuildContext:
     lib: Any = None  # build_library: the compiled runtime module
     schedule: bool = True  # lower: schedule kernels (False: fused, unscheduled, for tuning)
     tuning_db: str | None = None  # lower: MetaSchedule database applied before the defaults
+    tuning_verdicts: bool = True  # lower: honour `hgrt tune`'s "default faster in the model"
     tuning: Any = None  # lower: hgrt.tune.ApplyReport when a database was given
     cpu_schedule: Any = None  # lower: schedule_cpu.ScheduleReport of the default schedule
 

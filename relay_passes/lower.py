@@ -197,7 +197,7 @@ def lower(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     if ctx.tuning_db:
         from hgrt.tune import apply_database
 
-        mod, ctx.tuning = apply_database(mod, ctx.tuning_db)
+        mod, ctx.tuning = apply_database(mod, ctx.tuning_db, use_verdicts=ctx.tuning_verdicts)
         ctx.log(ctx.tuning.summary())
     if os.environ.get("HGRT_DEFAULT_SCHEDULE", "1") != "0":
         from hgrt.relay_passes.schedule_cpu import schedule_cpu_functions

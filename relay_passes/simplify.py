@@ -27,6 +27,7 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
+TRANSFORM = "main_transform_params"  # the function LiftTransformParams makes
 _PAIRWISE = {"relax.sum": relax.op.add, "relax.mean": relax.op.add,
              "relax.max": relax.op.maximum, "relax.min": relax.op.minimum}
 
@@ -111,7 +112,7 @@ def fold_weight_transforms(mod: tvm.IRModule, weights: dict[str, np.ndarray]
     if len(main.params) == n_in:
         return mod, weights
     lifted = relax.transform.LiftTransformParams()(mod)
-    transform = lifted["main_transform_params"]
+    transform = lifted[TRANSFORM]
     var2val = relax.analysis.get_var2val(transform)
     outs = transform.body.body
     outs = var2val.get(outs, outs) if isinstance(outs, relax.Var) else outs
@@ -125,29 +126,39 @@ def fold_weight_transforms(mod: tvm.IRModule, weights: dict[str, np.ndarray]
         return a in params
     new_main = lifted["main"]
     new_names = [p.name for p in new_main.params[n_in:]]
-    if len(new_names) != len(args):
-        return mod, weights  # not the shape this code knows: leave the model as it is
+    if len(new_names) != len(args) or len(set(new_names)) != len(new_names) or any(
+            not isinstance(p.ty, relax.TensorType) for p in new_main.params[n_in:]):
+        # symbolic shapes (a shape output comes first) or clashing names: not the shape this
+        # code knows, leave the model as it is
+        return mod, weights
     old_names = [p.name for p in main.params[n_in:]]
     if all(passes_through(a) for a in args):
         return mod, weights  # every weight passes through unchanged
-    values = _run_transform(transform, [weights[n] for n in old_names])
+    # the transform may call the module's own functions (a Clip, a Pad): compile them along
+    others = {gv: f for gv, f in lifted.functions_items() if gv.name_hint != "main"}
+    values = _run_transform(tvm.IRModule(others), [weights[n] for n in old_names])
     folded = dict(zip(new_names, values, strict=True))
-    out = tvm.IRModule({"main": new_main.with_attr("num_input", n_in)})
-    return out, folded
+    # every function but the transform stays: main calls kernels of its own (Clip, Pad, ...)
+    kept = {gv: (new_main.with_attr("num_input", n_in) if gv.name_hint == "main" else f)
+            for gv, f in lifted.functions_items() if gv.name_hint != TRANSFORM}
+    return tvm.IRModule(kept, attrs=lifted.attrs), folded
 
 
-def _run_transform(func: relax.Function, args: list[np.ndarray]) -> list[np.ndarray]:
+
+def _run_transform(mod: tvm.IRModule, args: list[np.ndarray]) -> list[np.ndarray]:
+    """Compile ``mod`` (the lifted transform and the functions it calls) and run the
+    transform on the CPU."""
     import warnings
 
     dev = tvm.cpu()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ex = tvm.compile(tvm.IRModule({"main": func.without_attr("global_symbol")
-                                       if "global_symbol" in func.attrs else func}), "llvm")
+        ex = tvm.compile(mod, "llvm")
     vm = relax.VirtualMachine(ex, dev)
+    func = mod[TRANSFORM]
     tensors = [tvm.runtime.tensor(a, dev) for a in args]
     # LiftTransformParams takes the weights as one tuple parameter
     tuple_param = len(func.params) == 1 and isinstance(func.params[0].ty, relax.TupleType)
-    out = vm["main"](tensors) if tuple_param else vm["main"](*tensors)
+    out = vm[TRANSFORM](tensors) if tuple_param else vm[TRANSFORM](*tensors)
     items = out if isinstance(out, (list, tuple)) or not hasattr(out, "numpy") else [out]
     return [o.numpy() for o in items]

@@ -65,6 +65,23 @@ def test_weight_only_computation_is_done_at_build_time():
     assert not any(v.shape == (16, 8) for v in res.params.values())
 
 
+def test_folding_keeps_the_models_own_functions_and_may_call_them():
+    # Clip (ReLU6) imports as a function of the module; here it runs on the activation and on
+    # a weight (folded), next to a Gemm whose weight transpose is folded too
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((6, 8)).astype("float32") * 4
+    lo, hi = np.array(0, "float32"), np.array(6, "float32")
+    model = _model([helper.make_node("Clip", ["w", "lo", "hi"], ["wc"]),
+                    helper.make_node("Gemm", ["x", "wc"], ["g"], transB=1),
+                    helper.make_node("Clip", ["g", "lo", "hi"], ["y"])],
+                   [("x", [4, 8])], ("y", [4, 6]), inits=[("w", w), ("lo", lo), ("hi", hi)])
+    mod, weights = import_model(model)
+    assert "w" not in weights
+    x = rng.standard_normal((4, 8)).astype("float32")
+    got, _ = _run(model, {"x": x})
+    np.testing.assert_allclose(got, np.clip(x @ np.clip(w, 0, 6).T, 0, 6), rtol=1e-5, atol=1e-5)
+
+
 def test_nothing_to_fold_leaves_weights_alone():
     w = np.ones((4, 4), "float32")
     model = _model([helper.make_node("MatMul", ["x", "w"], ["y"])], [("x", [2, 4])],
