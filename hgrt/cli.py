@@ -112,9 +112,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
     for s in summaries:
         print(f"{s.target}: {s.tasks} tasks, {len(s.trials)} tuned now, "
               f"{len(s.skipped)} done before, {s.seconds:.0f} s")
+    same = [f"--device {d}" for d in args.device]
+    same += [f"--place {p}" for p in args.place or []]
+    same += [f"--override {o}" for o in args.override or []]
+    same += [f"--{k} {v}" for k, v in (("prefer", args.prefer), ("fallback", args.fallback)) if v]
+    same += [f"--input-shape {i}" for i in args.input_shape or []]
     print(f"database {args.db}/ written in {time.perf_counter() - t0:.0f} s; build with "
-          f"`hgrt compile {args.model} {' '.join('--device ' + d for d in args.device)} "
-          f"--tuning-db {args.db} -o OUT`")
+          f"`hgrt compile {args.model} {' '.join(same)} --tuning-db {args.db} -o OUT`")
     return 0
 
 
