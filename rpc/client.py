@@ -28,6 +28,7 @@ from hgrt.rpc.server import CREATE_FUNC, ERROR_TAG, is_registered, register
 from hgrt.rpc.session import connect, describe, upload
 from hgrt.runtime.executor import (
     BenchmarkResult,
+    checked_value,
     input_items,
     normalize_devices,
     resolve_input,
@@ -236,20 +237,7 @@ class RemoteGraphModule:
 
     def _set_one(self, idx: int, value: Any, what: str = "input") -> None:
         inp = self._inputs[idx]
-        shape, dtype = tuple(inp["shape"]), inp["dtype"]
-        if isinstance(value, tvm.runtime.Tensor):
-            got = (tuple(value.shape), str(value.dtype))
-        else:
-            try:
-                value = np.asarray(value)
-            except Exception as e:
-                raise InputError(f"{what} {inp['name']!r}: cannot convert "
-                                 f"{type(value).__name__} to an array: {e}") from e
-            got = (tuple(value.shape), str(value.dtype))
-        if got[0] != shape:
-            raise InputError(f"{what} {inp['name']!r}: expected shape {shape}, got {got[0]}")
-        if got[1] != dtype:
-            raise InputError(f"{what} {inp['name']!r}: expected dtype {dtype}, got {got[1]}")
+        value = checked_value(value, inp["shape"], inp["dtype"], f"{what} {inp['name']!r}")
         if isinstance(value, tvm.runtime.Tensor) and is_remote(value):
             self._check_same_session(value, f"{what} {inp['name']!r}")
             self._call("set_input_tensor", idx, value)

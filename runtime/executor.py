@@ -99,6 +99,23 @@ def _module_summary(lib) -> str:
     return f"module '{kinds[0]}'" + (f" and its imports {kinds[1:]}" if kinds[1:] else "")
 
 
+def checked_value(value: Any, shape: Any, dtype: str, what: str) -> Any:
+    """``value`` (a TVM tensor, or anything numpy takes) if its shape and dtype are the ones
+    expected, as a numpy array unless it was a tensor; else an InputError naming ``what``."""
+    if not isinstance(value, tvm.runtime.Tensor):
+        try:
+            value = np.asarray(value)
+        except Exception as e:
+            raise InputError(f"{what}: cannot convert {type(value).__name__} to an array: "
+                             f"{e}") from e
+    got_shape, got_dtype = tuple(value.shape), str(value.dtype)
+    if got_shape != tuple(shape):
+        raise InputError(f"{what}: expected shape {tuple(shape)}, got {got_shape}")
+    if got_dtype != dtype:
+        raise InputError(f"{what}: expected dtype {dtype}, got {got_dtype}")
+    return value
+
+
 def input_items(key: Any, value: Any, inputs: dict[str, Any], resolve
                 ) -> list[tuple[int, Any]]:
     """The ``set_input`` call forms (key + value, a mapping, keywords) as (input index, value)
@@ -263,20 +280,8 @@ class GraphModule:
         eid = self._input_eids[idx]
         dst = self._storage.user_view(eid)
         name = self.graph.nodes[self.graph.arg_nodes[idx]].name
-        shape, dtype = self.graph.shapes[eid], self.graph.dtypes[eid]
-        if isinstance(value, tvm.runtime.Tensor):
-            got_shape, got_dtype = tuple(value.shape), str(value.dtype)
-        else:
-            try:
-                value = np.asarray(value)
-            except Exception as e:
-                raise InputError(f"{what} {name!r}: cannot convert {type(value).__name__} to an "
-                                 f"array: {e}") from e
-            got_shape, got_dtype = tuple(value.shape), str(value.dtype)
-        if got_shape != tuple(shape):
-            raise InputError(f"{what} {name!r}: expected shape {tuple(shape)}, got {got_shape}")
-        if got_dtype != dtype:
-            raise InputError(f"{what} {name!r}: expected dtype {dtype}, got {got_dtype}")
+        value = checked_value(value, self.graph.shapes[eid], self.graph.dtypes[eid],
+                              f"{what} {name!r}")
         if isinstance(value, tvm.runtime.Tensor):
             _copy_tensor(value, dst)
         else:
