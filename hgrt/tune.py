@@ -58,7 +58,7 @@ def fuse_for_tuning(model: Any, devices: Any = "cpu", placement: Any = None,
                     params: dict[str, Any] | None = None, *,
                     input_shapes: dict[str, Any] | None = None) -> tvm.IRModule:
     """A model (ONNX path / ModelProto, Relax IRModule) → the placed, fused module ``build``
-    schedules (``hgrt.build.lower_model``): same passes, same devices and placement, so the
+    schedules (``hgrt.compiler.lower_model``): same passes, same devices and placement, so the
     functions, their structural hashes and targets are the ones ``build`` looks up.
     A module that is already fused is returned as it is."""
     from hgrt.compiler import lower_model
@@ -366,14 +366,15 @@ def tune(model: Any, db_dir: str, trials_per_task: int = 16, *, devices: Any = "
         summaries.append(summary)
     if verify:
         verify_in_model(model, db_dir, devices=devices, placement=placement, params=params,
-                        input_shapes=input_shapes, log=log)
+                        input_shapes=input_shapes, fused=mod, log=log)
     return summaries
 
 
 def verify_in_model(model: Any, db_dir: str, *, devices: Any = "cpu", placement: Any = None,
                     params: dict[str, Any] | None = None,
                     input_shapes: dict[str, Any] | None = None, repeat: int = 20,
-                    margin: float = 0.02, log: Callable[[str], None] | None = print
+                    margin: float = 0.02, fused: tvm.IRModule | None = None,
+                    log: Callable[[str], None] | None = print
                     ) -> dict[str, tuple[float, float]]:
     """Time every tuned kernel inside the model against its default schedule; where the tuned
     one is slower (by more than ``margin``), record that the default wins, so that
@@ -385,6 +386,7 @@ def verify_in_model(model: Any, db_dir: str, *, devices: Any = "cpu", placement:
     the default they beat in isolation). Both builds are profiled with hgrt's profiler (median
     of ``repeat`` runs per node) on the local devices. Returns name -> (default µs, tuned µs)
     summed over the kernel's calls; nothing is done for models that are not all on CPUs.
+    ``fused``: the model's ``fuse_for_tuning`` module when the caller has it already.
     """
     import numpy as np
 
@@ -395,7 +397,8 @@ def verify_in_model(model: Any, db_dir: str, *, devices: Any = "cpu", placement:
     if isinstance(model, tvm.IRModule) and _is_fused(model):
         log("verify: given an already fused module, not a model: nothing to build and re-time")
         return {}
-    mod = fuse_for_tuning(model, devices, placement, params, input_shapes=input_shapes)
+    mod = fused if fused is not None else fuse_for_tuning(
+        model, devices, placement, params, input_shapes=input_shapes)
     if any(t.kind.name != "llvm" for t in module_targets(mod)):
         log("verify: not every device is a CPU; tuned kernels are not re-timed in the model")
         return {}
