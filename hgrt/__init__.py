@@ -4,9 +4,11 @@ Compile a model once (``hgrt.build``), run it across a CPU and an accelerator
 (``hgrt.create``), locally or on a remote machine through TVM RPC.
 """
 
-from hgrt.artifacts import load, save
+from hgrt.api import create, load
+from hgrt.artifacts import save
 from hgrt.errors import (
     BuildError,
+    ClosedError,
     DeviceError,
     ExecutionError,
     GraphError,
@@ -17,7 +19,9 @@ from hgrt.errors import (
     RemoteError,
 )
 from hgrt.graph import Graph, Node
-from hgrt.runtime.executor import BenchmarkResult, GraphModule, create
+from hgrt.rpc.client import RemoteGraphModule
+from hgrt.runtime.executor import GraphModule
+from hgrt.runtime.module_api import BenchmarkResult, GraphModuleAPI
 
 __version__ = "0.1.0"
 
@@ -31,15 +35,12 @@ def __getattr__(name):
         for public in ("build", "Placement", "BuildResult", "lower_model"):
             globals()[public] = getattr(module, public)
         return globals()[name]
-    if name == "rpc":
-        import importlib
-
-        return importlib.import_module("hgrt.rpc")
     raise AttributeError(f"module 'hgrt' has no attribute {name!r}")
 
 
 __all__ = [
-    "BenchmarkResult", "BuildError", "DeviceError", "ExecutionError", "Graph", "GraphError",
-    "GraphModule", "HgrtError", "InputError", "Node", "ParamError", "PlanError", "RemoteError",
-    "create", "load", "save", "build", "Placement", "BuildResult",
+    "BenchmarkResult", "BuildError", "BuildResult", "ClosedError", "DeviceError",
+    "ExecutionError", "Graph", "GraphError", "GraphModule", "GraphModuleAPI", "HgrtError",
+    "InputError", "Node", "ParamError", "Placement", "PlanError", "RemoteError",
+    "RemoteGraphModule", "build", "create", "load", "save",
 ]

@@ -1,4 +1,5 @@
-"""Artifacts on disk: ``graph.json`` + ``lib.so`` + ``params.bin`` in one directory."""
+"""Artifacts on disk: ``graph.json`` + ``lib.so`` + ``params.bin`` in one directory (the format;
+``hgrt.load`` in hgrt/api.py puts them onto devices)."""
 
 from __future__ import annotations
 
@@ -71,15 +72,9 @@ def read(directory: str) -> tuple[str, str, bytes]:
     return graph_json, paths[LIB_FILE], params
 
 
-def load(directory: str, devices):
-    """A GraphModule for the artifacts in ``directory``, with its params loaded."""
-    from hgrt.runtime.executor import create
-
-    graph_json, lib_path, params = read(directory)
+def load_library(path: str) -> tvm.runtime.Module:
+    """Load a compiled library on this machine."""
     try:
-        lib = tvm.runtime.load_module(lib_path)
+        return tvm.runtime.load_module(path)
     except Exception as e:
-        raise ArtifactError(f"cannot load {lib_path}: {e}") from e
-    m = create(graph_json, lib, devices)
-    m.load_params(params)
-    return m
+        raise ArtifactError(f"cannot load {path}: {e}") from e

@@ -124,13 +124,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 # ---- run ----------------------------------------------------------------------------------
 
-def _devices_for(graph, names: list[str] | None, session=None) -> list:
-    from hgrt.devices import parse_device
-
-    names = names or graph.device_names or ["cpu:0"]
-    return [parse_device(n, session) for n in names]
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     m, devices = _module_for(args)
     m.run()
@@ -150,25 +143,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _module_for(args: argparse.Namespace):
     """A GraphModule for the artifacts named on the command line, params loaded, inputs set."""
-    import tvm
-
     import hgrt
-    from hgrt.artifacts import read
-    from hgrt.graph import Graph
 
-    graph_json, lib_path, params = read(args.artifacts)
-    graph = Graph.from_json(graph_json)
     session = None
     if getattr(args, "rpc_tracker", None):
-        from hgrt.rpc.client import connect, upload
-
-        session = connect(tracker=args.rpc_tracker, key=args.rpc_key)
-        lib = upload(session, lib_path)
-    else:
-        lib = tvm.runtime.load_module(lib_path)
-    devices = _devices_for(graph, args.device, session)
-    m = hgrt.create(graph_json, lib, devices)
-    m.load_params(params)
+        session = hgrt.rpc.connect(tracker=args.rpc_tracker, key=args.rpc_key)
+    m = hgrt.load(args.artifacts, args.device, session=session)
+    devices = m.devices
     inputs = _load_inputs(args.input)
     shapes, dtypes = m.get_input_info()
     missing = [n for n in shapes if n not in inputs]
@@ -297,8 +278,9 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("hgrt").setLevel(logging.INFO)
     try:
         return args.func(args)
-    except HgrtError as e:
-        print(f"hgrt {args.command}: error: {e}", file=sys.stderr)
+    except (HgrtError, OSError) as e:  # a user error: one line, no traceback
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"hgrt {args.command}: error: {msg}", file=sys.stderr)
         return 2
 
 

@@ -16,23 +16,31 @@ from typing import Any
 import numpy as np
 import tvm
 
+from hgrt.devices import DEFAULT_CUDA_ARCH, parse_devices
 from hgrt.frontend import import_model
 from hgrt.graph import Graph
-from hgrt.relay_passes.context import DEFAULT_CUDA_ARCH, BuildContext, PlacementRow, parse_devices
+from hgrt.lifetimes import DeviceMemory, memory_report
+from hgrt.relay_passes.context import BuildContext, LoweringOptions, PlacementRow, Weights
 from hgrt.relay_passes.graph_codegen import graph_codegen, static_shape
 from hgrt.relay_passes.insert_copies import insert_copies
-from hgrt.relay_passes.lower import build_library, lower
+from hgrt.relay_passes.lower import assign_targets, build_library, legalize_and_fuse, schedule_gpu
 from hgrt.relay_passes.pipeline import run_passes
 from hgrt.relay_passes.place_devices import Placement, place_devices
-from hgrt.relay_passes.plan_memory import DeviceMemory, memory_report, plan_memory
+from hgrt.relay_passes.plan_memory import plan_memory
+from hgrt.relay_passes.schedule_cpu import schedule_cpu
+from hgrt.relay_passes.tuning_db import ApplyReport, apply_tuning
 
 __all__ = ["BuildResult", "Placement", "build", "lower_model"]
 
 PASSES: tuple = (
     ("place_devices", place_devices),
     ("insert_copies", insert_copies),
-    ("lower", lower),
-    ("build_library", lambda mod, ctx: _keep_library(mod, ctx)),
+    ("legalize_and_fuse", legalize_and_fuse),
+    ("assign_targets", assign_targets),  # lower_model stops here unscheduled: what is tuned
+    ("apply_tuning", apply_tuning),
+    ("schedule_cpu", schedule_cpu),
+    ("schedule_gpu", schedule_gpu),  # lower_model(schedule=True) stops here
+    ("build_library", build_library),
     ("graph_codegen", graph_codegen),
     ("plan_memory", plan_memory),
 )
@@ -43,13 +51,14 @@ class BuildResult:
     """What ``build`` returns: run it with ``hgrt.create(graph_json, lib, devices)``."""
 
     graph_json: str
+    graph: Graph  # what graph_json says, parsed
     lib: tvm.runtime.Module
     params: dict[str, np.ndarray]
     devices: list[str]
     placement_report: list[PlacementRow] = field(default_factory=list)
     memory_report: list[DeviceMemory] = field(default_factory=list)
     targets: dict[str, str] = field(default_factory=dict)  # device name -> TVM target it got
-    tuning: Any = None  # hgrt.tune.ApplyReport: kernels tuned / fallen back (tuning_db given)
+    tuning: ApplyReport | None = None  # kernels tuned / fallen back (tuning_db given)
 
     def print_placement(self) -> str:
         """The placement report as a table (also what ``verbose=True`` prints)."""
@@ -60,11 +69,6 @@ class BuildResult:
                          for r in rows)
 
 
-def _check_static(mod: tvm.IRModule) -> None:
-    for p in mod["main"].params:
-        static_shape(p.ty, f"input {p.name!r}")
-
-
 def _context(model: Any, devices: Any, placement: Placement | None, params: Any,
              input_shapes: Any, cuda_arch: str, verbose: bool
              ) -> tuple[tvm.IRModule, BuildContext]:
@@ -73,8 +77,9 @@ def _context(model: Any, devices: Any, placement: Placement | None, params: Any,
     for d in devs:
         ctx.log(f"device {d.name}: target {d.target}")
     mod, weights = import_model(model, params, input_shapes)
-    _check_static(mod)
-    ctx.params = dict(weights)
+    for p in mod["main"].params:
+        static_shape(p.ty, f"input {p.name!r}")
+    ctx.weights = Weights(dict(weights))
     return mod, ctx
 
 
@@ -96,19 +101,17 @@ def build(model: Any, devices: Any, placement: Placement | None = None,
     """
     start = time.perf_counter()
     mod, ctx = _context(model, devices, placement, params, input_shapes, cuda_arch, verbose)
-    ctx.tuning_db = tuning_db
-    ctx.tuning_verdicts = tuning_verdicts
-    graph: Graph = run_passes(mod, ctx, PASSES)
-    lib = ctx.lib
-    out_params = {name: ctx.params[src] for name, src in ctx.param_source.items()}
-    graph_json = graph.to_json()
-    Graph.from_json(graph_json)  # the runtime's own validation, before anyone ships the JSON
+    ctx.options = LoweringOptions(tuning_db, tuning_verdicts)
+    graph_json = run_passes(mod, ctx, PASSES).to_json()
+    graph = Graph.from_json(graph_json)  # the runtime's own validation, before anyone ships it
     if verbose:
         ctx.log(f"built in {time.perf_counter() - start:.1f} s")
-    return BuildResult(graph_json=graph_json, lib=lib, params=out_params,
-                       devices=[d.name for d in ctx.devices],
-                       placement_report=list(ctx.report), memory_report=memory_report(graph),
-                       targets={d.name: str(d.target) for d in ctx.devices}, tuning=ctx.tuning)
+    w = ctx.weights
+    return BuildResult(graph_json=graph_json, graph=graph, lib=ctx.lowered.lib,
+                       params={name: w.values[src] for name, src in w.source.items()},
+                       devices=[d.name for d in ctx.devices], tuning=ctx.lowered.tuning,
+                       placement_report=list(ctx.placed.report), memory_report=memory_report(graph),
+                       targets={d.name: str(d.target) for d in ctx.devices})
 
 
 def lower_model(model: Any, devices: Any = "cpu", placement: Placement | None = None,
@@ -125,15 +128,9 @@ def lower_model(model: Any, devices: Any = "cpu", placement: Placement | None = 
     ``build`` compiles (tuned from ``tuning_db``, else default), e.g. to hand to the Relax VM.
     """
     mod, ctx = _context(model, devices, placement, params, input_shapes, cuda_arch, verbose)
-    ctx.schedule = schedule
-    ctx.tuning_db = tuning_db
-    upto = [p for p in PASSES[:[n for n, _ in PASSES].index("lower") + 1]]
-    mod = run_passes(mod, ctx, upto)
-    return mod, {var: ctx.params[ctx.param_source[name]]
-                 for var, name in ctx.graph_names.items() if name in ctx.param_source}
-
-
-def _keep_library(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
-    """Build the one library from the lowered module; the IR goes on to graph_codegen."""
-    ctx.lib = build_library(mod, ctx)
-    return mod
+    ctx.options = LoweringOptions(tuning_db)
+    last = "schedule_gpu" if schedule else "assign_targets"
+    mod = run_passes(mod, ctx, PASSES[:[n for n, _ in PASSES].index(last) + 1])
+    w = ctx.weights
+    return mod, {var: w.values[w.source[name]]
+                 for var, name in w.graph_names.items() if name in w.source}

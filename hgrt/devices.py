@@ -1,30 +1,273 @@
-"""Device names: "cpu", "cpu:1", "cuda", "cuda:0", "llvm" -> tvm Devices."""
+"""The device vocabulary: one grammar, ``kind[:id]``, for every layer of hgrt.
+
+``"cpu"``, ``"cpu:1"``, ``"cuda:0"``; ``"llvm"`` is another name of cpu and ``"gpu"`` of cuda.
+Here a name becomes a build device (``DeviceSpec``: its TVM target and position in the device
+list), a runtime device (``tvm.cpu(1)``, or a device of an RPC session), and every question
+"is it a GPU / a CPU / remote" is answered once.
+
+>>> split_device("gpu:1")
+('cuda', 1)
+>>> [d.name for d in parse_devices(["cpu", "cpu:1"])]  # doctest: +SKIP
+['cpu:0', 'cpu:1']
+"""
 
 from __future__ import annotations
 
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
 import tvm
+from tvm.rpc.base import RPC_SESS_MASK
 
 from hgrt.errors import DeviceError
 
-# Target kinds and their runtime device kinds.
-DEVICE_KINDS = {"cpu": "cpu", "llvm": "cpu", "cuda": "cuda", "gpu": "cuda", "rocm": "rocm",
-                "vulkan": "vulkan", "opencl": "opencl", "metal": "metal"}
+
+@dataclass(frozen=True)
+class Kind:
+    """A device kind: its TVM target kind, its DLPack device type, whether it is a GPU."""
+
+    name: str
+    target_kind: str
+    dl_type: int
+    is_gpu: bool
+
+
+KINDS: dict[str, Kind] = {k.name: k for k in (
+    Kind("cpu", "llvm", 1, False), Kind("cuda", "cuda", 2, True), Kind("opencl", "opencl", 4, True),
+    Kind("vulkan", "vulkan", 7, True), Kind("metal", "metal", 8, True),
+    Kind("rocm", "rocm", 10, True))}
+ALIASES = {"llvm": "cpu", "c": "cpu", "gpu": "cuda", "cuda_host": "cpu"}
+_BY_DL_TYPE = {k.dl_type: k for k in KINDS.values()} | {3: KINDS["cpu"]}  # 3: CUDA host memory
+_BY_TARGET_KIND = {k.target_kind: k for k in KINDS.values()} | {"c": KINDS["cpu"]}
+DEFAULT_CUDA_ARCH = os.environ.get("HGRT_CUDA_ARCH", "sm_80")
 
 
 def split_device(name: str) -> tuple[str, int]:
-    """``"cuda:1"`` -> ``("cuda", 1)``; ``"cpu"`` -> ``("cpu", 0)``."""
-    kind, _, index = str(name).strip().partition(":")
-    kind = kind.lower()
-    if kind not in DEVICE_KINDS:
-        raise DeviceError(f"device {name!r}: unknown kind {kind!r}; known: {sorted(DEVICE_KINDS)}")
+    """``"cuda:1"`` -> ``("cuda", 1)``; ``"cpu"`` -> ``("cpu", 0)``; aliases resolved."""
+    kind, _, index = str(name).strip().lower().partition(":")
+    kind = ALIASES.get(kind, kind)
+    if kind not in KINDS:
+        raise DeviceError(f"device {name!r}: unknown kind {kind!r}; known: "
+                          f"{sorted([*KINDS, *ALIASES])}")
     if index and not index.isdigit():
         raise DeviceError(f"device {name!r}: index {index!r} is not a non-negative integer")
-    return DEVICE_KINDS[kind], int(index or 0)
+    return kind, int(index or 0)
 
 
-def parse_device(name: str, session=None):
-    """A tvm Device for ``name``; with an RPC ``session``, that session's device."""
-    kind, index = split_device(name)
-    if session is not None:
-        return session.device(kind, index)
-    return tvm.device(kind, index)
+def kind_of(obj: Any) -> Kind:
+    """The kind of a name, a ``Target``, a ``DeviceSpec``, a (local or remote) ``Device`` or a
+    tensor on one."""
+    if isinstance(obj, DeviceSpec):
+        return KINDS[obj.kind]
+    if isinstance(obj, tvm.target.Target):
+        kind = _BY_TARGET_KIND.get(obj.kind.name)
+        if kind is None:
+            raise DeviceError(f"target kind {obj.kind.name!r} is not a device hgrt knows")
+        return kind
+    if isinstance(obj, tvm.runtime.Tensor):
+        obj = obj.device
+    if isinstance(obj, tvm.runtime.Device):
+        dl_type = obj.dlpack_device_type() % RPC_SESS_MASK
+        if dl_type not in _BY_DL_TYPE:
+            raise DeviceError(f"device {obj}: DLPack device type {dl_type} is not one hgrt knows")
+        return _BY_DL_TYPE[dl_type]
+    return KINDS[split_device(obj)[0]]
+
+
+def is_gpu(obj: Any) -> bool:
+    return kind_of(obj).is_gpu
+
+
+def is_cpu(obj: Any) -> bool:
+    return kind_of(obj).name == "cpu"
+
+
+def is_remote(obj: Any) -> bool:
+    """Whether a Device, or a tensor, belongs to an RPC session."""
+    dev = obj.device if isinstance(obj, tvm.runtime.Tensor) else obj
+    return isinstance(dev, tvm.runtime.Device) and dev.dlpack_device_type() >= RPC_SESS_MASK
+
+
+def runtime_device(name: Any, session: Any = None) -> tvm.runtime.Device:
+    """A tvm Device for ``name`` (a name or a Device); with an RPC ``session``, that session's
+    device of the same kind and id."""
+    if isinstance(name, tvm.runtime.Device):
+        if session is None or is_remote(name):
+            return name
+        kind, index = kind_of(name).name, name.index
+    else:
+        kind, index = split_device(name)
+    return session.device(kind, index) if session is not None else tvm.device(kind, index)
+
+
+def device_name(dev: tvm.runtime.Device) -> str:
+    """``cpu:1`` for a local device; ``remote cpu:1`` for a device of an RPC session."""
+    name = f"{kind_of(dev).name}:{dev.index}"
+    return f"remote {name}" if is_remote(dev) else name
+
+
+def sync(devices: list) -> None:
+    """Wait for the work queued on every device that is not a (synchronous) CPU."""
+    for d in devices:
+        if not is_cpu(d):
+            d.sync()
+
+
+# ---- build devices -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One device of a build: its name (``cpu:1``), TVM target and position in the list."""
+
+    name: str
+    kind: str
+    device_id: int
+    target: tvm.target.Target
+    index: int
+
+    @property
+    def is_gpu(self) -> bool:
+        return KINDS[self.kind].is_gpu
+
+    def vdevice(self):
+        """The Relax VDevice of this device (its ``vdevice_id`` is the device id)."""
+        from tvm import relax  # the Relax stack is loaded only when something is compiled
+
+        return relax.VDevice(self.target, self.device_id, "global")
+
+
+def target_for(kind: str, cuda_arch: str = DEFAULT_CUDA_ARCH) -> tvm.target.Target:
+    """The target of a device named by kind: a CPU is this host (``host_target``), unless
+    ``HGRT_CPU_TARGET`` names another (``llvm`` for a plain x86-64 build); a GPU gets
+    ``cuda_arch`` and an llvm host."""
+    if KINDS[kind].is_gpu:
+        return tvm.target.Target({"kind": KINDS[kind].target_kind, "arch": cuda_arch},
+                                 host="llvm")
+    spec = os.environ.get("HGRT_CPU_TARGET", "")
+    return tvm.target.Target(spec) if spec else host_target()
+
+
+def parse_device(spec: Any, index: int, cuda_arch: str = DEFAULT_CUDA_ARCH) -> DeviceSpec:
+    """``"cuda:1"`` / ``"cpu"`` / a ``Target`` → the DeviceSpec at position ``index``."""
+    if isinstance(spec, DeviceSpec):
+        return DeviceSpec(spec.name, spec.kind, spec.device_id, spec.target, index)
+    if isinstance(spec, tvm.target.Target):
+        kind = kind_of(spec)
+        target = spec
+        if kind.is_gpu and spec.host is None:
+            target = tvm.target.Target(spec, host="llvm")
+        return DeviceSpec(f"{kind.name}:0", kind.name, 0, target, index)
+    if not isinstance(spec, str):
+        raise DeviceError(f"device {index}: expected a name like 'cpu:1' or a tvm Target, "
+                          f"got {type(spec).__name__}")
+    kind, did = split_device(spec)
+    if kind not in ("cpu", "cuda"):
+        raise DeviceError(f"device {index} {spec!r}: hgrt builds for cpu and cuda devices by "
+                          f"name; give a tvm Target for {kind}")
+    return DeviceSpec(f"{kind}:{did}", kind, did, target_for(kind, cuda_arch), index)
+
+
+def parse_devices(specs: Any, cuda_arch: str = DEFAULT_CUDA_ARCH) -> list[DeviceSpec]:
+    """Parse a device list; refuses an empty list and a device named twice."""
+    if isinstance(specs, (str, tvm.target.Target)):
+        specs = [specs]
+    devices = [parse_device(s, i, cuda_arch) for i, s in enumerate(specs)]
+    if not devices:
+        raise DeviceError("the device list is empty")
+    names = [d.name for d in devices]
+    for d in devices:
+        if names.index(d.name) != d.index:
+            raise DeviceError(f"device {d.index} {d.name!r} repeats device {names.index(d.name)}: "
+                              f"give two devices of one kind different ids ('cpu:0', 'cpu:1')")
+    return devices
+
+
+def resolve_device(name: Any, devices: list[DeviceSpec], what: str) -> int:
+    """A device named in a placement setting → its position in ``devices``.
+
+    ``name`` is a position, a name (``"cpu:1"``; a bare kind ``"cuda"`` means the only device of
+    that kind) or a ``Target`` (the device built for that very target, else the only device of
+    its kind). Several devices that fit a bare kind or target are refused, never guessed."""
+    known = [d.name for d in devices]
+    if isinstance(name, int) and not isinstance(name, bool) and 0 <= name < len(devices):
+        return name
+    if isinstance(name, tvm.target.Target):
+        exact = [d for d in devices if str(d.target) == str(name)]
+        fits = exact or [d for d in devices if d.kind == kind_of(name).name]
+        label = f"target {name.kind.name!r}" + (f" ({exact[0].name})" if exact else "")
+    elif isinstance(name, str):
+        kind, did = split_device(name)
+        bare = ":" not in name  # a bare kind: any device of that kind, if it is the only one
+        fits = [d for d in devices if (d.kind == kind if bare else d.name == f"{kind}:{did}")]
+        label = f"device {name!r}"
+    else:
+        fits, label = [], f"device {name!r}"
+    if len(fits) == 1:
+        return fits[0].index
+    if fits:
+        raise DeviceError(f"{what}: {label} fits {[d.name for d in fits]}; name one of them")
+    raise DeviceError(f"{what}: {label} is not in the device list {known}")
+
+
+def resolve_dl_device(dl_type: int, device_id: int, devices: list[DeviceSpec], what: str) -> int:
+    """The position of the device that ``R.device(dl_type, device_id)`` names."""
+    kind = _BY_DL_TYPE.get(int(dl_type))
+    if kind is None:
+        raise DeviceError(f"{what}: DLPack device type {dl_type} is not one hgrt knows; "
+                          f"the devices are {[d.name for d in devices]}")
+    return resolve_device(f"{kind.name}:{int(device_id)}", devices, what)
+
+
+# ---- the host CPU ----------------------------------------------------------------------------
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask), at least 1."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
+def cpu_flags() -> set[str]:
+    """The host CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            m = re.search(r"^flags\s*:(.*)$", f.read(), re.M)
+        return set(m.group(1).split()) if m else set()
+    except OSError:
+        return set()
+
+
+def vector_bits(target: tvm.target.Target) -> int:
+    """LLVM's vector width for ``target``, 128 when LLVM cannot say. (TVM 0.27 answers 512 for
+    every x86 target; only use it for a target whose ISA is known to the host.)"""
+    from tvm.target.codegen import llvm_get_vector_width
+
+    try:
+        bits = int(llvm_get_vector_width(target))
+    except Exception:
+        bits = 128
+    return bits if bits > 0 else 128
+
+
+def host_target(num_cores: int | None = None) -> tvm.target.Target:
+    """An llvm target for this machine: its CPU (vector features) and its core count.
+
+    ``mcpu`` is LLVM's name for the host CPU (``llvm_get_system_cpu``), kept only when
+    /proc/cpuinfo agrees on the vector features that name implies (a VM may hide AVX-512 from
+    a CPU that has it); ``num-cores`` defaults to the cores this process may run on.
+
+    >>> host_target(2)  # doctest: +SKIP
+    {"kind":"llvm","mcpu":"znver4","num-cores":2,...}
+    """
+    from tvm.target.codegen import llvm_get_system_cpu
+
+    spec: dict = {"kind": "llvm", "num-cores": int(num_cores or usable_cores())}
+    cpu = llvm_get_system_cpu()
+    if cpu and cpu != "generic":
+        flags = cpu_flags()
+        wants_512 = vector_bits(tvm.target.Target({"kind": "llvm", "mcpu": cpu})) >= 512
+        if not flags or not wants_512 or "avx512f" in flags:
+            spec["mcpu"] = cpu
+    return tvm.target.Target(spec)

@@ -6,6 +6,8 @@ exception it resembles, so ``except ValueError`` keeps working for code written 
 
 from __future__ import annotations
 
+import difflib
+
 
 class HgrtError(Exception):
     """Base class of every error hgrt raises on purpose."""
@@ -41,15 +43,22 @@ class PlanError(HgrtError, RuntimeError):
     """The memory plan is invalid (two live entries overlap, a storage spans devices)."""
 
 
+class ClosedError(HgrtError, RuntimeError):
+    """The module was closed (``m.close()``, or the end of ``with hgrt.load(...) as m:``)."""
+
+
 class RemoteError(HgrtError, RuntimeError):
     """An RPC session failed: the server died, timed out, or refused the request."""
 
 
 def did_you_mean(name: str, known: list[str] | tuple[str, ...], limit: int = 20) -> str:
-    """Describe what exists when ``name`` was not found (used in 'not found' messages)."""
-    known = list(known)
-    shown = ", ".join(repr(k) for k in known[:limit])
-    more = f" and {len(known) - limit} more" if len(known) > limit else ""
+    """Say what exists when ``name`` was not found, closest matches first (for 'not found'
+    messages): ``'wieght' not found; did you mean 'weight'? known: [...]``."""
+    known = [str(k) for k in known]
     if not known:
         return f"{name!r} not found; none exist"
-    return f"{name!r} not found; known: [{shown}{more}]"
+    close = difflib.get_close_matches(str(name), known, n=3)
+    hint = f" did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    shown = ", ".join(repr(k) for k in known[:limit])
+    more = f" and {len(known) - limit} more" if len(known) > limit else ""
+    return f"{name!r} not found;{hint} known: [{shown}{more}]"

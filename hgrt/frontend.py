@@ -17,12 +17,7 @@ import tvm
 from tvm import relax
 
 from hgrt.errors import BuildError
-
-
-def _copy_model(model: Any) -> Any:
-    copy = type(model)()
-    copy.CopyFrom(model)
-    return copy
+from hgrt.relay_passes.simplify import fold_weight_transforms, pairwise_reductions
 
 
 def _from_onnx(model: Any, input_shapes: dict[str, Any] | None) -> tuple[tvm.IRModule, dict]:
@@ -35,7 +30,8 @@ def _from_onnx(model: Any, input_shapes: dict[str, Any] | None) -> tuple[tvm.IRM
     if any(i.name in inits for i in model.graph.input):
         # old exporters list initializers as inputs too; TVM's frontend then makes each weight
         # two params, so keep only the true inputs
-        model = _copy_model(model)
+        model, original = type(model)(), model
+        model.CopyFrom(original)
         kept = [i for i in model.graph.input if i.name not in inits]
         del model.graph.input[:]
         model.graph.input.extend(kept)
@@ -48,9 +44,7 @@ def _from_onnx(model: Any, input_shapes: dict[str, Any] | None) -> tuple[tvm.IRM
     main = mod["main"]
     num_input = int(main.attrs["num_input"]) if "num_input" in main.attrs else len(main.params)
     names = [p.name for p in main.params[num_input:]]
-    values = detached.get("main", [])
-    params = {n: v.numpy() for n, v in zip(names, values, strict=True)}
-    return mod, params
+    return mod, {n: v.numpy() for n, v in zip(names, detached.get("main", []), strict=True)}
 
 
 def _from_relax(mod: tvm.IRModule, params: dict[str, Any] | None) -> tuple[tvm.IRModule, dict]:
@@ -79,13 +73,6 @@ def _from_relax(mod: tvm.IRModule, params: dict[str, Any] | None) -> tuple[tvm.I
     return mod, given
 
 
-def _simplified(mod: tvm.IRModule, weights: dict[str, np.ndarray]
-                ) -> tuple[tvm.IRModule, dict[str, np.ndarray]]:
-    from hgrt.relay_passes.simplify import fold_weight_transforms, pairwise_reductions
-
-    return fold_weight_transforms(pairwise_reductions(mod), weights)
-
-
 def import_model(model: Any, params: dict[str, Any] | None = None,
                  input_shapes: dict[str, Any] | None = None
                  ) -> tuple[tvm.IRModule, dict[str, np.ndarray]]:
@@ -98,10 +85,12 @@ def import_model(model: Any, params: dict[str, Any] | None = None,
         if input_shapes:
             raise BuildError("input_shapes applies to ONNX models; a Relax IRModule carries its "
                              "own shapes")
-        return _simplified(*_from_relax(model, params))
-    if isinstance(model, (str, os.PathLike)) or type(model).__name__ == "ModelProto":
+        mod, weights = _from_relax(model, params)
+    elif isinstance(model, (str, os.PathLike)) or type(model).__name__ == "ModelProto":
         if params:
             raise BuildError("params are read from the ONNX model; do not pass them separately")
-        return _simplified(*_from_onnx(model, input_shapes))
-    raise BuildError(f"cannot import a {type(model).__name__}: give an onnx ModelProto, a path to "
-                     f"an .onnx file or a Relax IRModule")
+        mod, weights = _from_onnx(model, input_shapes)
+    else:
+        raise BuildError(f"cannot import a {type(model).__name__}: give an onnx ModelProto, a "
+                         f"path to an .onnx file or a Relax IRModule")
+    return fold_weight_transforms(pairwise_reductions(mod), weights)

@@ -19,18 +19,25 @@ Layout (see DESIGN.md, "The graph JSON")::
 
 from __future__ import annotations
 
+import bisect
+import functools
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from hgrt import lifetimes
 from hgrt.errors import GraphError
 
 FORMAT_VERSION = 1
 COPY_FUNC = "__copy"
 NOP_FUNC = "__nop"
 _KNOWN_OPS = ("null", "tvm_op")
+# node attrs hgrt reads, and the form their (string) values must have
+NODE_ATTRS = {"func_name": r"\S+", "num_inputs": r"\d+", "num_outputs": r"\d+",
+              "flatten_data": r"[01]"}
 
 
 @dataclass
@@ -52,7 +59,7 @@ class Node:
 
     @property
     def flatten_data(self) -> bool:
-        return self.attrs.get("flatten_data", "0") not in ("0", "", "false", "False")
+        return self.attrs.get("flatten_data", "0") == "1"
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"op": self.op, "name": self.name,
@@ -79,6 +86,7 @@ class Graph:
     storage_offset: list[int] | None = None  # hgrt section: byte offset of each storage id
     params: list[str] = field(default_factory=list)  # names of arg nodes that are parameters
     device_names: list[str] | None = None  # hgrt section: what the compiler built each index for
+    weight_pool_bytes: list[int] | None = None  # hgrt section: params apart, one pool per device
 
     # ---- derived views ------------------------------------------------------------------
     @property
@@ -98,6 +106,38 @@ class Graph:
         """Names of the arg nodes that are user inputs (not parameters), in arg order."""
         params = set(self.params)
         return [self.nodes[n].name for n in self.arg_nodes if self.nodes[n].name not in params]
+
+    @functools.cached_property
+    def weight_storages(self) -> frozenset[int]:
+        """Storage ids holding parameters: in each device's weight pool when the plan has one
+        (``weight_pool_bytes``), so that call frames and other modules share them."""
+        params = set(self.params)
+        return frozenset(self.storage_ids[self.entry_id(n)] for n in self.arg_nodes
+                         if self.nodes[n].name in params)
+
+    def pool_of(self, eid: int) -> tuple[int, bool]:
+        """(device, is the weight pool) of the pool entry ``eid`` lives in (hgrt plan)."""
+        weight = self.weight_pool_bytes is not None and \
+            self.storage_ids[eid] in self.weight_storages
+        return self.entry_device(eid), weight
+
+    def node_of_entry(self, eid: int) -> int:
+        return bisect.bisect_right(self.node_row_ptr, eid) - 1
+
+    def alias_roots(self) -> list[int]:
+        """Per entry, the entry whose bytes it is: itself, or for a ``__nop`` output (a view)
+        the root of its input."""
+        root = list(range(self.num_entries))
+        for nid, node in enumerate(self.nodes):
+            if node.func_name == NOP_FUNC and len(node.inputs) == 1:
+                root[self.entry_id(nid)] = root[self.entry_id(*node.inputs[0][:2])]
+        return root
+
+    def describe_entry(self, eid: int) -> str:
+        """``output 0 of node 3 'conv' ('fused_conv2d'), (1, 8, 4, 4) float32, 512 B``."""
+        nid = self.node_of_entry(eid)
+        return (f"output {eid - self.node_row_ptr[nid]} of {self.describe_node(nid)}, "
+                f"{self.shapes[eid]} {self.dtypes[eid]}, {self.entry_bytes(eid)} B")
 
     def describe_node(self, nid: int) -> str:
         node = self.nodes[nid]
@@ -128,6 +168,8 @@ class Graph:
         if self.pool_bytes is not None:
             section["pool_bytes"] = list(self.pool_bytes)
             section["storage_offset"] = list(self.storage_offset or [])
+        if self.weight_pool_bytes is not None:
+            section["weight_pool_bytes"] = list(self.weight_pool_bytes)
         doc["hgrt"] = section
         return json.dumps(doc, indent=1)
 
@@ -151,7 +193,7 @@ def dtype_bytes(dtype: str) -> int:
 
         t = tvm.runtime.DataType(dtype)
         return max(1, (t.bits * t.lanes + 7) // 8)
-    except Exception as e:  # noqa: BLE001 - TVM raises several types for a bad dtype string
+    except Exception as e:
         raise GraphError(f"unknown dtype {dtype!r}") from e
 
 
@@ -198,43 +240,60 @@ def _column(attrs: dict, key: str, tag: str, n: int) -> list | None:
 def _parse(doc: Any) -> Graph:
     if not isinstance(doc, dict):
         raise GraphError(f"graph JSON must be an object, got {type(doc).__name__}")
-    raw_nodes = _require(doc, "nodes", list, "graph")
-    arg_nodes = [_int(a, "arg_nodes") for a in _require(doc, "arg_nodes", list, "graph")]
+    nodes = [_parse_node(nid, raw) for nid, raw in enumerate(_require(doc, "nodes", list, "graph"))]
     row_ptr = [_int(a, "node_row_ptr") for a in _require(doc, "node_row_ptr", list, "graph")]
-    raw_heads = _require(doc, "heads", list, "graph")
-    attrs = _require(doc, "attrs", dict, "graph")
+    _check_edges(nodes, row_ptr)
+    arg_nodes = _parse_arg_nodes(nodes, _require(doc, "arg_nodes", list, "graph"))
+    heads = []
+    for h in _require(doc, "heads", list, "graph"):
+        nid, idx, ver = _entry_ref(h, "heads")
+        if not 0 <= nid < len(nodes) or not 0 <= idx < nodes[nid].num_outputs:
+            raise GraphError(f"heads: [{nid}, {idx}] does not name an existing node output")
+        heads.append((nid, idx, ver))
+    g = Graph(nodes, arg_nodes, row_ptr, heads,
+              **_parse_columns(_require(doc, "attrs", dict, "graph"), row_ptr[-1]))
+    _parse_section(doc.get("hgrt"), g)
+    _check_special_ops(g)
+    lifetimes.storage_devices(g, GraphError)
+    _check_pools(g)
+    lifetimes.check_lifetimes(g, GraphError)
+    return g
 
-    nodes: list[Node] = []
-    for nid, raw in enumerate(raw_nodes):
-        where = f"node {nid}"
-        if not isinstance(raw, dict):
-            raise GraphError(f"{where}: must be an object, got {type(raw).__name__}")
-        op = _require(raw, "op", str, where)
-        name = _require(raw, "name", str, where)
-        where = f"node {nid} '{name}'"
-        if op not in _KNOWN_OPS:
-            raise GraphError(f"{where}: op {op!r} is not one of {list(_KNOWN_OPS)}")
-        inputs = [_entry_ref(i, f"{where} input") for i in _require(raw, "inputs", list, where)]
-        node_attrs = raw.get("attrs", raw.get("param", {})) or {}
-        if not isinstance(node_attrs, dict):
-            raise GraphError(f"{where}: attrs must be an object")
-        node_attrs = {str(k): str(v) for k, v in node_attrs.items()}
-        if op == "tvm_op":
-            if "func_name" not in node_attrs:
-                raise GraphError(f"{where}: tvm_op without attrs.func_name")
-            for key in ("num_outputs", "num_inputs"):
-                if key in node_attrs and not node_attrs[key].lstrip("-").isdigit():
-                    raise GraphError(f"{where}: attrs.{key} = {node_attrs[key]!r} is not an "
-                                     f"integer")
-            if int(node_attrs.get("num_outputs", "1")) < 1:
-                raise GraphError(f"{where}: num_outputs must be >= 1")
-            if "num_inputs" in node_attrs and int(node_attrs["num_inputs"]) != len(inputs):
-                raise GraphError(f"{where}: num_inputs = {node_attrs['num_inputs']} but the node "
-                                 f"lists {len(inputs)} inputs")
-        elif inputs:
+
+def _parse_node(nid: int, raw: Any) -> Node:
+    where = f"node {nid}"
+    if not isinstance(raw, dict):
+        raise GraphError(f"{where}: must be an object, got {type(raw).__name__}")
+    op = _require(raw, "op", str, where)
+    name = _require(raw, "name", str, where)
+    where = f"node {nid} '{name}'"
+    if op not in _KNOWN_OPS:
+        raise GraphError(f"{where}: op {op!r} is not one of {list(_KNOWN_OPS)}")
+    inputs = [_entry_ref(i, f"{where} input") for i in _require(raw, "inputs", list, where)]
+    attrs = raw.get("attrs", raw.get("param", {})) or {}
+    if not isinstance(attrs, dict):
+        raise GraphError(f"{where}: attrs must be an object")
+    for key, allowed in NODE_ATTRS.items():  # strict, as TVM's loader: strings of known form
+        if key in attrs and not (isinstance(attrs[key], str) and re.fullmatch(allowed, attrs[key])):
+            raise GraphError(f"{where}: attrs.{key} = {attrs[key]!r} must be a string matching "
+                             f"{allowed!r}")
+    attrs = {str(k): str(v) for k, v in attrs.items()}
+    if op == "null":
+        if inputs:
             raise GraphError(f"{where}: a 'null' node cannot have inputs")
-        nodes.append(Node(op, name, inputs, node_attrs))
+        return Node(op, name, inputs, attrs)
+    if "func_name" not in attrs:
+        raise GraphError(f"{where}: tvm_op without attrs.func_name")
+    if int(attrs.get("num_outputs", "1")) < 1:
+        raise GraphError(f"{where}: num_outputs must be >= 1")
+    if "num_inputs" in attrs and int(attrs["num_inputs"]) != len(inputs):
+        raise GraphError(f"{where}: num_inputs = {attrs['num_inputs']} but the node lists "
+                         f"{len(inputs)} inputs")
+    return Node(op, name, inputs, attrs)
 
+
+def _check_edges(nodes: list[Node], row_ptr: list[int]) -> None:
+    """node_row_ptr fits the nodes' outputs; inputs name earlier nodes' existing outputs."""
     n_nodes = len(nodes)
     if len(row_ptr) != n_nodes + 1:
         raise GraphError(f"node_row_ptr has {len(row_ptr)} values, expected {n_nodes + 1} "
@@ -242,62 +301,69 @@ def _parse(doc: Any) -> Graph:
     if row_ptr[0] != 0:
         raise GraphError(f"node_row_ptr[0] must be 0, got {row_ptr[0]}")
     for nid, node in enumerate(nodes):
+        where = f"node {nid} '{node.name}'"
         if row_ptr[nid + 1] - row_ptr[nid] != node.num_outputs:
-            raise GraphError(
-                f"node {nid} '{node.name}': node_row_ptr gives it {row_ptr[nid + 1] - row_ptr[nid]}"
-                f" outputs but it declares {node.num_outputs}")
-    n_entries = row_ptr[-1]
-
-    for nid, node in enumerate(nodes):
+            raise GraphError(f"{where}: node_row_ptr gives it {row_ptr[nid + 1] - row_ptr[nid]}"
+                             f" outputs but it declares {node.num_outputs}")
         for nid_in, idx, _ in node.inputs:
             if not 0 <= nid_in < n_nodes:
-                raise GraphError(f"node {nid} '{node.name}': input refers to node {nid_in}, which "
-                                 f"does not exist ({n_nodes} nodes)")
+                raise GraphError(f"{where}: input refers to node {nid_in}, which does not exist "
+                                 f"({n_nodes} nodes)")
             if nid_in >= nid:
-                raise GraphError(f"node {nid} '{node.name}': input refers to node {nid_in}, which "
-                                 f"comes later (nodes must be topologically sorted)")
+                raise GraphError(f"{where}: input refers to node {nid_in}, which comes later "
+                                 f"(nodes must be topologically sorted)")
             if not 0 <= idx < nodes[nid_in].num_outputs:
-                raise GraphError(f"node {nid} '{node.name}': input refers to output {idx} of node "
-                                 f"{nid_in} '{nodes[nid_in].name}', which has "
-                                 f"{nodes[nid_in].num_outputs}")
-    seen_args = set()
+                raise GraphError(f"{where}: input refers to output {idx} of node {nid_in} "
+                                 f"'{nodes[nid_in].name}', which has {nodes[nid_in].num_outputs}")
+
+
+def _parse_arg_nodes(nodes: list[Node], raw: list) -> list[int]:
+    """Every 'null' node is listed once in arg_nodes, and only those; names are unique."""
+    arg_nodes = [_int(a, "arg_nodes") for a in raw]
+    seen: set[int] = set()
     for a in arg_nodes:
-        if not 0 <= a < n_nodes:
-            raise GraphError(f"arg_nodes: node {a} does not exist ({n_nodes} nodes)")
+        if not 0 <= a < len(nodes):
+            raise GraphError(f"arg_nodes: node {a} does not exist ({len(nodes)} nodes)")
         if nodes[a].op != "null":
             raise GraphError(f"arg_nodes: node {a} '{nodes[a].name}' is a {nodes[a].op}, not an "
                              f"input ('null')")
-        if a in seen_args:
+        if a in seen:
             raise GraphError(f"arg_nodes: node {a} '{nodes[a].name}' is listed twice")
-        seen_args.add(a)
+        seen.add(a)
     for nid, node in enumerate(nodes):
-        if node.op == "null" and nid not in seen_args:
+        if node.op == "null" and nid not in seen:
             raise GraphError(f"node {nid} '{node.name}' is a 'null' node missing from arg_nodes")
     names = [nodes[a].name for a in arg_nodes]
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
         raise GraphError(f"arg_nodes: input names must be unique, repeated: {dup}")
+    return arg_nodes
 
-    heads = []
-    for h in raw_heads:
-        nid, idx, ver = _entry_ref(h, "heads")
-        if not 0 <= nid < n_nodes or not 0 <= idx < nodes[nid].num_outputs:
-            raise GraphError(f"heads: [{nid}, {idx}] does not name an existing node output")
-        heads.append((nid, idx, ver))
 
-    shapes_raw = _column(attrs, "shape", "list_shape", n_entries)
-    dtypes = _column(attrs, "dltype", "list_str", n_entries)
-    sids_raw = _column(attrs, "storage_id", "list_int", n_entries)
-    for key, col in (("shape", shapes_raw), ("dltype", dtypes), ("storage_id", sids_raw)):
-        if col is None:
+def _int_column(attrs: dict, key: str, n: int) -> list[int] | None:
+    col = _column(attrs, key, "list_int", n)
+    if col is None:
+        return None
+    values = [_int(v, f"attrs column {key!r}, entry {eid}") for eid, v in enumerate(col)]
+    if any(v < 0 for v in values):
+        eid = next(i for i, v in enumerate(values) if v < 0)
+        raise GraphError(f"attrs column {key!r}, entry {eid}: negative value {values[eid]}")
+    return values
+
+
+def _parse_columns(attrs: dict, n: int) -> dict[str, Any]:
+    """The per-entry columns: shapes, dtypes, storage ids, device indices, unknown list_int."""
+    for key in ("shape", "dltype", "storage_id"):
+        if key not in attrs:
             raise GraphError(f"attrs: missing column {key!r} (has {sorted(attrs)})")
     shapes = []
-    for eid, s in enumerate(shapes_raw):
+    for eid, s in enumerate(_column(attrs, "shape", "list_shape", n)):
         if not isinstance(s, list) or any(isinstance(d, bool) or not isinstance(d, int) or d < 0
                                           for d in s):
             raise GraphError(f"attrs column 'shape', entry {eid}: {s!r} is not a list of "
                              f"non-negative integers")
         shapes.append(tuple(s))
+    dtypes = _column(attrs, "dltype", "list_str", n)
     for eid, d in enumerate(dtypes):
         if not isinstance(d, str):
             raise GraphError(f"attrs column 'dltype', entry {eid}: {d!r} is not a string")
@@ -305,31 +371,34 @@ def _parse(doc: Any) -> Graph:
             dtype_bytes(d)
         except GraphError as e:
             raise GraphError(f"attrs column 'dltype', entry {eid}: {e}") from None
-    sids = [_int(s, f"attrs column 'storage_id', entry {eid}") for eid, s in enumerate(sids_raw)]
-    if any(s < 0 for s in sids):
-        eid = next(i for i, s in enumerate(sids) if s < 0)
-        raise GraphError(f"attrs column 'storage_id', entry {eid}: negative storage id {sids[eid]}")
-    dev_col = _column(attrs, "device_index", "list_int", n_entries)
-    dev_idx = None
-    if dev_col is not None:
-        dev_idx = [_int(d, f"attrs column 'device_index', entry {eid}")
-                   for eid, d in enumerate(dev_col)]
-        if any(d < 0 for d in dev_idx):
-            eid = next(i for i, d in enumerate(dev_idx) if d < 0)
-            raise GraphError(f"attrs column 'device_index', entry {eid}: negative index")
-    extra = {}
-    for key, col in attrs.items():
-        if key in ("shape", "dltype", "storage_id", "device_index"):
-            continue
-        if isinstance(col, list) and len(col) == 2 and col[0] == "list_int":
-            extra[key] = _column(attrs, key, "list_int", n_entries)
-        # other unknown columns are ignored, as TVM's executor did
+    extra = {key: _int_column(attrs, key, n) for key, col in attrs.items()
+             if key not in ("shape", "dltype", "storage_id", "device_index")
+             and isinstance(col, list) and len(col) == 2 and col[0] == "list_int"}
+    # other unknown columns are ignored, as TVM's executor did
+    return {"shapes": shapes, "dtypes": dtypes, "storage_ids": _int_column(attrs, "storage_id", n),
+            "device_index": _int_column(attrs, "device_index", n), "extra_columns": extra}
 
-    g = Graph(nodes, arg_nodes, row_ptr, heads, shapes, dtypes, sids, dev_idx, extra)
-    _parse_section(doc.get("hgrt"), g)
-    _check_storage(g)
-    check_lifetimes(g)
-    return g
+
+def _check_special_ops(g: Graph) -> None:
+    """``__copy`` moves one tensor to another device unchanged; ``__nop`` views its input's
+    bytes on the same device."""
+    for nid, node in enumerate(g.nodes):
+        if node.func_name not in (COPY_FUNC, NOP_FUNC):
+            continue
+        what = g.describe_node(nid)
+        if len(node.inputs) != 1 or node.num_outputs != 1:
+            raise GraphError(f"{what}: {node.func_name} takes one input, one output")
+        src, dst = g.entry_id(node.inputs[0][0], node.inputs[0][1]), g.entry_id(nid)
+        if node.func_name == COPY_FUNC and (g.shapes[src], g.dtypes[src]) != (g.shapes[dst],
+                                                                              g.dtypes[dst]):
+            raise GraphError(f"{what}: __copy from {g.shapes[src]} {g.dtypes[src]} to "
+                             f"{g.shapes[dst]} {g.dtypes[dst]}: shape and dtype must match")
+        if node.func_name == NOP_FUNC and g.entry_device(src) != g.entry_device(dst):
+            raise GraphError(f"{what}: __nop cannot cross devices ({g.entry_device(src)} -> "
+                             f"{g.entry_device(dst)}); use __copy")
+        if node.func_name == NOP_FUNC and g.entry_bytes(src) != g.entry_bytes(dst):
+            raise GraphError(f"{what}: __nop changes the byte size ({g.entry_bytes(src)} -> "
+                             f"{g.entry_bytes(dst)})")
 
 
 def _parse_section(section: Any, g: Graph) -> None:
@@ -358,8 +427,12 @@ def _parse_section(section: Any, g: Graph) -> None:
         return
     pools = section["pool_bytes"]
     offsets = section.get("storage_offset")
-    if not isinstance(pools, list) or not all(isinstance(b, int) and b >= 0 for b in pools):
-        raise GraphError("'hgrt' section: pool_bytes must be a list of byte counts, one per device")
+    weights = section.get("weight_pool_bytes")
+    for key, val in (("pool_bytes", pools), ("weight_pool_bytes", weights)):
+        if val is not None and (not isinstance(val, list) or not all(
+                isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in val)):
+            raise GraphError(f"'hgrt' section: {key} must be a list of byte counts, one per "
+                             f"device")
     n_storage = max(g.storage_ids, default=-1) + 1
     if not isinstance(offsets, list) or len(offsets) != n_storage:
         raise GraphError(f"'hgrt' section: storage_offset must list one byte offset per storage "
@@ -370,154 +443,25 @@ def _parse_section(section: Any, g: Graph) -> None:
                              f"offset")
     g.pool_bytes = pools
     g.storage_offset = offsets
+    g.weight_pool_bytes = weights
 
 
-def _check_storage(g: Graph) -> None:
-    """A storage id lives on one device; with a pool plan, every entry fits in its pool."""
-    owner: dict[int, tuple[int, int]] = {}
-    for eid, sid in enumerate(g.storage_ids):
-        dev = g.entry_device(eid)
-        if sid in owner and owner[sid][0] != dev:
-            raise GraphError(
-                f"storage id {sid} is used on device {owner[sid][0]} (entry {owner[sid][1]}) and "
-                f"on device {dev} (entry {eid}): a storage belongs to one device")
-        owner.setdefault(sid, (dev, eid))
+def _check_pools(g: Graph) -> None:
+    """With a pool plan, every entry fits in the pool of its device (its weight pool, for a
+    parameter when the plan has weight pools)."""
     if g.pool_bytes is None:
         return
     for eid, sid in enumerate(g.storage_ids):
-        dev = g.entry_device(eid)
-        if dev >= len(g.pool_bytes):
-            raise GraphError(f"entry {eid} is on device {dev} but the 'hgrt' section plans pools "
-                             f"for {len(g.pool_bytes)} devices")
+        dev, weight = g.pool_of(eid)
+        pools = g.weight_pool_bytes if weight else g.pool_bytes
+        what = "weight pool" if weight else "pool"
+        if dev >= len(pools):
+            raise GraphError(f"entry {eid} is on device {dev} but the 'hgrt' section plans "
+                             f"{what}s for {len(pools)} devices")
         end = g.storage_offset[sid] + g.entry_bytes(eid)
-        if end > g.pool_bytes[dev]:
+        if end > pools[dev]:
             raise GraphError(f"entry {eid} (storage {sid}) ends at byte {end}, past the "
-                             f"{g.pool_bytes[dev]}-byte pool of device {dev}")
-
-
-# ---- lifetimes: no two entries live at once may share bytes --------------------------------
-
-def live_ranges(g: Graph) -> dict[int, tuple[int, int, list[int]]]:
-    """Entry groups and the steps they are live in: ``root eid -> (first, last, members)``.
-
-    A ``__nop`` output joins its input's group (it is the same bytes). Steps are node ids;
-    inputs and params are live from before the first step and graph outputs to after the last,
-    so a run can be repeated without setting them again.
-    """
-    end = len(g.nodes)
-    root = list(range(g.num_entries))
-    for nid, node in enumerate(g.nodes):
-        if node.func_name == NOP_FUNC and len(node.inputs) == 1:
-            src = g.entry_id(node.inputs[0][0], node.inputs[0][1])
-            root[g.entry_id(nid)] = root[src]
-    first: dict[int, int] = {}
-    last: dict[int, int] = {}
-    members: dict[int, list[int]] = {}
-    for nid, node in enumerate(g.nodes):
-        for k in range(node.num_outputs):
-            eid = g.entry_id(nid, k)
-            r = root[eid]
-            members.setdefault(r, []).append(eid)
-            start = -1 if node.op == "null" else nid
-            first[r] = min(first.get(r, start), start)
-            last[r] = max(last.get(r, start), end if node.op == "null" else start)
-        for src_nid, idx, _ in node.inputs:
-            r = root[g.entry_id(src_nid, idx)]
-            last[r] = max(last[r], nid)
-    for nid, idx, _ in g.heads:
-        last[root[g.entry_id(nid, idx)]] = end
-    return {r: (first[r], last[r], members[r]) for r in members}
-
-
-def find_overlap(g: Graph) -> tuple[int, int, int] | None:
-    """The first (entry, entry, step) whose bytes overlap while both are live, or None."""
-    regions = []  # (device, region, byte_start, byte_end, first, last, eid)
-    for r, (lo, hi, group) in live_ranges(g).items():
-        nbytes = max(g.entry_bytes(e) for e in group)
-        if nbytes == 0:
-            continue
-        sid = g.storage_ids[r]
-        if g.pool_bytes is not None:
-            start = g.storage_offset[sid]
-            regions.append((g.entry_device(r), -1, start, start + nbytes, lo, hi, r))
-        else:
-            regions.append((g.entry_device(r), sid, 0, nbytes, lo, hi, r))
-    regions.sort(key=lambda t: (t[0], t[1], t[4]))
-    active: list[tuple] = []
-    for reg in regions:
-        active = [a for a in active if a[0] == reg[0] and a[1] == reg[1] and a[5] >= reg[4]]
-        for a in active:
-            if a[2] < reg[3] and reg[2] < a[3]:
-                return a[6], reg[6], reg[4]
-        active.append(reg)
-    return None
-
-
-def check_lifetimes(g: Graph) -> None:
-    """Refuse a memory plan in which two entries that are live at once share bytes."""
-    hit = find_overlap(g)
-    if hit is None:
-        return
-    a, b, step = hit
-    where = (f"storage {g.storage_ids[a]}" if g.pool_bytes is None else
-             f"pool bytes [{g.storage_offset[g.storage_ids[a]]}, ...) and "
-             f"[{g.storage_offset[g.storage_ids[b]]}, ...)")
-    raise GraphError(f"memory plan: entries {a} and {b} on device {g.entry_device(a)} share "
-                     f"{where} while both are live (at node {max(step, 0)} "
-                     f"'{g.nodes[max(step, 0)].name}')")
-
-
-ALIGN = 64  # bytes: every storage of an hgrt memory plan starts at a multiple of this
-
-
-def align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-@dataclass
-class DeviceMemory:
-    """Bytes of one device's arena: planned, the lower bound (most bytes live at once, so no
-    plan can do better), and the total without any reuse. Sizes are rounded up to ``ALIGN``."""
-
-    device: int
-    planned_bytes: int
-    lower_bound: int
-    no_reuse_bytes: int
-
-
-def memory_report(g: Graph) -> list[DeviceMemory]:
-    """Per device: planned bytes (the ``hgrt`` pools, else one buffer per storage id), the lower
-    bound over the live ranges of entry groups, and the no-reuse total."""
-    n_dev = 1 + max(g.device_index or [0])
-    if g.pool_bytes is not None:
-        n_dev = max(n_dev, len(g.pool_bytes))
-    no_reuse = [0] * n_dev
-    events: list[list[tuple[int, int]]] = [[] for _ in range(n_dev)]
-    for root, (lo, hi, group) in live_ranges(g).items():
-        dev = g.entry_device(root)
-        nbytes = align(max(g.entry_bytes(e) for e in group))
-        no_reuse[dev] += nbytes
-        events[dev].append((lo, nbytes))
-        events[dev].append((hi + 1, -nbytes))  # live through step hi inclusive
-    lower = []
-    for ev in events:
-        live = peak = 0
-        for _, delta in sorted(ev):  # at one step, frees (negative) before allocations
-            live += delta
-            peak = max(peak, live)
-        lower.append(peak)
-    if g.pool_bytes is not None:
-        planned = list(g.pool_bytes) + [0] * (n_dev - len(g.pool_bytes))
-    else:
-        size: dict[int, int] = {}
-        for eid, sid in enumerate(g.storage_ids):
-            size[sid] = max(size.get(sid, 0), align(g.entry_bytes(eid)))
-        planned = [0] * n_dev
-        for sid, eid in {sid: eid for eid, sid in reversed(list(enumerate(g.storage_ids)))
-                         }.items():
-            planned[g.entry_device(eid)] += size[sid]
-    return [DeviceMemory(d, p, lb, nr)
-            for d, (p, lb, nr) in enumerate(zip(planned, lower, no_reuse, strict=True))]
+                             f"{pools[dev]}-byte {what} of device {dev}")
 
 
 def op_label(func_name: str) -> str:

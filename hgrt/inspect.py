@@ -10,7 +10,8 @@ import shutil
 import subprocess
 from collections import Counter
 
-from hgrt.graph import COPY_FUNC, NOP_FUNC, Graph, live_ranges, memory_report, op_label
+from hgrt.graph import COPY_FUNC, NOP_FUNC, Graph, op_label
+from hgrt.lifetimes import group_bytes, live_ranges, memory_report
 
 # One colour per device position (Graphviz / matplotlib names).
 PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#b07aa1", "#76b7b2"]
@@ -197,11 +198,12 @@ def draw_memory(g: Graph, device: int, path_png: str) -> str | None:
     fig, ax = plt.subplots(figsize=(10, 5))
     offsets: dict[int, int] = {}
     next_sid_base = 0
-    for root, (lo, hi, group) in sorted(live_ranges(g).items()):
+    for root, grp in sorted(live_ranges(g).items()):
         if g.entry_device(root) != device:
             continue
+        lo, hi = grp.first, grp.last
         sid = g.storage_ids[root]
-        nbytes = max(g.entry_bytes(e) for e in group)
+        nbytes = group_bytes(g, grp)
         if g.pool_bytes is not None:
             y = g.storage_offset[sid]
         else:  # classic layout: storages stacked in id order
@@ -209,8 +211,7 @@ def draw_memory(g: Graph, device: int, path_png: str) -> str | None:
                 offsets[sid] = next_sid_base
                 next_sid_base += nbytes
             y = offsets[sid]
-        node = g.nodes[next(n for n in range(n_steps) if g.entry_id(n) <= root <
-                            g.node_row_ptr[n + 1])]
+        node = g.nodes[g.node_of_entry(root)]
         colour = "#9c9c9c" if node.op == "null" else PALETTE[(sid * 7) % 6]
         x0, x1 = x_of(lo), x_of(hi)
         ax.add_patch(Rectangle((x0, y / 2**20), x1 - x0 + 1, nbytes / 2**20, fc=colour,

@@ -69,8 +69,5 @@ def light_model(name: str, seed: int = 0):
 def light_input(model, seed: int = 1) -> dict[str, np.ndarray]:
     """Seeded standard-normal values for every graph input of ``model``."""
     rng = np.random.default_rng(seed)
-    out = {}
-    for i in model.graph.input:
-        shape = [d.dim_value for d in i.type.tensor_type.shape.dim]
-        out[i.name] = rng.standard_normal(shape).astype("float32")
-    return out
+    return {i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim])
+            .astype("float32") for i in model.graph.input}

@@ -8,7 +8,6 @@ imports the ONNX model itself, so tvm.compile's figure includes the same import)
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 import warnings
@@ -16,10 +15,9 @@ import warnings
 import tvm
 from tvm import relax
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-import hgrt  # noqa: E402
-from build_testing import LIGHT_MODELS, light_model  # noqa: E402
-from hgrt.frontend import import_model  # noqa: E402
+import hgrt
+from hgrt.frontend import import_model
+from hgrt.zoo import LIGHT_MODELS, light_model
 
 
 def tvm_compile_seconds(model) -> float:

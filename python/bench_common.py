@@ -9,16 +9,12 @@ from __future__ import annotations
 import os
 import platform
 import statistics
-import sys
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 # a few pytorch-converted backend cases of the onnx wheel: one or two ops, so their latency
 # is mostly the runtime's per-call cost rather than kernel time
@@ -43,7 +39,7 @@ def light(name: str) -> Model:
 def pytorch_case(name: str) -> Model:
     import onnx
 
-    from build_testing import case_inputs, load_case
+    from hgrt.testing import case_inputs, load_case
 
     case = load_case(f"pytorch-converted/{name}")
     return Model(name, onnx.load(case.model_path), case_inputs(case))
@@ -53,7 +49,9 @@ def machine() -> str:
     """CPU model, cores usable, load, Python, TVM and onnxruntime versions, TVM threads."""
     import tvm
 
-    import hgrt.runtime.executor  # noqa: F401 - sets TVM_NUM_THREADS (the default) if unset
+    from hgrt.runtime.executor import use_all_cores
+
+    use_all_cores()  # what hgrt.create does: TVM_NUM_THREADS (the default) if unset
 
     cpu = platform.processor() or "cpu"
     try:
@@ -183,7 +181,7 @@ def ort_session(model, threads: int):
     try:
         return ort.InferenceSession(model.SerializeToString(), so,
                                     providers=["CPUExecutionProvider"])
-    except Exception as e:  # noqa: BLE001 - e.g. an opset onnxruntime no longer implements
+    except Exception as e:
         print(f"onnxruntime cannot run {model.graph.name or 'this model'}: "
               f"{str(e).splitlines()[0][:160]}")
         return None

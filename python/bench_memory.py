@@ -9,7 +9,6 @@ leaves unplanned (outputs), plus inputs and params (function arguments).
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 
@@ -17,11 +16,11 @@ import numpy as np
 import tvm
 from tvm import relax
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-import hgrt  # noqa: E402
-from build_testing import LIGHT_MODELS, alternating, light_model  # noqa: E402
-from hgrt.frontend import import_model  # noqa: E402
-from hgrt.graph import align  # noqa: E402
+import hgrt
+from hgrt.frontend import import_model
+from hgrt.lifetimes import align
+from hgrt.testing import alternating
+from hgrt.zoo import LIGHT_MODELS, light_model
 
 
 def _nbytes(ty) -> int:

@@ -15,13 +15,9 @@ the share of run() spent inside kernels (the rest is the runtime: dispatch, copi
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 import warnings
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
 
 SPLIT_RULES = {"nn.conv2d": "cpu:1", "matmul": "cpu:1", "nn.conv2d_transpose": "cpu:1"}
 

@@ -22,7 +22,6 @@ import os
 import socket
 import statistics
 import struct
-import sys
 import tempfile
 import threading
 import time
@@ -33,9 +32,7 @@ import tvm
 import hgrt
 import hgrt.rpc
 from hgrt.rpc.server import PING_FUNC, serve
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from hgrt_testing import GraphBuilder, N, elementwise_lib  # noqa: E402
+from hgrt.testing import GraphBuilder, N, elementwise_lib
 
 
 class CountingRelay:

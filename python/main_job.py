@@ -10,19 +10,15 @@ cpu + cuda when a GPU exists), and compared with the Relax VM running the same m
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 from collections import Counter
 
 import numpy as np
 import tvm
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-
-import hgrt  # noqa: E402
-from build_testing import run_relax_vm  # noqa: E402
-from hgrt.zoo import light_input, light_model  # noqa: E402
+import hgrt
+from hgrt.testing import run_relax_vm
+from hgrt.zoo import light_input, light_model
 
 
 def main() -> None:

@@ -7,7 +7,8 @@ one ``__nop`` per view (``R.reshape`` left by RewriteDataflowReshape). Tuples an
 rename entries. Every entry gets its static shape, dtype and device index; storage ids are one
 per entry until ``plan_memory`` assigns them.
 
-Adds the inline constants to ``ctx.params`` / ``ctx.param_source``.
+Reads ``ctx.devices`` and ``ctx.weights`` (graph names, which params are weights); adds the
+inline constants to ``ctx.weights``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from tvm import relax
 from hgrt.errors import BuildError
 from hgrt.graph import COPY_FUNC, NOP_FUNC, Graph, Node
 from hgrt.relay_passes.context import BuildContext
-from hgrt.relay_passes.lower import CALL_TIR, TO_VDEVICE, VIEW_OPS, _op_name, binding_devices
+from hgrt.relay_passes.lower import VIEW_OPS, binding_devices
+from hgrt.relay_passes.relax_util import CALL_TIR, TO_VDEVICE, bindings, op_name, tensor_args
 
 Entry = tuple[int, int, int]
 
@@ -27,13 +29,10 @@ def static_shape(ty: relax.Type, what: str) -> tuple[int, ...]:
     """The static shape of a tensor type, or a BuildError (hgrt plans memory at build time)."""
     if not isinstance(ty, relax.TensorType) or ty.shape is None:
         raise BuildError(f"{what}: type {ty} is not a tensor of known shape")
-    dims = []
-    for d in ty.shape.values:
-        if not isinstance(d, tvm.tirx.IntImm):
-            raise BuildError(f"{what}: shape {list(ty.shape.values)} is not static; give the "
-                             f"input shapes (input_shapes=...) so every shape is known")
-        dims.append(int(d))
-    return tuple(dims)
+    if not all(isinstance(d, tvm.tirx.IntImm) for d in ty.shape.values):
+        raise BuildError(f"{what}: shape {list(ty.shape.values)} is not static; give the "
+                         f"input shapes (input_shapes=...) so every shape is known")
+    return tuple(int(d) for d in ty.shape.values)
 
 
 def _tensor_types(ty: relax.Type) -> list[relax.TensorType]:
@@ -69,11 +68,12 @@ class _GraphBuilder:
             if d == dev and c.same_as(const):
                 return entry
         name = f"const_{len(self.consts)}"
-        while name in self.ctx.params:
+        weights = self.ctx.weights
+        while name in weights.values:
             name += "_"
         value = const.value.numpy()
-        self.ctx.params[name] = value
-        self.ctx.param_source[name] = name
+        weights.values[name] = value
+        weights.source[name] = name
         (entry,) = self.add(Node("null", name), [(tuple(value.shape), str(value.dtype))], dev)
         self.consts.append((const, dev, entry))
         self.const_nodes.append(entry[0])
@@ -107,26 +107,24 @@ def graph_codegen(mod: tvm.IRModule, ctx: BuildContext) -> Graph:
     args = []
     for p in func.params:
         shape = static_shape(p.ty, f"input {p.name!r}")
-        name = ctx.graph_names.get(p.name, p.name)
+        name = ctx.weights.graph_names.get(p.name, p.name)
         g.entries[p] = g.add(Node("null", name), [(shape, str(p.ty.dtype))], dev[p])
         args.append(len(g.nodes) - 1)
-    for block in func.body.blocks:
-        for b in block.bindings:
-            _emit(g, b, dev)
+    for b in bindings(func):
+        _emit(g, b, dev)
     heads = g.flatten(func.body.body, "output")
-    weights = [n for n in args if g.nodes[n].name in ctx.param_source]
+    weights = [n for n in args if g.nodes[n].name in ctx.weights.source]
     inputs = [n for n in args if n not in weights]
-    n = g.row_ptr[-1]
     return Graph(nodes=g.nodes, arg_nodes=inputs + weights + g.const_nodes,
                  node_row_ptr=g.row_ptr, heads=heads, shapes=g.shapes, dtypes=g.dtypes,
-                 storage_ids=list(range(n)), device_index=g.devices,
+                 storage_ids=list(range(g.row_ptr[-1])), device_index=g.devices,
                  params=[g.nodes[i].name for i in weights + g.const_nodes],
                  device_names=[d.name for d in ctx.devices])
 
 
 def _emit(g: _GraphBuilder, b: relax.VarBinding, dev: dict[relax.Var, int]) -> None:
     var, name, value = b.var, b.var.name, b.value
-    op = _op_name(value)
+    op = op_name(value)
     if isinstance(value, relax.Var):
         g.entries[var] = g.entries[value]
     elif isinstance(value, relax.Tuple):
@@ -140,7 +138,7 @@ def _emit(g: _GraphBuilder, b: relax.VarBinding, dev: dict[relax.Var, int]) -> N
             raise BuildError(f"binding {name!r}: call_tir with symbolic shape arguments; hgrt "
                              f"needs static shapes")
         d = dev[var]
-        ins = [g.arg_entry(a, d, name) for a in value.args[1].fields]
+        ins = [g.arg_entry(a, d, name) for a in tensor_args(value)]
         outs = [(static_shape(t, f"binding {name!r}"), str(t.dtype))
                 for t in _tensor_types(value.ty_args[0])]
         attrs = {"func_name": value.args[0].name_hint, "num_inputs": str(len(ins)),
@@ -150,8 +148,7 @@ def _emit(g: _GraphBuilder, b: relax.VarBinding, dev: dict[relax.Var, int]) -> N
         func_name = COPY_FUNC if op == TO_VDEVICE else NOP_FUNC
         d = dev[var]
         src = g.arg_entry(value.args[0], d if op != TO_VDEVICE else 0, name)
-        attrs = {"func_name": func_name, "num_inputs": "1", "num_outputs": "1",
-                 "flatten_data": "0"}
+        attrs = {"func_name": func_name, "num_inputs": "1", "num_outputs": "1", "flatten_data": "0"}
         out = (static_shape(b.var.ty, f"binding {name!r}"), str(b.var.ty.dtype))
         g.entries[var] = g.add(Node("tvm_op", name, [src], attrs), [out], d)
     else:

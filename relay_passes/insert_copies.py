@@ -4,16 +4,17 @@
   (tensor, destination device) however many consumers it has there, always from the tensor's
   home device (never a copy of a copy, so no ping-pong);
 - weights live where they are used: a weight used on two devices becomes two function params,
-  ``w`` on the first device that uses it and ``w@cpu:1`` on the next (``ctx.param_source`` maps
-  each param back to its weight), so no weight is copied at run time;
+  ``w`` on the first device that uses it and ``w@cpu:1`` on the next (``ctx.weights.source``
+  maps each param back to its weight), so no weight is copied at run time;
 - a user input lives on its hinted device, else on the device of its first consumer, and is
   copied once per other device that needs it;
 - constants stay inline: they take the device of the op that reads them.
 
 Params are renamed to C identifiers (TVM names kernel arguments after them); the names the
-graph shows go to ``ctx.graph_names``.
+graph shows go to ``ctx.weights.graph_names``.
 
-Reads ``ctx.op_device`` (from place_devices); fills ``ctx.param_source``, ``ctx.graph_names``.
+Reads ``ctx.placed`` (from place_devices) and ``ctx.weights.values``; fills
+``ctx.weights.source`` and ``ctx.weights.graph_names``.
 """
 
 from __future__ import annotations
@@ -25,18 +26,17 @@ from tvm import relax
 
 from hgrt.errors import BuildError
 from hgrt.relay_passes.context import BuildContext
-from hgrt.relay_passes.place_devices import COPY_OP, HINT_OP, _bindings, _hinted_device
+from hgrt.relay_passes.relax_util import bindings, moved_to
 
 
 def _vars_in(expr: relax.Expr, tuple_lits: dict[str, relax.Tuple]) -> list[str]:
     """Names of the tensor variables an argument reads (looking through tuple literals)."""
     if isinstance(expr, relax.Var):
-        if expr.name in tuple_lits:
-            return [n for f in tuple_lits[expr.name].fields for n in _vars_in(f, tuple_lits)]
-        return [expr.name]
-    if isinstance(expr, relax.Tuple):
-        return [n for f in expr.fields for n in _vars_in(f, tuple_lits)]
-    return []
+        if expr.name not in tuple_lits:
+            return [expr.name]
+        expr = tuple_lits[expr.name]
+    return [n for f in expr.fields for n in _vars_in(f, tuple_lits)] if isinstance(
+        expr, relax.Tuple) else []
 
 
 class _Rebuilder:
@@ -123,27 +123,14 @@ def _param_devices(func: relax.Function, ctx: BuildContext) -> dict[str, list[in
     alias: dict[str, str] = {}
     tuple_lits: dict[str, relax.Tuple] = {}
     uses: dict[str, list[int]] = {p.name: [] for p in func.params}
-    for b in _bindings(func):
+    for b in bindings(func):
         value, name = b.value, b.var.name
         if isinstance(value, relax.Var):
             alias[name] = alias.get(value.name, value.name)
-            continue
-        if isinstance(value, relax.Tuple):
+        elif isinstance(value, relax.Tuple):
             tuple_lits[name] = value
-            continue
-        if not isinstance(value, relax.Call):
-            continue
-        if name in ctx.op_device:
-            dev = ctx.op_device[name]
-        elif getattr(value.op, "name", None) == HINT_OP:
-            dev = _hinted_device(value, ctx)
-        elif getattr(value.op, "name", None) == COPY_OP:
-            dev = ctx.device_of_vdevice(value.attrs.dst_vdevice)
-        else:
-            continue
-        for arg in value.args:
-            for v in _vars_in(arg, tuple_lits):
-                v = alias.get(v, v)
+        elif (dev := ctx.placed.op_device.get(name, moved_to(value, ctx))) is not None:
+            for v in (alias.get(v, v) for a in value.args for v in _vars_in(a, tuple_lits)):
                 if v in uses and dev not in uses[v]:
                     uses[v].append(dev)
     return uses
@@ -156,23 +143,22 @@ def insert_copies(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     rb = _Rebuilder(ctx, vdevices)
     uses = _param_devices(func, ctx)
     num_input = int(func.attrs["num_input"]) if func.attrs and "num_input" in func.attrs \
-        else len([p for p in func.params if p.name not in ctx.params])
+        else len([p for p in func.params if p.name not in ctx.weights.values])
 
     params: list[relax.Var] = []
-    ctx.param_source.clear()
-    ctx.graph_names.clear()
+    weights, input_device = ctx.weights, ctx.placed.input_device
+    weights.source.clear()
+    weights.graph_names.clear()
     for i, p in enumerate(func.params):
         if not isinstance(p.ty, relax.TensorType):
             raise BuildError(f"input {p.name!r} has type {p.ty}; hgrt takes tensor inputs only")
         is_weight = i >= num_input
-        if is_weight:
-            devs = uses[p.name] or [ctx.input_device.get(p.name, 0)]
-        else:
-            devs = [ctx.input_device.get(p.name, (uses[p.name] or [0])[0])]
+        devs = (uses[p.name] or [input_device.get(p.name, 0)]) if is_weight else [
+            input_device.get(p.name, (uses[p.name] or [0])[0])]
         for k, dev in enumerate(devs):
             pname = p.name if k == 0 else f"{p.name}@{ctx.devices[dev].name}"
-            rname = _identifier(pname, ctx.graph_names)
-            ctx.graph_names[rname] = pname
+            rname = _identifier(pname, weights.graph_names)
+            weights.graph_names[rname] = pname
             var = relax.Var(rname, relax.TensorType(p.ty.shape, p.ty.dtype, vdevices[dev]))
             params.append(var)
             if k == 0:
@@ -180,18 +166,17 @@ def insert_copies(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
             else:
                 rb.at[(p.name, dev)] = var
             if is_weight:
-                ctx.param_source[pname] = p.name
+                weights.source[pname] = p.name
 
     bb = rb.bb
     with bb.function("main", params, attrs={"num_input": num_input}):
         with bb.dataflow():
-            for b in _bindings(func):
+            for b in bindings(func):
                 _rebind(rb, b, ctx)
             out = bb.emit_output(rb.on_home(func.body.body))
         bb.emit_func_output(out)
-    new_main = bb.finalize()["main"]
     new_mod = mod.clone()
-    new_mod.update_func(new_mod.get_global_var("main"), new_main)
+    new_mod.update_func(new_mod.get_global_var("main"), bb.finalize()["main"])
     n_copies = sum(1 for (n, d) in rb.at if rb.home.get(n) not in (None, d))
     ctx.log(f"inserted {n_copies} cross-device copies")
     return new_mod
@@ -222,14 +207,10 @@ def _rebind(rb: _Rebuilder, b: relax.VarBinding, ctx: BuildContext) -> None:
         dev = rb.home[tname]
         rb.define(name, rb.bb.emit(relax.TupleGetItem(rb.at[(tname, dev)], value.index),
                                    name_hint=name), dev)
-    elif isinstance(value, relax.Call) and getattr(value.op, "name", None) in (HINT_OP, COPY_OP):
-        if value.op.name == HINT_OP:
-            dev = _hinted_device(value, ctx)
-        else:
-            dev = ctx.device_of_vdevice(value.attrs.dst_vdevice)
+    elif (dev := moved_to(value, ctx)) is not None:
         rb.define(name, rb.on_device(value.args[0], dev), dev)
-    elif isinstance(value, relax.Call) and name in ctx.op_device:
-        dev = ctx.op_device[name]
+    elif isinstance(value, relax.Call) and name in ctx.placed.op_device:
+        dev = ctx.placed.op_device[name]
         args = [rb.on_device(a, dev) for a in value.args]
         call = relax.Call(value.op, args, value.attrs, value.ty_args)
         rb.define(name, rb.bb.emit(call, name_hint=name), dev)

@@ -1,17 +1,17 @@
 """place_devices: give every op binding of ``main`` a device (a position in the device list).
 
-Precedence, first match wins (issue 3):
+The most specific setting wins:
   1. ``R.hint_on_device(x, dev)`` in the input pins the op that produces ``x`` (or input ``x``);
      so does a vdevice already in the type of a binding or input;
-  2. per-op rules: ``{"nn.conv2d": "cuda"}``; keys are Relax op names with or without the
+  2. per-node overrides: ``{"lv12": "cpu:1"}`` by binding name;
+  3. per-op rules: ``{"nn.conv2d": "cuda"}``; keys are Relax op names with or without the
      ``relax.`` prefix, or fnmatch patterns (``"nn.*"``); an exact name beats a pattern, and
      patterns are tried in the order given;
-  3. per-node overrides: ``{"lv12": "cpu:1"}`` by binding name;
   4. the preferred device, unless its target cannot compile the op (``GPU_UNSUPPORTED_OPS``);
   5. the fallback device.
 
-The pass does not change the IR: it records ``ctx.op_device`` (binding name → device index),
-``ctx.input_device`` (hinted inputs) and ``ctx.report``, and attaches the module's vdevice list.
+The pass does not change the IR: it writes ``ctx.placed`` (``op_device``: binding name → device
+index, ``input_device``: hinted inputs, ``report``) and attaches the module's vdevice list.
 """
 
 from __future__ import annotations
@@ -24,13 +24,17 @@ from typing import Any
 import tvm
 from tvm import relax
 
-from hgrt.errors import BuildError, DeviceError
-from hgrt.relay_passes.context import BuildContext, DeviceSpec, PlacementRow
+from hgrt.devices import DeviceSpec, resolve_device
+from hgrt.errors import BuildError
+from hgrt.relay_passes.context import BuildContext, PlacementRow
+from hgrt.relay_passes.relax_util import (
+    HINT_ON_DEVICE,
+    TO_VDEVICE,
+    bindings,
+    hinted_device,
+    op_name,
+)
 
-HINT_OP = "relax.hint_on_device"
-COPY_OP = "relax.to_vdevice"
-# DLDeviceType of R.device(...) -> hgrt device kind
-DL_DEVICE_KINDS: dict[int, str] = {1: "cpu", 2: "cuda", 3: "cuda", 10: "rocm"}
 # ops whose legalization a GPU target cannot schedule or run (data-dependent output, host-only)
 GPU_UNSUPPORTED_OPS: dict[str, str] = {
     "relax.nonzero": "data-dependent output shape",
@@ -56,41 +60,10 @@ class Placement:
 
 def op_bindings(mod: tvm.IRModule) -> Iterator[tuple[str, str]]:
     """(binding name, op name) of every op call in ``main``, in order: what overrides can name."""
-    for binding in _bindings(mod["main"]):
-        value = binding.value
-        if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op):
-            if value.op.name not in (HINT_OP, COPY_OP):
-                yield binding.var.name, value.op.name
-
-
-def _bindings(func: relax.Function) -> Iterator[relax.VarBinding]:
-    for block in func.body.blocks:
-        yield from block.bindings
-
-
-def resolve_device(name: Any, devices: list[DeviceSpec], what: str) -> int:
-    """Device name ('cpu', 'cpu:1', 'cuda', a Target, an index) → position in ``devices``."""
-    if isinstance(name, int) and not isinstance(name, bool):
-        if 0 <= name < len(devices):
-            return name
-    elif isinstance(name, tvm.target.Target):
-        for d in devices:
-            if d.target.kind.name == name.kind.name:
-                return d.index
-    elif isinstance(name, str):
-        key = name.strip().lower().replace("llvm", "cpu").replace("gpu", "cuda")
-        full = key if ":" in key else f"{key}:0"
-        for d in devices:
-            if d.name == full or (":" not in key and d.kind == key):
-                return d.index
-    known = [d.name for d in devices]
-    raise DeviceError(f"{what}: device {name!r} is not in the device list {known}")
-
-
-def _hinted_device(call: relax.Call, ctx: BuildContext) -> int:
-    kind = DL_DEVICE_KINDS.get(int(call.attrs.device_type), str(call.attrs.device_type))
-    want = f"{kind}:{int(call.attrs.index)}"
-    return resolve_device(want, ctx.devices, f"R.hint_on_device({want})")
+    for binding in bindings(mod["main"]):
+        op = op_name(binding.value)
+        if op is not None and op not in (HINT_ON_DEVICE, TO_VDEVICE):
+            yield binding.var.name, op
 
 
 def _annotated_device(var: relax.Var, ctx: BuildContext) -> int | None:
@@ -119,7 +92,7 @@ def _compiles_on(op_name: str, device: DeviceSpec) -> str | None:
 
 
 def place_devices(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
-    """Fill ``ctx.op_device`` / ``ctx.report``; return ``mod`` with the vdevice list attached."""
+    """Fill ``ctx.placed``; return ``mod`` with the vdevice list attached."""
     p = ctx.placement
     devs = ctx.devices
     rules = {k: resolve_device(v, devs, f"rule {k!r}") for k, v in (p.rules or {}).items()}
@@ -132,7 +105,7 @@ def place_devices(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     producer: dict[str, str] = {}  # var name -> name of the op binding that produced it
     hinted: dict[str, int] = {}
     names: set[str] = set()
-    for b in _bindings(func):
+    for b in bindings(func):
         if b.var.name in names:
             raise BuildError(f"binding name {b.var.name!r} appears twice in main; hgrt needs "
                              f"unique names to place nodes")
@@ -140,15 +113,15 @@ def place_devices(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
         value = b.value
         if isinstance(value, relax.Var):
             producer[b.var.name] = producer.get(value.name, value.name)
-        elif isinstance(value, relax.Call) and getattr(value.op, "name", None) == HINT_OP:
+        elif op_name(value) == HINT_ON_DEVICE:
             src = value.args[0]
-            target = _hinted_device(value, ctx)
+            target = hinted_device(value, devs)
             if isinstance(src, relax.Var):
                 hinted[producer.get(src.name, src.name)] = target
-        elif isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op):
+        elif op_name(value) is not None:
             producer[b.var.name] = b.var.name
             annotated = _annotated_device(b.var, ctx)
-            if annotated is not None and value.op.name != COPY_OP:
+            if annotated is not None and op_name(value) != TO_VDEVICE:
                 hinted.setdefault(b.var.name, annotated)
 
     for p in func.params:
@@ -156,32 +129,33 @@ def place_devices(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
         if annotated is not None:
             hinted.setdefault(p.name, annotated)
     param_names = {v.name for v in func.params}
-    ctx.input_device = {n: d for n, d in hinted.items() if n in param_names}
+    placed = ctx.placed
+    placed.input_device = {n: d for n, d in hinted.items() if n in param_names}
     missing = sorted(set(overrides) - names)
     if missing:
         raise BuildError(f"placement overrides name bindings that main does not have: {missing}; "
                          f"known: {sorted(names)[:20]}")
 
-    ctx.op_device.clear()
-    ctx.report.clear()
-    for name, op_name in op_bindings(mod):
+    placed.op_device.clear()
+    placed.report.clear()
+    for name, op in op_bindings(mod):
         if name in hinted:
             dev, why = hinted[name], "hint"
-        elif (rule := _match_rule(op_name, rules)) is not None:
-            dev, why = rules[rule], f"rule {rule!r}"
         elif name in overrides:
             dev, why = overrides[name], "override"
-        elif preferred is not None and _compiles_on(op_name, devs[preferred]) is None:
+        elif (rule := _match_rule(op, rules)) is not None:
+            dev, why = rules[rule], f"rule {rule!r}"
+        elif preferred is not None and _compiles_on(op, devs[preferred]) is None:
             dev, why = preferred, "preferred"
         elif preferred is not None:
             dev = fallback
-            why = f"fallback ({devs[preferred].name}: {_compiles_on(op_name, devs[preferred])})"
+            why = f"fallback ({devs[preferred].name}: {_compiles_on(op, devs[preferred])})"
         else:
             dev, why = fallback, "fallback"
-        ctx.op_device[name] = dev
-        ctx.report.append(PlacementRow(name, op_name, devs[dev].name, why))
-    ctx.log(f"placed {len(ctx.op_device)} ops: " + ", ".join(
-        f"{d.name}={sum(1 for v in ctx.op_device.values() if v == d.index)}" for d in devs))
+        placed.op_device[name] = dev
+        placed.report.append(PlacementRow(name, op, devs[dev].name, why))
+    ctx.log(f"placed {len(placed.op_device)} ops: " + ", ".join(
+        f"{d.name}={sum(1 for v in placed.op_device.values() if v == d.index)}" for d in devs))
     mod = mod.clone()
     mod.update_global_info("vdevice", [d.vdevice() for d in devs])
     return mod

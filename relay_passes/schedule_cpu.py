@@ -17,11 +17,13 @@ CPU PrimFunc a fixed, deterministic schedule in milliseconds, without measuring 
 Functions it cannot schedule are left as they are and counted (``ScheduleReport.skipped``).
 Results never change: only schedule primitives are used, and each is checked by TVM.
 
->>> mod = default_cpu_schedule(fused_mod, host_target())  # doctest: +SKIP
+>>> mod, report = schedule_cpu_functions(fused_mod, host_target())  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -30,10 +32,12 @@ import tvm
 from tvm import s_tir, tirx
 from tvm.sym.pattern import detect_linear_equation
 
-__all__ = ["ScheduleReport", "default_cpu_schedule", "default_schedule_trace", "host_target",
-           "schedule_cpu_functions"]
+from hgrt.devices import vector_bits
+from hgrt.relay_passes.context import BuildContext
+from hgrt.relay_passes.relax_util import SCHEDULED_ATTR, func_target, is_scheduled, prim_funcs
 
-SCHEDULED_ATTR = "tirx.is_scheduled"
+__all__ = ["ScheduleReport", "default_schedule_trace", "schedule_cpu", "schedule_cpu_functions"]
+
 # a kernel with fewer output elements than this runs serial: a parallel launch costs µs
 MIN_PARALLEL_WORK = 4096
 MAX_TILE_ROWS = 8  # rows of the register tile (× one or two vectors of lanes)
@@ -55,63 +59,6 @@ class ScheduleReport:
     def summary(self) -> str:
         return (f"default CPU schedule: {len(self.scheduled)} scheduled ({len(self.tiled)} "
                 f"register-tiled), {len(self.skipped)} skipped, {len(self.not_cpu)} not CPU")
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            m = re.search(r"^flags\s*:(.*)$", f.read(), re.M)
-        return set(m.group(1).split()) if m else set()
-    except OSError:
-        return set()
-
-
-def host_target(num_cores: int | None = None) -> tvm.target.Target:
-    """An llvm target for this machine: its CPU (vector features) and its core count.
-
-    ``mcpu`` is LLVM's name for the host CPU (``llvm_get_system_cpu``), kept only when
-    /proc/cpuinfo agrees on the vector features that name implies (a VM may hide AVX-512 from
-    a CPU that has it); ``num-cores`` defaults to the cores this process may run on.
-
-    >>> host_target(2)  # doctest: +SKIP
-    {"kind":"llvm","mcpu":"znver4","num-cores":2,...}
-    """
-    from tvm.target.codegen import llvm_get_system_cpu
-
-    if num_cores is None:
-        num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-            os.cpu_count() or 1)
-    spec: dict = {"kind": "llvm", "num-cores": int(num_cores)}
-    cpu = llvm_get_system_cpu()
-    if cpu and cpu != "generic":
-        candidate = tvm.target.Target({"kind": "llvm", "mcpu": cpu})
-        flags = _cpu_flags()
-        wants_512 = _vector_bits(candidate) >= 512
-        if not flags or not wants_512 or "avx512f" in flags:
-            spec["mcpu"] = cpu
-    return tvm.target.Target(spec)
-
-
-def _vector_bits(target: tvm.target.Target) -> int:
-    from tvm.target.codegen import llvm_get_vector_width
-
-    try:
-        bits = int(llvm_get_vector_width(target))
-    except Exception:  # noqa: BLE001 - a target LLVM cannot describe: assume SSE
-        bits = 128
-    return bits if bits > 0 else 128
-
-
-def _num_cores(target: tvm.target.Target) -> int:
-    n = target.attrs.get("num-cores") if "num-cores" in target.attrs else None
-    if n:
-        return int(n)
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-
-
-def _is_cpu(func: tirx.PrimFunc, target: tvm.target.Target | None) -> bool:
-    t = func.attrs["target"] if func.attrs is not None and "target" in func.attrs else target
-    return t is not None and t.kind.name == "llvm"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,9 +93,7 @@ def _uses(expr: tirx.Expr, var: tirx.Var) -> bool:
 
 def _stride(expr: tirx.Expr, var: tirx.Var) -> int | None:
     coef = detect_linear_equation(expr, [var])
-    if len(coef) != 2 or not isinstance(coef[0], tirx.IntImm):
-        return None
-    return int(coef[0])
+    return int(coef[0]) if len(coef) == 2 and isinstance(coef[0], tirx.IntImm) else None
 
 
 def _contains_if(block: s_tir.SBlock) -> bool:
@@ -214,14 +159,10 @@ def _parallel_outer(sch: s_tir.Schedule, loops: list, extents: list[int], total:
 def _vectorize_last(sch: s_tir.Schedule, loop, extent: int, lanes: int):
     """Vectorize ``loop`` (split off a vector-sized inner part); returns the outer rest."""
     vf = _vector_factor(extent, lanes)
-    if vf is None:
-        outer, inner = sch.split(loop, [None, lanes])
-        sch.vectorize(inner)
-        return outer
     if vf == extent:
         sch.vectorize(loop)
         return None
-    outer, inner = sch.split(loop, [None, vf])
+    outer, inner = sch.split(loop, [None, vf or lanes])
     sch.vectorize(inner)
     return outer
 
@@ -231,9 +172,7 @@ def _schedule_spatial(sch: s_tir.Schedule, block_rv, lanes: int) -> None:
     if info is None:
         raise _CannotSchedule("loops do not map onto block vars")
     extents = [e for _, _, _, e in info]
-    total = 1
-    for e in extents:
-        total *= e
+    total = math.prod(extents)
     loops = [lp for _, _, lp, _ in info]
     rest = _vectorize_last(sch, loops[-1], extents[-1], lanes) if extents[-1] > 1 else loops[-1]
     outer = loops[:-1] + ([rest] if rest is not None and extents[-1] > 1 else [])
@@ -246,99 +185,70 @@ def _schedule_reduction_plain(sch: s_tir.Schedule, block_rv) -> None:
     info = _iter_loops(sch, block_rv)
     if info is None:
         raise _CannotSchedule("loops do not map onto block vars")
-    lead = []
-    for kind, _, lp, e in info:
-        if kind != "S":
-            break
-        lead.append((lp, e))
-    total = 1
-    for _, e in lead:
-        total *= e
+    lead = [(lp, e) for _, _, lp, e in itertools.takewhile(lambda t: t[0] == "S", info)]
+    total = math.prod(e for _, e in lead) * math.prod(e for k, _, _, e in info if k == "R")
     if len(lead) > 1:  # the innermost stays serial: no div/mod of a fused index per element
         lead = lead[:-1]
-    reduce_work = 1
-    for kind, _, _, e in info:
-        if kind == "R":
-            reduce_work *= e
-    _parallel_outer(sch, [lp for lp, _ in lead], [e for _, e in lead], total * reduce_work)
+    _parallel_outer(sch, [lp for lp, _ in lead], [e for _, e in lead], total)
 
 
-def _schedule_anchor(sch: s_tir.Schedule, block_rv, lanes: int) -> bool:
-    """Register-tile a reduction whose output's innermost axis can be vectorized."""
-    info = _iter_loops(sch, block_rv)
-    if info is None:
-        return False
-    kinds = "".join(k for k, _, _, _ in info)
-    if not re.fullmatch(r"S+R+", kinds):
-        return False
-    block = sch.get(block_rv)
-    if len(block.writes) != 1:
-        return False
-    spatial = [(v, lp, e) for k, v, lp, e in info if k == "S"]
-    reduce_ = [(v, lp, e) for k, v, lp, e in info if k == "R"]
-    nonunit = [i for i, (_, _, e) in enumerate(spatial) if e > 1]
-    if not nonunit:
-        return False
-    vi = nonunit[-1]
-    vvar, _, vext = spatial[vi]
-    # the vector axis must be the last non-unit index of the output…
-    write = block.writes[0]
-    w_idx = [r.min for r in write.region if not (isinstance(r.extent, tirx.IntImm)
-                                                 and int(r.extent) == 1 and not _uses(r.min, vvar))]
+def _vector_reads(block: s_tir.SBlock, vvar: tirx.Var) -> list[list[tirx.Expr]] | None:
+    """The indices of the reads that depend on the vector axis ``vvar``; None unless it is the
+    last non-unit index of the output and only ever the last index of those reads."""
+    w_idx = [r.min for r in block.writes[0].region if not (
+        isinstance(r.extent, tirx.IntImm) and int(r.extent) == 1 and not _uses(r.min, vvar))]
     if not w_idx or not w_idx[-1].same_as(vvar):
-        return False
-    # …and, in every read that depends on it, appear only in the last index
+        return None
     vec_reads = []
     for r in block.reads:
         idx = [x.min for x in r.region]
         hits = [i for i, e in enumerate(idx) if _uses(e, vvar)]
-        if not hits:
-            continue
-        if hits != [len(idx) - 1]:
-            return False
-        vec_reads.append(idx)
-    vf = _vector_factor(vext, lanes)
-    if vf is None:
-        return False
-    # register rows: an output axis the vectorized reads do not depend on (its loads are reused)
+        if hits and hits != [len(idx) - 1]:
+            return None
+        if hits:
+            vec_reads.append(idx)
+    return vec_reads
+
+
+def _register_rows(spatial: list, vi: int, vf: int, lanes: int, vec_reads: list
+                   ) -> tuple[int | None, int]:
+    """(position, rows) of the output axis that the vectorized reads do not depend on (so its
+    loads are reused), split into up to MAX_TILE_ROWS register rows; (None, 1) when none."""
     ri, rf = None, 1
+    nvec = -(-vf // lanes)  # vector registers per row
+    limit = max(1, min(MAX_TILE_ROWS, 24 // nvec))
     for i, (var, _, ext) in enumerate(spatial):
         if i == vi or ext <= 1 or any(_uses(e, var) for idx in vec_reads for e in idx):
             continue
-        nvec = -(-vf // lanes)
-        limit = max(1, min(MAX_TILE_ROWS, 24 // nvec))
         f = max(d for d in _divisors(ext) if d <= limit)
         if f > rf:
             ri, rf = i, f
-    unit_stride = all(_stride(idx[-1], vvar) == 1 for idx in vec_reads)
-    if rf == 1 and not unit_stride:
-        return False  # a strided gather with no reuse (a pooling window): LLVM does better
-    total = 1
-    for _, _, e in spatial:
-        total *= e
+    return ri, rf
 
+
+def _tile_loops(sch: s_tir.Schedule, spatial: list, reduce_: list, vi: int, vf: int,
+                ri: int | None, rf: int):
+    """Split off the vector and row tile, order outer loops / reductions / tile; returns the
+    outer loops fused into one."""
     outer, inner = [], []
     for i, (_, lp, ext) in enumerate(spatial):
         if i == vi:
             if vf < ext:
-                o, n = sch.split(lp, [None, vf])
+                o, lp = sch.split(lp, [None, vf])
                 outer.append(o)
-            else:
-                n = lp
-            vec_loop = n
+            vec_loop = lp
         elif i == ri and rf > 1:
             o, n = sch.split(lp, [None, rf])
             outer.append(o)
             inner.append(n)
         else:
             outer.append(lp)
-    inner = inner + [vec_loop]
-    sch.reorder(*outer, *[lp for _, lp, _ in reduce_], *inner)
-    fused = sch.fuse(*outer) if len(outer) > 1 else outer[0]
-    if total >= MIN_PARALLEL_WORK and int(sch.get(fused).extent) > 1:
-        sch.parallel(fused)
+    sch.reorder(*outer, *[lp for _, lp, _ in reduce_], *inner, vec_loop)
+    return sch.fuse(*outer) if len(outer) > 1 else outer[0]
 
-    # accumulate in a tile-sized buffer; the epilogue (bias, relu) rides on its write-back
+
+def _accumulate_in_tile(sch: s_tir.Schedule, block_rv, fused, rf: int) -> None:
+    """Accumulate in a tile-sized buffer; the epilogue (bias, relu) rides on its write-back."""
     wb = sch.cache_write(block_rv, 0, "global")
     while True:
         consumers = sch.get_consumers(wb)
@@ -358,6 +268,32 @@ def _schedule_anchor(sch: s_tir.Schedule, block_rv, lanes: int) -> bool:
         sch.unroll(r_loops[-2])
     # the init block inherits the vectorized / unrolled tile loops
     sch.decompose_reduction(block_rv, sch.get_loops(block_rv)[1])
+
+
+def _schedule_anchor(sch: s_tir.Schedule, block_rv, lanes: int) -> bool:
+    """Register-tile a reduction whose output's innermost axis can be vectorized."""
+    info = _iter_loops(sch, block_rv)
+    if info is None or not re.fullmatch(r"S+R+", "".join(k for k, _, _, _ in info)):
+        return False
+    block = sch.get(block_rv)
+    spatial = [(v, lp, e) for k, v, lp, e in info if k == "S"]
+    reduce_ = [(v, lp, e) for k, v, lp, e in info if k == "R"]
+    nonunit = [i for i, (_, _, e) in enumerate(spatial) if e > 1]
+    if len(block.writes) != 1 or not nonunit:
+        return False
+    vi = nonunit[-1]
+    vvar, _, vext = spatial[vi]
+    vec_reads = _vector_reads(block, vvar)
+    vf = _vector_factor(vext, lanes)
+    if vec_reads is None or vf is None:
+        return False
+    ri, rf = _register_rows(spatial, vi, vf, lanes, vec_reads)
+    if rf == 1 and not all(_stride(idx[-1], vvar) == 1 for idx in vec_reads):
+        return False  # a strided gather with no reuse (a pooling window): LLVM does better
+    fused = _tile_loops(sch, spatial, reduce_, vi, vf, ri, rf)
+    if math.prod(e for _, _, e in spatial) >= MIN_PARALLEL_WORK and int(sch.get(fused).extent) > 1:
+        sch.parallel(fused)
+    _accumulate_in_tile(sch, block_rv, fused, rf)
     return True
 
 
@@ -372,17 +308,11 @@ class _CannotSchedule(Exception):
     pass
 
 
-def _schedule_func(func: tirx.PrimFunc, lanes: int) -> tuple[tirx.PrimFunc, bool]:
-    sch, tiled = _default_schedule(func, lanes)
-    return sch.mod["main"].with_attr(SCHEDULED_ATTR, True), tiled
-
-
-def default_schedule_trace(func: tirx.PrimFunc, target: tvm.target.Target
-                           ) -> s_tir.Trace | None:
+def default_schedule_trace(func: tirx.PrimFunc, target: tvm.target.Target) -> s_tir.Trace | None:
     """The default schedule of one PrimFunc as a schedule trace (what ``hgrt tune`` measures
     and records next to MetaSchedule's candidates), or None when it cannot be scheduled."""
     try:
-        sch, _ = _default_schedule(func, max(2, _vector_bits(target) // 32))
+        sch, _ = _default_schedule(func, max(2, vector_bits(target) // 32))
     except (*_SCHEDULE_ERRORS, _CannotSchedule):
         return None
     return sch.trace
@@ -391,10 +321,9 @@ def default_schedule_trace(func: tirx.PrimFunc, target: tvm.target.Target
 def _default_schedule(func: tirx.PrimFunc, lanes: int) -> tuple[s_tir.Schedule, bool]:
     sch = s_tir.Schedule(func)
     _inline_producers(sch)
-    root = sch.get_sblock("root")
     tiled = False
     done: set[str] = set()
-    names = [sch.get(b).name_hint for b in sch.get_child_blocks(root)]
+    names = [sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))]
     for name in names:  # anchors first: they absorb their epilogues
         b = _find_block(sch, name)
         if b is None or not _is_reduction(sch, b):
@@ -414,42 +343,43 @@ def _default_schedule(func: tirx.PrimFunc, lanes: int) -> tuple[s_tir.Schedule, 
 
 def schedule_cpu_functions(mod: tvm.IRModule, target: tvm.target.Target | str | None = None
                            ) -> tuple[tvm.IRModule, ScheduleReport]:
-    """``default_cpu_schedule`` that also says which functions it scheduled, tiled, skipped."""
+    """Give every CPU PrimFunc of ``mod`` a cheap default schedule (parallel + vectorized);
+    the report says which functions it scheduled, tiled, skipped.
+
+    A PrimFunc is scheduled when its ``target`` attr is an llvm target, or when it has none and
+    ``target`` is one; functions already marked ``tirx.is_scheduled`` and those that cannot be
+    scheduled are left as they are. ``mod`` is returned untouched when nothing changed.
+    """
     if isinstance(target, (str, dict)):
         target = tvm.target.Target(target)
     report = ScheduleReport()
     new = None
-    for gv, func in sorted(mod.functions_items(), key=lambda kv: kv[0].name_hint):
-        if not isinstance(func, tirx.PrimFunc):
-            continue
-        name = gv.name_hint
-        if not _is_cpu(func, target):
+    for name, func in sorted(prim_funcs(mod).items()):
+        ftarget = func_target(func, target)
+        if ftarget is None or ftarget.kind.name != "llvm":
             report.not_cpu.append(name)
             continue
-        if func.attrs is not None and bool(func.attrs.get(SCHEDULED_ATTR, False)):
+        if is_scheduled(func):
             continue  # already scheduled (a tuned function from a database, say)
-        ftarget = func.attrs["target"] if "target" in (func.attrs or {}) else target
-        lanes = max(2, _vector_bits(ftarget) // 32)
         try:
-            scheduled, tiled = _schedule_func(func, lanes)
+            sch, tiled = _default_schedule(func, max(2, vector_bits(ftarget) // 32))
         except (*_SCHEDULE_ERRORS, _CannotSchedule) as e:
             report.skipped[name] = str(e).strip().splitlines()[0][:200] if str(e) else "error"
             continue
         if new is None:
             new = mod.clone()
-        new.update_func(gv, scheduled)
+        new.update_func(new.get_global_var(name), sch.mod["main"].with_attr(SCHEDULED_ATTR, True))
         report.scheduled.append(name)
         if tiled:
             report.tiled.append(name)
     return (mod if new is None else new), report
 
 
-def default_cpu_schedule(mod: tvm.IRModule, target: tvm.target.Target | str | None = None
-                         ) -> tvm.IRModule:
-    """Give every CPU PrimFunc of ``mod`` a cheap default schedule (parallel + vectorized).
-
-    A PrimFunc is scheduled when its ``target`` attr is an llvm target, or when it has none and
-    ``target`` is one; functions already marked ``tirx.is_scheduled`` and those that cannot be
-    scheduled are left as they are. ``mod`` is returned untouched when nothing changed.
-    """
-    return schedule_cpu_functions(mod, target)[0]
+def schedule_cpu(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
+    """The default schedule for every CPU kernel not scheduled yet (none with
+    ``HGRT_DEFAULT_SCHEDULE=0``). Writes ``ctx.lowered.cpu_schedule``."""
+    if os.environ.get("HGRT_DEFAULT_SCHEDULE", "1") == "0":
+        return mod
+    mod, ctx.lowered.cpu_schedule = schedule_cpu_functions(mod)
+    ctx.log(ctx.lowered.cpu_schedule.summary())
+    return mod

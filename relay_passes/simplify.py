@@ -14,28 +14,25 @@ on 2 cores) are done once at build time: ``relax.transform.LiftTransformParams``
 into ``main_transform_params``, which is compiled and run here on the CPU, and ``main`` takes
 their results as its weights (``fold_weight_transforms``).
 
-(``lower`` decomposes inference ``batch_norm`` into elementwise ops after placement, so that a
+(Lowering decomposes inference ``batch_norm`` into elementwise ops after placement, so that a
 rule naming ``nn.batch_norm`` still places it and it then fuses into the convolution before it.)
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 
 import numpy as np
 import tvm
 import tvm_ffi
 from tvm import relax
 
+from hgrt.relay_passes.relax_util import op_name
+
 TRANSFORM = "main_transform_params"  # the function LiftTransformParams makes
 _PAIRWISE = {"relax.sum": relax.op.add, "relax.mean": relax.op.add,
              "relax.max": relax.op.maximum, "relax.min": relax.op.minimum}
-
-
-def _op(expr: relax.Expr) -> str | None:
-    if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
-        return expr.op.name
-    return None
 
 
 def _axis_is_zero(call: relax.Call) -> bool:
@@ -55,10 +52,10 @@ class _StackedReductions(relax.PyExprMutator):
         return self.var2val.get(expr, expr) if isinstance(expr, relax.Var) else expr
 
     def _operands(self, call: relax.Call) -> list[relax.Expr] | None:
-        if _op(call) not in _PAIRWISE or not _axis_is_zero(call):
+        if op_name(call) not in _PAIRWISE or not _axis_is_zero(call):
             return None
         stack = self._value(call.args[0])
-        if _op(stack) != "relax.stack" or int(stack.attrs.axis) != 0:
+        if op_name(stack) != "relax.stack" or int(stack.attrs.axis) != 0:
             return None
         items = self._value(stack.args[0])
         if not isinstance(items, relax.Tuple) or len(items.fields) < 2:
@@ -66,7 +63,7 @@ class _StackedReductions(relax.PyExprMutator):
         out = []
         for item in items.fields:
             v = self._value(item)
-            out.append(v.args[0] if _op(v) == "relax.broadcast_to" else item)
+            out.append(v.args[0] if op_name(v) == "relax.broadcast_to" else item)
         return out
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
@@ -119,11 +116,6 @@ def fold_weight_transforms(mod: tvm.IRModule, weights: dict[str, np.ndarray]
     fields = list(outs.fields) if isinstance(outs, relax.Tuple) else [outs]
     args = [var2val.get(f, f) if isinstance(f, relax.Var) else f for f in fields]
     params = set(transform.params)
-
-    def passes_through(a: relax.Expr) -> bool:  # a weight itself, not computed from weights
-        if isinstance(a, relax.TupleGetItem):
-            a = a.tuple_value
-        return a in params
     new_main = lifted["main"]
     new_names = [p.name for p in new_main.params[n_in:]]
     if len(new_names) != len(args) or len(set(new_names)) != len(new_names) or any(
@@ -131,12 +123,12 @@ def fold_weight_transforms(mod: tvm.IRModule, weights: dict[str, np.ndarray]
         # symbolic shapes (a shape output comes first) or clashing names: not the shape this
         # code knows, leave the model as it is
         return mod, weights
-    old_names = [p.name for p in main.params[n_in:]]
-    if all(passes_through(a) for a in args):
-        return mod, weights  # every weight passes through unchanged
+    # every weight passes through unchanged (is a weight, not computed from weights)
+    if all((a.tuple_value if isinstance(a, relax.TupleGetItem) else a) in params for a in args):
+        return mod, weights
     # the transform may call the module's own functions (a Clip, a Pad): compile them along
     others = {gv: f for gv, f in lifted.functions_items() if gv.name_hint != "main"}
-    values = _run_transform(tvm.IRModule(others), [weights[n] for n in old_names])
+    values = _run_transform(tvm.IRModule(others), [weights[p.name] for p in main.params[n_in:]])
     folded = dict(zip(new_names, values, strict=True))
     # every function but the transform stays: main calls kernels of its own (Clip, Pad, ...)
     kept = {gv: (new_main.with_attr("num_input", n_in) if gv.name_hint == "main" else f)
@@ -144,12 +136,9 @@ def fold_weight_transforms(mod: tvm.IRModule, weights: dict[str, np.ndarray]
     return tvm.IRModule(kept, attrs=lifted.attrs), folded
 
 
-
 def _run_transform(mod: tvm.IRModule, args: list[np.ndarray]) -> list[np.ndarray]:
     """Compile ``mod`` (the lifted transform and the functions it calls) and run the
     transform on the CPU."""
-    import warnings
-
     dev = tvm.cpu()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

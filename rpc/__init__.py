@@ -8,7 +8,7 @@
 The server side is ``hgrt rpc-server`` (``hgrt.rpc.server.serve``).
 """
 
-from hgrt.rpc.client import RemoteGraphModule, create_remote, load_remote
-from hgrt.rpc.session import connect, upload
+from hgrt.rpc.client import RemoteGraphModule, create_remote
+from hgrt.rpc.session import connect, stats, upload
 
-__all__ = ["RemoteGraphModule", "connect", "create_remote", "load_remote", "upload"]
+__all__ = ["RemoteGraphModule", "connect", "create_remote", "stats", "upload"]

@@ -8,7 +8,9 @@ whose sessions also serve hgrt. hgrt/cli.py adds it through ``register(subparser
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import signal
+import socket
 import sys
 
 
@@ -20,7 +22,9 @@ def add_rpc_server_parser(subparsers) -> argparse.ArgumentParser:
                     "--tracker it registers under --key; without, clients connect directly.")
     p.add_argument("--tracker", metavar="HOST:PORT", help="RPC tracker to register with")
     p.add_argument("--key", default="", help="device key clients request (e.g. jetson)")
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    p.add_argument("--host", default=None,
+                   help="address to listen on (default 127.0.0.1; a board reached over the "
+                        "network needs its address or 0.0.0.0, see README 'Security')")
     p.add_argument("--port", type=int, default=9090, help="first port to try (default 9090)")
     p.add_argument("--port-end", type=int, default=None,
                    help="last port to try (default: port + 100)")
@@ -33,13 +37,23 @@ def add_rpc_server_parser(subparsers) -> argparse.ArgumentParser:
 
 def run_rpc_server(args: argparse.Namespace) -> int:
     """Serve until killed; prints one line with the bound port once it listens."""
+    from hgrt.errors import HgrtError
     from hgrt.rpc.server import serve
 
     if args.tracker and not args.key:
         print("hgrt rpc-server: --tracker needs --key", file=sys.stderr)
         return 2
+    try:
+        host = listen_address(args.host, args.tracker)
+    except HgrtError as e:
+        print(f"hgrt rpc-server: error: {e}", file=sys.stderr)
+        return 2
+    if not _is_loopback(host):
+        print(f"hgrt rpc-server: warning: listening on {host}: anyone who reaches this port runs "
+              f"the code they upload (TVM RPC has no authentication; see README 'Security')",
+              file=sys.stderr)
     port_end = args.port_end if args.port_end is not None else args.port + 100
-    server = serve(args.host, args.port, port_end, tracker=args.tracker, key=args.key,
+    server = serve(host, args.port, port_end, tracker=args.tracker, key=args.key,
                    custom_addr=args.custom_addr, silent=args.silent)
 
     def stop(signum, frame):  # kill the worker and its session processes, then leave
@@ -50,9 +64,30 @@ def run_rpc_server(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, stop)
     where = f"tracker {args.tracker}, key {args.key!r}" if args.tracker else \
         f"standalone, key {args.key!r}"
-    print(f"hgrt rpc-server listening on {args.host}:{server.port} ({where})", flush=True)
+    print(f"hgrt rpc-server listening on {host}:{server.port} ({where})", flush=True)
     server.proc.join()
     return 0
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def listen_address(host: str | None, tracker: str | None) -> str:
+    """Where the server listens: ``host`` if given; else loopback, which a tracker elsewhere
+    could not hand out to its clients, so then the address must be named."""
+    if host:
+        return host
+    if tracker and not _is_loopback(tracker.rpartition(":")[0]):
+        from hgrt.errors import InputError
+
+        raise InputError(f"the tracker {tracker} is not on this machine, so its clients reach "
+                         f"this server over the network: name the address to listen on with "
+                         f"--host (this board's address, or 0.0.0.0)")
+    return "127.0.0.1"
 
 
 def register(subparsers) -> None:

@@ -4,21 +4,16 @@ A client calls ``hgrt.remote.create(graph_json, lib, *devices)`` once; the serve
 ordinary :class:`~hgrt.runtime.executor.GraphModule` there and hands back one function,
 ``method(name) -> Function``. The client fetches each method it uses once, so every later API
 call (``run``, ``set_input``, ...) is exactly one round trip, and ``run()`` never crosses the
-wire per op.
-
-What crosses RPC (see TVM027_NOTES "RPC"): str, bytes, scalars, Devices, remote tensors and
-modules. So configuration and results travel as JSON strings, numpy data as bytes, and every
-tensor the client sends is copied before the call returns (it is a non-owning view).
-
-Errors: an ``HgrtError`` raised here reaches the client as the same class. TVM turns a Python
-exception in a remote function into a plain RuntimeError carrying the message, so the class
-name is put in the message (``[hgrt:GraphError] ...``) and the client raises it again.
+wire per op. What crosses, and how errors do, is hgrt.rpc.protocol; every tensor the client
+sends is copied before the call returns (it is a non-owning view).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import itertools
 import json
+import os
 import platform
 import threading
 import weakref
@@ -29,31 +24,23 @@ import numpy as np
 import tvm
 import tvm_ffi
 
-import hgrt.errors as errors
-from hgrt.errors import HgrtError, InputError, ParamError
-from hgrt.rpc.views import rpc_safe_view
+from hgrt.errors import ClosedError, HgrtError, InputError, ParamError, did_you_mean
+from hgrt.rpc.protocol import (
+    CREATE_FUNC,
+    METHODS,
+    PING_FUNC,
+    PLATFORM_FUNC,
+    STATS_FUNC,
+    encode_error,
+    parse_address,
+)
 from hgrt.runtime.executor import GraphModule, create
-
-CREATE_FUNC = "hgrt.remote.create"
-PLATFORM_FUNC = "hgrt.remote.platform"
-PING_FUNC = "hgrt.remote.ping"
-ERROR_TAG = "[hgrt:"  # "[hgrt:GraphError] message": the class travels in the message
+from hgrt.runtime.views import pointer_view
 
 # Server-side modules by id, for share_params between two modules of one session.
 _MODULES: weakref.WeakValueDictionary[int, RemoteModuleServer] = weakref.WeakValueDictionary()
 _IDS = itertools.count(1)
 _REGISTER_LOCK = threading.Lock()
-
-
-def encode_error(e: BaseException) -> str:
-    """The message that carries ``e``'s hgrt class across RPC."""
-    name = type(e).__name__ if isinstance(e, HgrtError) else "RemoteError"
-    for cls in type(e).__mro__:  # a subclass defined elsewhere travels as its hgrt base
-        if cls.__module__ == errors.__name__ and issubclass(cls, HgrtError):
-            name = cls.__name__
-            break
-    detail = str(e) if isinstance(e, HgrtError) else f"{type(e).__name__}: {e}"
-    return f"{ERROR_TAG}{name}] {detail}"
 
 
 def _remote_call(func: Callable) -> Callable:
@@ -62,7 +49,7 @@ def _remote_call(func: Callable) -> Callable:
     def call(*args):
         try:
             return func(*args)
-        except Exception as e:  # noqa: BLE001 - every failure must reach the client, typed
+        except Exception as e:
             raise RuntimeError(encode_error(e)) from e
 
     call.__name__ = func.__name__
@@ -77,16 +64,10 @@ class RemoteModuleServer:
     copies into ``out``); nothing keeps a reference to a caller's tensor.
     """
 
-    METHODS = ("info", "run", "set_input_bytes", "set_input_tensor", "get_input",
-               "get_input_bytes", "get_input_into", "get_output", "get_output_bytes",
-               "get_output_into", "load_params", "share_params", "benchmark")
-
     def __init__(self, module: GraphModule):
         self.module = module
         self.id = next(_IDS)
         _MODULES[self.id] = self
-        self._methods = {name: tvm_ffi.convert(_remote_call(getattr(self, name)))
-                         for name in self.METHODS}
         self._returned: dict[tuple[str, int], Any] = {}  # views handed out, made once
 
     def _returnable(self, kind: str, index: int, tensor):
@@ -94,44 +75,46 @@ class RemoteModuleServer:
         key = (kind, index)
         view = self._returned.get(key)
         if view is None:
-            view = self._returned[key] = rpc_safe_view(tensor)
+            view = self._returned[key] = pointer_view(tensor, tensor.shape, str(tensor.dtype))
         return view
 
     def method(self, name: str):
-        f = self._methods.get(name)
-        if f is None:
-            raise HgrtError(f"remote module: method {errors.did_you_mean(name, self.METHODS)}")
-        return f
+        """The function of method ``name``. It holds this object and this object holds none of
+        them: once the client has dropped every handle, the module is freed (a cycle through
+        FFI objects would keep it forever; Python's collector cannot see into them)."""
+        if name not in METHODS:
+            raise HgrtError(f"remote module: method {did_you_mean(name, METHODS)}")
+        return tvm_ffi.convert(_remote_call(getattr(self, name)))
+
+    @property
+    def live(self) -> GraphModule:
+        if self.module is None:
+            raise ClosedError(f"remote module {self.id} is closed")
+        return self.module
+
+    def close(self) -> None:
+        """Free the module now (the client closed it); later calls are a ClosedError."""
+        self.module = None
+        self._returned.clear()
+        _MODULES.pop(self.id, None)
 
     # ---- description (one round trip at create time) ------------------------------------
     def info(self) -> str:
-        m, g = self.module, self.module.graph
-        shapes, dtypes = m.get_input_info()
-        inputs = []
-        for nid in g.arg_nodes:
-            eid = g.entry_id(nid)
-            inputs.append({"name": g.nodes[nid].name, "shape": list(g.shapes[eid]),
-                           "dtype": g.dtypes[eid], "param": g.nodes[nid].name in g.params})
-        outputs = []
-        for nid, idx, _ in g.heads:
-            eid = g.entry_id(nid, idx)
-            outputs.append({"shape": list(g.shapes[eid]), "dtype": g.dtypes[eid],
-                            "device_index": g.entry_device(eid)})
-        return json.dumps({"id": self.id, "inputs": inputs, "outputs": outputs,
-                           "params": list(g.params), "num_inputs": m.get_num_inputs(),
-                           "devices": [str(d) for d in m.devices],
-                           "device_bytes": m.device_bytes, "repr": repr(m)})
+        """What the client cannot know from its own copy of the graph."""
+        m = self.live
+        return json.dumps({"id": self.id, "device_bytes": m.device_bytes, "repr": repr(m),
+                           "devices": [str(d) for d in m.devices]})
 
     # ---- running --------------------------------------------------------------------------
     def run(self) -> None:
-        self.module.run()
+        self.live.run()
 
     def benchmark(self, repeat: int, number: int, warmup: int) -> str:
-        return json.dumps(self.module.benchmark(repeat, number, warmup).results)
+        return json.dumps(self.live.benchmark(repeat, number, warmup).results)
 
     # ---- inputs ---------------------------------------------------------------------------
     def _input_array(self, index: int, data: bytes) -> np.ndarray:
-        g = self.module.graph
+        g = self.live.graph
         eid = g.entry_id(g.arg_nodes[index])
         shape, dtype = tuple(g.shapes[eid]), g.dtypes[eid]
         want = g.entry_bytes(eid)
@@ -142,33 +125,33 @@ class RemoteModuleServer:
 
     def set_input_bytes(self, index: int, data: bytes) -> None:
         # np.frombuffer views the received bytes; set_input copies them into our storage.
-        self.module.set_input(int(index), self._input_array(int(index), data))
+        self.live.set_input(int(index), self._input_array(int(index), data))
 
     def set_input_tensor(self, index: int, tensor) -> None:
-        self.module.set_input(int(index), tensor)  # copies: the tensor is the caller's view
+        self.live.set_input(int(index), tensor)  # copies: the tensor is the caller's view
 
     def get_input(self, index: int):
-        return self._returnable("input", int(index), self.module.get_input(int(index)))
+        return self._returnable("input", int(index), self.live.get_input(int(index)))
 
     def get_input_bytes(self, index: int) -> bytes:
-        return self.module.get_input(int(index)).numpy().tobytes()
+        return self.live.get_input(int(index)).numpy().tobytes()
 
     def get_input_into(self, index: int, out) -> None:
-        self.module.get_input(int(index), out)
+        self.live.get_input(int(index), out)
 
     # ---- outputs --------------------------------------------------------------------------
     def get_output(self, index: int):
-        return self._returnable("output", int(index), self.module.get_output(int(index)))
+        return self._returnable("output", int(index), self.live.get_output(int(index)))
 
     def get_output_bytes(self, index: int) -> bytes:
-        return self.module.get_output(int(index)).numpy().tobytes()
+        return self.live.get_output(int(index)).numpy().tobytes()
 
     def get_output_into(self, index: int, out) -> None:
-        self.module.get_output(int(index), out)
+        self.live.get_output(int(index), out)
 
     # ---- params ---------------------------------------------------------------------------
     def load_params(self, blob: bytes, strict: bool) -> None:
-        self.module.load_params(bytes(blob), strict=bool(strict))
+        self.live.load_params(bytes(blob), strict=bool(strict))
 
     def share_params(self, other_id: int, names_json: str) -> None:
         other = _MODULES.get(int(other_id))
@@ -176,7 +159,7 @@ class RemoteModuleServer:
             raise ParamError(f"share_params: module {other_id} is not alive in this session")
         names = json.loads(names_json)
         params = None if names is None else dict.fromkeys(names)
-        self.module.share_params(other.module, params)
+        self.live.share_params(other.live, params)
         self._returned.clear()  # inputs now live in the other module's storage
 
 
@@ -202,15 +185,34 @@ def remote_platform() -> str:
                        "tvm": tvm.__version__, "hgrt": _hgrt_version()})
 
 
+def remote_stats() -> str:
+    """``hgrt.remote.stats``: the modules alive in this session's process, the bytes they
+    allocated, and the process's resident memory (what a soak test watches)."""
+    alive = [m.module for m in list(_MODULES.values()) if m.module is not None]
+    return json.dumps({"modules": len(alive),
+                       "module_bytes": sum(sum(m.device_bytes) for m in alive),
+                       "rss_bytes": rss_bytes()})
+
+
+def rss_bytes() -> int:
+    """Resident memory of this process (Linux: /proc/self/statm; elsewhere 0)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def remote_ping() -> int:
     """``hgrt.remote.ping``: does nothing; one bare round trip (health checks, benchmarks)."""
     return 0
 
 
 def _hgrt_version() -> str:
-    import hgrt
-
-    return hgrt.__version__
+    try:
+        return importlib.metadata.version("hgrt")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def register(override: bool = True) -> None:
@@ -224,6 +226,7 @@ def register(override: bool = True) -> None:
         tvm_ffi.register_global_func(PLATFORM_FUNC, _remote_call(remote_platform),
                                      override=override)
         tvm_ffi.register_global_func(PING_FUNC, remote_ping, override=override)
+        tvm_ffi.register_global_func(STATS_FUNC, _remote_call(remote_stats), override=override)
 
 
 def is_registered() -> bool:
@@ -237,7 +240,7 @@ def _server_init() -> None:
     hgrt.rpc.server.register()
 
 
-def serve(host: str = "0.0.0.0", port: int = 9090, port_end: int = 9199,
+def serve(host: str = "127.0.0.1", port: int = 9090, port_end: int = 9199,
           tracker: str | tuple[str, int] | None = None, key: str = "", *,
           custom_addr: str | None = None, silent: bool = False,
           load_library: str | None = None) -> tvm.rpc.Server:
@@ -246,7 +249,10 @@ def serve(host: str = "0.0.0.0", port: int = 9090, port_end: int = 9199,
     With ``tracker`` ("host:port"), the server registers there under ``key``; without, it is
     standalone and ``key`` is what clients must give to ``tvm.rpc.connect``.
 
-    >>> server = serve("0.0.0.0", 9090, tracker="10.0.0.1:9190", key="jetson")  # doctest: +SKIP
+    ``host`` is where it listens: loopback by default; anyone who reaches the port runs the
+    code they upload (TVM RPC has no authentication).
+
+    >>> server = serve("10.0.0.7", 9090, tracker="10.0.0.1:9190", key="jetson")  # doctest: +SKIP
     >>> server.proc.join()                                                      # doctest: +SKIP
     """
     tracker_addr = parse_address(tracker, "tracker") if isinstance(tracker, str) else tracker
@@ -255,11 +261,3 @@ def serve(host: str = "0.0.0.0", port: int = 9090, port_end: int = 9199,
     return tvm.rpc.Server(host, port, port_end, tracker_addr=tracker_addr, key=key,
                           load_library=load_library, custom_addr=custom_addr, silent=silent,
                           server_init_callback=_server_init)
-
-
-def parse_address(address: str, what: str = "address") -> tuple[str, int]:
-    """``"host:port"`` -> ``("host", port)``."""
-    host, sep, port = str(address).rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise InputError(f"{what} must be HOST:PORT (e.g. 127.0.0.1:9190), got {address!r}")
-    return host, int(port)

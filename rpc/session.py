@@ -18,7 +18,7 @@ import tvm
 from tvm.rpc import base as rpc_base
 
 from hgrt.errors import InputError, RemoteError
-from hgrt.rpc.server import PLATFORM_FUNC, parse_address
+from hgrt.rpc.protocol import PLATFORM_FUNC, STATS_FUNC, parse_address
 
 
 @dataclass
@@ -167,7 +167,7 @@ def _request_server(addr: tuple[str, int], key: str, timeout: float,
 def _what_tracker_has(addr: tuple[str, int], key: str) -> str:
     try:
         summary = tracker_summary(addr, timeout=2.0)
-    except Exception as e:  # noqa: BLE001 - only decorates an error already being raised
+    except Exception as e:
         return f"(the tracker's summary could not be read: {e})"
     servers = sorted({s["key"].split(":", 1)[-1] for s in summary.get("server_info", [])
                       if str(s.get("key", "")).startswith("server:")})
@@ -219,6 +219,22 @@ def server_platform(remote: tvm.rpc.RPCSession) -> dict | None:
     except AttributeError:
         return None
     return json.loads(f())
+
+
+def stats(remote: tvm.rpc.RPCSession) -> dict:
+    """What the session's server process holds: ``{"modules": live hgrt modules,
+    "module_bytes": their device memory, "rss_bytes": the process's resident memory}``.
+
+    >>> hgrt.rpc.stats(remote)["modules"]    # doctest: +SKIP
+    0
+    """
+    try:
+        return json.loads(remote.get_function(STATS_FUNC)())
+    except AttributeError:
+        raise RemoteError(f"the server of {describe(remote)} does not serve hgrt: start it with "
+                          f"`hgrt rpc-server`") from None
+    except Exception as e:
+        raise RemoteError(f"{describe(remote)}: stats failed: {e}") from e
 
 
 def upload(remote: tvm.rpc.RPCSession, path: str, name: str | None = None, *,

@@ -1,5 +1,6 @@
 """hgrt.runtime: the graph executor and its device storage pools."""
 
-from hgrt.runtime.executor import BenchmarkResult, GraphModule, create
+from hgrt.runtime.executor import GraphModule, Step, create
+from hgrt.runtime.module_api import BenchmarkResult, GraphModuleAPI
 
-__all__ = ["BenchmarkResult", "GraphModule", "create"]
+__all__ = ["BenchmarkResult", "GraphModule", "GraphModuleAPI", "Step", "create"]

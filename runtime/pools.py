@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import tvm
 
-from hgrt.errors import DeviceError
+from hgrt.errors import DeviceError, GraphError
 from hgrt.graph import Graph
+from hgrt.lifetimes import ALIGN, storage_bytes, storage_devices
 from hgrt.runtime.views import pointer_view
-
-_ALIGN = 64
 
 
 def _allocate(nbytes: int, device, what: str):
@@ -23,41 +22,64 @@ def _allocate(nbytes: int, device, what: str):
 
 
 class StoragePools:
-    """The memory a GraphModule owns, and where each graph entry lives in it."""
+    """The memory a GraphModule (or one call frame of it) owns, and where each graph entry lives.
 
-    def __init__(self, graph: Graph, devices: list):
+    With ``weights`` (the pools of the module a frame belongs to), parameter entries are not
+    allocated again: they point at ``weights``' weight pools (or parameter storages)."""
+
+    def __init__(self, graph: Graph, devices: list, weights: StoragePools | None = None):
         self.graph = graph
-        self.device_bytes = [0] * len(devices)  # bytes allocated per device position
-        self.buffers: list = []
+        self.device_bytes = [0] * len(devices)  # bytes allocated here per device position
+        self.buffers: list = [] if weights is None else [weights]  # keeps shared weights alive
         self._keep: list = []  # DLPack structs behind the kernel views
         if graph.pool_bytes is not None:
-            # hgrt plan: one arena per device, entries at their storage's byte offset.
-            for d, nbytes in enumerate(graph.pool_bytes[:len(devices)]):
-                self.buffers.append(_allocate(nbytes, devices[d], f"the pool of device {d}"))
-                self.device_bytes[d] = int(nbytes)
-            self.base = [self.buffers[graph.entry_device(e)] for e in range(graph.num_entries)]
-            self.offset = [graph.storage_offset[sid] for sid in graph.storage_ids]
+            self._allocate_arenas(devices, weights)
         else:
-            # Classic layout: each storage id sized by the largest entry that uses it.
-            size: dict[int, int] = {}
-            dev_of: dict[int, int] = {}
-            for eid, sid in enumerate(graph.storage_ids):
-                size[sid] = max(size.get(sid, 0), graph.entry_bytes(eid))
-                dev_of[sid] = graph.entry_device(eid)
-            storage = {}
-            for sid in sorted(size):
-                nbytes = (max(1, size[sid]) + _ALIGN - 1) // _ALIGN * _ALIGN
-                storage[sid] = _allocate(nbytes, devices[dev_of[sid]], f"storage {sid}")
-                self.device_bytes[dev_of[sid]] += nbytes
-            self.buffers = list(storage.values())
-            self.base = [storage[sid] for sid in graph.storage_ids]
-            self.offset = [0] * graph.num_entries
+            self._allocate_storages(devices, weights)
+        for eid, root in enumerate(graph.alias_roots()):  # a __nop output views its input
+            self.base[eid], self.offset[eid] = self.base[root], self.offset[root]
         self._kernel_views: dict[tuple[int, bool], object] = {}
         self._user_views: dict[int, object] = {}
 
-    def alias(self, dst: int, src: int) -> None:
-        """Entry ``dst`` shares ``src``'s bytes (``__nop``)."""
-        self.base[dst], self.offset[dst] = self.base[src], self.offset[src]
+    def _allocate_arenas(self, devices: list, weights: StoragePools | None) -> None:
+        """hgrt plan: per device an activation arena (and a weight arena when the plan has
+        one); entries at their storage's byte offset."""
+        g = self.graph
+        arenas = {}
+        for d, nbytes in enumerate(g.pool_bytes[:len(devices)]):
+            arenas[d, False] = _allocate(nbytes, devices[d], f"the pool of device {d}")
+            self.device_bytes[d] += int(nbytes)
+        for d, nbytes in enumerate((g.weight_pool_bytes or [])[:len(devices)]):
+            if weights is not None:
+                arenas[d, True] = weights.arena(d, True)
+                continue
+            arenas[d, True] = _allocate(nbytes, devices[d], f"the weight pool of device {d}")
+            self.device_bytes[d] += int(nbytes)
+        self._arenas = arenas
+        self.buffers += list(arenas.values())
+        self.base = [arenas[g.pool_of(e)] for e in range(g.num_entries)]
+        self.offset = [g.storage_offset[sid] for sid in g.storage_ids]
+
+    def _allocate_storages(self, devices: list, weights: StoragePools | None) -> None:
+        """Classic layout: each storage id sized by the largest entry that uses it."""
+        g = self.graph
+        owner = storage_devices(g, GraphError)
+        shared = g.weight_storages if weights is not None else frozenset()
+        storage = {}
+        for sid, nbytes in sorted(storage_bytes(g).items()):
+            if sid in shared:
+                storage[sid] = weights.base[g.storage_ids.index(sid)]
+                continue
+            nbytes = max(ALIGN, nbytes)
+            storage[sid] = _allocate(nbytes, devices[owner[sid]], f"storage {sid}")
+            self.device_bytes[owner[sid]] += nbytes
+        self._arenas = {}
+        self.buffers += list(storage.values())
+        self.base = [storage[sid] for sid in g.storage_ids]
+        self.offset = [0] * g.num_entries
+
+    def arena(self, device: int, weight: bool):
+        return self._arenas[device, weight]
 
     def adopt(self, dst: int, other: StoragePools, src: int) -> None:
         """Entry ``dst`` uses entry ``src`` of another module's pools (``share_params``)."""

@@ -116,9 +116,8 @@ class ProfileReport:
 def profile(module, repeat: int = 10, warmup: int = 1) -> ProfileReport:
     """Time every step of ``module`` (a local GraphModule) ``repeat`` times."""
     g = module.graph
-    steps = module._steps
-    nodes = module._step_nodes
-    sync = module._sync
+    steps = module.steps
+    sync = module.sync
     for _ in range(warmup):
         module.run()
     samples: list[list[float]] = [[] for _ in steps]
@@ -126,9 +125,12 @@ def profile(module, repeat: int = 10, warmup: int = 1) -> ProfileReport:
     clock = time.perf_counter
     for _ in range(repeat):
         last_run = []
-        for i, (func, args) in enumerate(steps):
+        for i, step in enumerate(steps):
             t0 = clock()
-            func(*args)
+            try:
+                step.func(*step.args)
+            except Exception as e:
+                raise module.execution_error(i, e) from e
             sync()
             t1 = clock()
             samples[i].append((t1 - t0) * 1e6)
@@ -143,7 +145,7 @@ def profile(module, repeat: int = 10, warmup: int = 1) -> ProfileReport:
 
     ops = []
     dev_names = [str(d) for d in module.devices]
-    for i, nid in enumerate(nodes):
+    for i, nid in enumerate(step.node for step in steps):
         node = g.nodes[nid]
         out_eid = g.entry_id(nid)
         rec = OpRecord(nid, node.name, node.func_name, dev_names[g.entry_device(out_eid)],

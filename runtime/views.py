@@ -1,17 +1,21 @@
-"""Tensor views at a byte offset that TVM kernels accept.
+"""Tensor views at a byte offset that TVM kernels accept, and that survive RPC.
 
-``Tensor._create_view`` records the offset in DLTensor.byte_offset, and kernels built by TVM
-require byte_offset == 0. TVM's own memory manager instead moves the data pointer on devices
-whose pointers allow arithmetic (CPU, CUDA, ROCm); hgrt does the same through DLPack.
+``Tensor._create_view`` records the offset in DLTensor.byte_offset, but kernels built by TVM
+require byte_offset == 0, and TVM 0.27's RPC drops the byte_offset of a tensor returned to a
+client (the client reads the bytes at offset 0). TVM's own memory manager instead moves the data
+pointer on devices whose pointers allow arithmetic (CPU, CUDA, ROCm); hgrt does the same through
+DLPack, in one of two ways:
 
-The views made here do not own their memory, and the DLPack struct (its shape array) must outlive
-them: the caller passes a ``keep`` list that it holds as long as the views, next to the pools.
-They never leave the GraphModule; tensors handed to users are owning ``_create_view`` views.
+- a kernel view (``keep`` given) does not own its memory: the caller holds ``base`` and the
+  ``keep`` list (the DLPack structs) as long as the view, next to the pools;
+- an owning view (no ``keep``) holds a reference to ``base`` until its DLPack deleter runs, so it
+  may be handed out (a server's output to its client) and outlive the module it came from.
 """
 
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import tvm
 import tvm_ffi
@@ -60,19 +64,34 @@ class _Exporter:
         return self._device
 
 
-def pointer_view(base, shape, dtype: str, byte_offset: int, keep: list):
-    """A view of ``base``'s bytes at ``byte_offset`` with byte_offset 0 and a moved data pointer.
+# What each owning view keeps alive, by the address of its DLManagedTensor; freed by the deleter.
+_LIVE: dict[int, tuple] = {}
+_LOCK = threading.Lock()
 
-    The caller must keep ``base`` and ``keep`` alive for as long as the view is used.
-    """
-    if byte_offset == 0:
+
+@ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+def _deleter(address: int) -> None:
+    with _LOCK:
+        _LIVE.pop(address, None)
+
+
+_DELETER_PTR = ctypes.cast(_deleter, ctypes.c_void_p).value
+
+
+def pointer_view(base, shape, dtype: str, byte_offset: int = 0, keep: list | None = None):
+    """A view of ``base``'s bytes from ``byte_offset`` on (counted from ``base``'s own data
+    pointer), whose DLTensor has byte_offset 0 and a moved data pointer. With ``keep``, the
+    caller keeps ``base`` and ``keep`` alive as long as the view; without, the view owns both."""
+    if byte_offset == 0 and keep is not None:
         return base._create_view(tuple(shape), dtype, 0)
     dev = base.device
     dev_type = dev.dlpack_device_type()
     if dev_type not in POINTER_ARITHMETIC_DEVICES:
+        if keep is None and byte_offset == 0:
+            return base  # hgrt places entries at offsets only on the devices above
         raise DeviceError(f"{dev}: storage pools at byte offsets need pointer arithmetic on the "
                           f"device; plan this graph without the 'hgrt' pool section")
-    t = tvm.runtime.DataType(dtype)
+    t = tvm.runtime.DataType(str(dtype))
     shape = tuple(int(s) for s in shape)
     managed = _DLManagedTensor()
     shape_arr = (ctypes.c_int64 * max(1, len(shape)))(*shape)
@@ -82,7 +101,11 @@ def pointer_view(base, shape, dtype: str, byte_offset: int, keep: list):
     managed.dl_tensor.dtype = _DLDataType(t.type_code, t.bits, t.lanes)
     managed.dl_tensor.shape = shape_arr
     managed.dl_tensor.byte_offset = 0
+    if keep is None:
+        managed.deleter = _DELETER_PTR
+        with _LOCK:
+            _LIVE[ctypes.addressof(managed)] = (managed, shape_arr, base)
+    else:
+        keep.append((managed, shape_arr))  # the tensor points at these; no deleter frees them
     capsule = _capsule_new(ctypes.addressof(managed), b"dltensor", None)
-    view = tvm_ffi.from_dlpack(_Exporter(capsule, (dev_type, dev.index)))
-    keep.append((managed, shape_arr))  # the tensor points at these; no deleter frees them
-    return view
+    return tvm_ffi.from_dlpack(_Exporter(capsule, (dev_type, dev.index)))

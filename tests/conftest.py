@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import tvm
 
-from hgrt_testing import elementwise_lib
+from hgrt.testing import elementwise_lib
 
 
 @pytest.fixture(scope="session")

@@ -13,9 +13,9 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 
 import hgrt
-from build_testing import alternating, conv_model, run_hgrt, run_relax_vm
 from hgrt.errors import BuildError, DeviceError
 from hgrt.graph import COPY_FUNC, Graph
+from hgrt.testing import alternating, conv_model, run_hgrt, run_relax_vm
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +112,9 @@ def test_rule_places_convs_and_report_says_why(model):
     assert "relax.nn.conv2d" in res.print_placement()
 
 
-def test_precedence_hint_over_rule_over_override_over_preferred():
+def test_precedence_hint_over_override_over_rule_over_preferred():
+    """The most specific setting wins, and the report says which one decided each node."""
+
     @I.ir_module
     class Mod:
         @R.function
@@ -123,19 +125,38 @@ def test_precedence_hint_over_rule_over_override_over_preferred():
                 c = R.add(b, b)
                 d = R.multiply(c, c)
                 e = R.subtract(d, x)
-                R.output(e)
-            return e
+                f = R.multiply(e, e)
+                R.output(f)
+            return f
 
     placement = hgrt.Placement(rules={"relax.exp": "cpu:1", "mul*": "cpu:1"},
-                               overrides={"d": "cpu:0", "e": "cpu:1"}, preferred="cpu:0",
-                               fallback="cpu:1")
+                               overrides={"a": "cpu:1", "d": "cpu:0", "e": "cpu:1"},
+                               preferred="cpu:0", fallback="cpu:1")
     res = hgrt.build(Mod, ["cpu:0", "cpu:1"], placement)
     got = {r.node: (r.device, r.reason) for r in res.placement_report}
     assert got == {"a": ("cpu:0", "hint"), "c": ("cpu:0", "preferred"),
-                   "d": ("cpu:1", "rule 'mul*'"), "e": ("cpu:1", "override")}
+                   "d": ("cpu:0", "override"), "e": ("cpu:1", "override"),
+                   "f": ("cpu:1", "rule 'mul*'")}
+    table = res.print_placement().splitlines()
+    assert table[0].split() == ["node", "op", "device", "reason"]
+    assert any(line.split()[:3] == ["d", "relax.multiply", "cpu:0"] and "override" in line
+               for line in table)
     x = np.arange(8, dtype="float32") / 8
-    want = (2 * np.exp(x)) ** 2 - x
+    want = ((2 * np.exp(x)) ** 2 - x) ** 2
     np.testing.assert_allclose(run_hgrt(res, {"x": x})[0], want, rtol=1e-5)
+
+
+def test_bare_target_rule_with_two_cpus_is_refused_not_guessed(model):
+    """Target("llvm") fits both CPUs of the list: hgrt names them instead of taking the first."""
+    rule = hgrt.Placement(rules={"nn.conv2d": tvm.target.Target("llvm")})
+    with pytest.raises(hgrt.DeviceError, match=r"rule 'nn.conv2d': target 'llvm' fits "
+                                               r"\['cpu:0', 'cpu:1'\]; name one of them"):
+        hgrt.build(model, ["cpu:0", "cpu:1"], rule)
+    with pytest.raises(hgrt.DeviceError, match=r"fallback: device 'cpu' fits"):
+        hgrt.build(model, ["cpu:0", "cpu:1"], hgrt.Placement(fallback="cpu"))
+    # one CPU of that kind: the bare target and the bare kind name it
+    res = hgrt.build(model, ["cpu:1"], hgrt.Placement(rules={"nn.conv2d": "cpu"}))
+    assert {r.device for r in res.placement_report} == {"cpu:1"}
 
 
 def test_fallback_default_is_device_zero(model):
@@ -173,13 +194,13 @@ def test_relax_planner_two_device_chain_runs_under_hgrt():
         vm = relax.VirtualMachine(tvm.compile(Chain, "llvm"), [tvm.cpu(0), tvm.cpu(1)])
         out = vm["main"](tvm.runtime.tensor(x, tvm.cpu(0))).numpy()
         vm_failed = not np.allclose(out, want, rtol=1e-5)
-    except Exception as e:  # noqa: BLE001 - the VM's failure type is TVM's business
+    except Exception as e:
         vm_failed = "device_id" in str(e)
     res = hgrt.build(Chain, ["cpu:0", "cpu:1"])
     g = graph_of(res)
     assert [n.func_name for n in g.nodes].count(COPY_FUNC) == 1
     np.testing.assert_allclose(run_hgrt(res, {"x": x})[0], want, rtol=1e-5)
-    assert vm_failed, "Relax's planner got the two-device chain right: update TVM027_NOTES.md"
+    assert vm_failed, "Relax's VM now runs this two-device chain right (TVM 0.27's did not)"
 
 
 def test_graph_json_contract(model):
@@ -245,7 +266,8 @@ def test_library_exports(model, tmp_path):
 def test_device_errors(model):
     with pytest.raises(DeviceError, match="repeats"):
         hgrt.build(model, ["cpu", "cpu:0"])
-    with pytest.raises(DeviceError, match="unknown device kind"):
+    with pytest.raises(DeviceError,
+                       match="device 'tpu': unknown kind 'tpu'; known: \\['c', 'cpu', 'cuda'"):
         hgrt.build(model, ["tpu"])
     with pytest.raises(DeviceError, match="not in the device list"):
         hgrt.build(model, ["cpu"], hgrt.Placement(rules={"nn.conv2d": "cpu:1"}))

@@ -14,19 +14,17 @@ import numpy as np
 import pytest
 
 import hgrt
-from build_testing import (
-    LIGHT_MODELS,
+from hgrt.testing import (
     alternating,
     case_inputs,
     check_case,
     input_names,
-    light_input,
-    light_model,
     load_case,
     onnx_case_names,
     run_hgrt,
     run_relax_vm,
 )
+from hgrt.zoo import LIGHT_MODELS, light_input, light_model
 
 SUBSET = [
     "pytorch-converted/test_AvgPool2d",
@@ -68,7 +66,7 @@ def _vm_passes(case) -> bool:
         for g, want in zip(got, case.outputs, strict=True):
             np.testing.assert_allclose(g, want, rtol=1e-3, atol=1e-4)
         return True
-    except Exception:  # noqa: BLE001 - any VM failure counts as a VM failure
+    except Exception:
         return False
 
 
@@ -91,7 +89,7 @@ def test_full_backend_sweep():
                     import_failures.add(name)
                 elif vm_ok:
                     unexplained.append((name, placement, str(e)[:200]))
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 if vm_ok:
                     unexplained.append((name, placement, f"{type(e).__name__}: {str(e)[:200]}"))
     print(f"\nONNX backend cases: {len(names)}; hgrt all-on-cpu:0 {passed['single']}, "

@@ -9,7 +9,7 @@ import tvm
 
 import hgrt
 from hgrt.graph import Graph
-from hgrt_testing import GraphBuilder, N
+from hgrt.testing import GraphBuilder, N
 
 
 def base_doc():
@@ -45,6 +45,12 @@ BAD = {
                   "entry 0: unknown dtype 'floaty'"),
     "num_inputs mismatch": (lambda d: d["nodes"][3]["attrs"].__setitem__("num_inputs", "3"),
                             "node 3 'last': num_inputs = 3"),
+    "num_inputs not a string": (lambda d: d["nodes"][3]["attrs"].__setitem__("num_inputs", 2),
+                                "node 3 'last': attrs.num_inputs = 2 must be a string"),
+    "flatten_data not 0/1": (lambda d: d["nodes"][3]["attrs"].__setitem__("flatten_data", "2"),
+                             "node 3 'last': attrs.flatten_data = '2' must be a string"),
+    "negative num_outputs": (lambda d: d["nodes"][3]["attrs"].__setitem__("num_outputs", "-1"),
+                             "attrs.num_outputs = '-1'"),
     "head out of range": (lambda d: d["heads"].append([3, 1, 0]), r"heads: \[3, 1\]"),
     "arg node is an op": (lambda d: d["arg_nodes"].append(1), "arg_nodes: node 1 'first' is a"),
     "pool too small": (lambda d: d["hgrt"]["pool_bytes"].__setitem__(1, 64),

@@ -8,9 +8,10 @@ import pytest
 
 import hgrt
 from hgrt.cli import main
-from hgrt.graph import Graph, align, live_ranges, memory_report
+from hgrt.graph import Graph
 from hgrt.inspect import inspect_artifacts
-from hgrt_testing import GraphBuilder, N, elementwise_lib
+from hgrt.lifetimes import align, live_ranges, memory_report
+from hgrt.testing import GraphBuilder, N, elementwise_lib
 
 
 def artifact(tmp_path, pools=True):
@@ -32,8 +33,9 @@ def artifact(tmp_path, pools=True):
 def brute_force_peak(g, dev):
     peak = 0
     for step in range(-1, len(g.nodes) + 1):
-        live = sum(align(max(g.entry_bytes(e) for e in grp)) for r, (lo, hi, grp)
-                   in live_ranges(g).items() if g.entry_device(r) == dev and lo <= step <= hi)
+        live = sum(align(max(g.entry_bytes(e) for e in grp.members)) for r, grp
+                   in live_ranges(g).items()
+                   if g.entry_device(r) == dev and grp.first <= step <= grp.last)
         peak = max(peak, live)
     return peak
 

@@ -7,14 +7,22 @@ import numpy as np
 import pytest
 import tvm
 import tvm_ffi
-from kernel_testing import run_relax_vm
 from tvm.script import ir as I
 from tvm.script import relax as R
 
 import hgrt
+from hgrt.devices import host_target
 from hgrt.errors import BuildError
-from hgrt.relay_passes.schedule_cpu import default_cpu_schedule, host_target
-from hgrt.tune import _bare, apply_database, fuse_for_tuning, module_targets, tune, tuning_tasks
+from hgrt.relay_passes.schedule_cpu import schedule_cpu_functions
+from hgrt.relay_passes.tuning_db import (
+    TuningProgress,
+    apply_database,
+    bare_func,
+    kernel_key,
+    module_targets,
+)
+from hgrt.testing import run_lowered_vm
+from hgrt.tune import fuse_for_tuning, tune, tuning_tasks, verify_in_model
 
 TARGET = host_target()
 
@@ -97,8 +105,8 @@ def test_apply_database_schedules_the_tuned_kernels(tuned):
         assert not tvm_ffi.structural_equal(new[name], mod[name])
     rng = np.random.default_rng(0)
     args = [rng.standard_normal(s).astype("float32") for s in [(32, 64), (64, 64), (64,)]]
-    ref = run_relax_vm(mod, TARGET, args)
-    out = run_relax_vm(default_cpu_schedule(new, TARGET), TARGET, args)
+    ref = run_lowered_vm(mod, args, TARGET)
+    out = run_lowered_vm(schedule_cpu_functions(new, TARGET)[0], args, TARGET)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -145,16 +153,16 @@ def test_tuned_kernel_is_the_best_schedule_of_the_database(tuned):
     db = ms.database.JSONDatabase(work_dir=db_dir, module_equality="structural")
     records = db.get_all_tuning_records()
     for name in report.tuned:
-        bare = _bare(mod[name])
+        bare = bare_func(mod[name])
         mine = [r for r in records
-                if tvm_ffi.structural_equal(_bare(r.workload.mod["main"]), bare)]
+                if tvm_ffi.structural_equal(bare_func(r.workload.mod["main"]), bare)]
         assert mine, name
         best = min(mine, key=lambda r: sum(float(x) for x in r.run_secs) / len(r.run_secs))
         sch = tvm.s_tir.Schedule(tvm.IRModule({"main": bare}))
         best.trace.apply_to_schedule(sch, remove_postproc=False)
         assert tvm_ffi.structural_equal(sch.mod["main"].body, new[name].body), name
         # what build does next (the default schedule) leaves a tuned kernel alone
-        assert tvm_ffi.structural_equal(default_cpu_schedule(new)[name], new[name]), name
+        assert tvm_ffi.structural_equal(schedule_cpu_functions(new)[0][name], new[name]), name
 
 
 def test_the_default_schedule_is_a_record_of_every_task(tuned):
@@ -182,10 +190,8 @@ def test_missing_database_is_a_build_error(tmp_path):
 
 
 def test_a_kernel_slower_in_the_model_keeps_the_default_schedule(tuned):
-    from hgrt.tune import _Progress, kernel_key, verify_in_model
-
     mod, db_dir, *_ = tuned
-    progress = _Progress(db_dir)
+    progress = TuningProgress(db_dir)
     saved = progress.default_wins()
     name = "fused_matmul_llvm_add_llvm"
     try:

@@ -15,6 +15,7 @@ from hgrt.relay_passes import (
     parse_devices,
     place_devices,
 )
+from hgrt.relay_passes.context import Weights
 
 
 @I.ir_module
@@ -34,7 +35,8 @@ class Fan:
 
 
 def run(mod, devices, placement, params=None):
-    ctx = BuildContext(devices=parse_devices(devices), params=params or {}, placement=placement)
+    ctx = BuildContext(devices=parse_devices(devices), placement=placement,
+                       weights=Weights(params or {}))
     placed = place_devices(mod, ctx)
     return insert_copies(placed, ctx), ctx
 
@@ -67,8 +69,8 @@ def test_weight_lives_on_every_device_that_reads_it():
     mod, ctx = run(Fan, ["cpu:0", "cpu:1"], PLACE, {"w": None})
     params = [(p.name, int(p.ty.vdevice.vdevice_id)) for p in mod["main"].params]
     assert params == [("x", 0), ("w", 0), ("w_cpu_1", 1)]
-    assert ctx.graph_names["w_cpu_1"] == "w@cpu:1"
-    assert ctx.param_source == {"w": "w", "w@cpu:1": "w"}
+    assert ctx.weights.graph_names["w_cpu_1"] == "w@cpu:1"
+    assert ctx.weights.source == {"w": "w", "w@cpu:1": "w"}
     assert all(src not in ("w", "w_cpu_1") for src, _ in copies(mod))
 
 
@@ -105,6 +107,6 @@ def test_rule_patterns_exact_name_beats_pattern():
     ctx = BuildContext(devices=parse_devices(["cpu:0", "cpu:1"]),
                        placement=Placement(rules={"*": "cpu:1", "relax.add": "cpu:0"}))
     place_devices(Fan, ctx)
-    by_op = {r.node: (r.device, r.reason) for r in ctx.report}
+    by_op = {r.node: (r.device, r.reason) for r in ctx.placed.report}
     assert by_op["a"] == ("cpu:0", "rule 'relax.add'")
     assert by_op["b"] == ("cpu:1", "rule '*'")

@@ -1,4 +1,4 @@
-"""lower + build_library: targets per device, one library, CUDA at build level (no GPU needed)."""
+"""The lowering passes: targets per device, one library, CUDA at build level (no GPU needed)."""
 
 from __future__ import annotations
 
@@ -8,34 +8,19 @@ import tvm
 from tvm import tirx
 
 import hgrt
-from build_testing import load_case, run_hgrt
+from hgrt.compiler import lower_model
 from hgrt.errors import BuildError
-from hgrt.frontend import import_model
-from hgrt.graph import COPY_FUNC, Graph
-from hgrt.relay_passes import (
-    BuildContext,
-    Placement,
-    insert_copies,
-    lower,
-    parse_devices,
-    place_devices,
-    run_passes,
-)
+from hgrt.graph import COPY_FUNC
+from hgrt.relay_passes import BuildContext, Placement, parse_devices, place_devices
+from hgrt.testing import load_case, run_hgrt
 
 CONV = "pytorch-converted/test_Conv2d"
 
 
-def lowered(model, devices, placement):
-    mod, params = import_model(model)
-    ctx = BuildContext(devices=parse_devices(devices), params=params, placement=placement)
-    passes = [("place_devices", place_devices), ("insert_copies", insert_copies),
-              ("lower", lower)]
-    return run_passes(mod, ctx, passes), ctx
-
-
 def test_every_primfunc_has_the_target_of_its_device():
     case = load_case(CONV)
-    mod, _ = lowered(case.model_path, ["cpu", "cuda"], Placement(rules={"nn.conv2d": "cuda"}))
+    mod, _ = lower_model(case.model_path, ["cpu", "cuda"], Placement(rules={"nn.conv2d": "cuda"}),
+                         schedule=True)
     kinds = {gv.name_hint: f.attrs["target"].kind.name for gv, f in mod.functions_items()
              if isinstance(f, tirx.PrimFunc)}
     assert "cuda" in kinds.values() and "llvm" in kinds.values()
@@ -51,7 +36,7 @@ def test_cuda_build_imports_a_cuda_module_and_copies_at_boundaries():
     assert res.lib.kind == "llvm"
     assert [m.kind for m in res.lib.imports_] == ["cuda"]
     assert "__global__" in res.lib.imports_[0].inspect_source()
-    g = Graph.from_json(res.graph_json)
+    g = res.graph
     conv = [i for i, r in enumerate(res.placement_report) if r.op == "relax.nn.conv2d"]
     assert conv
     for nid, node in enumerate(g.nodes):
@@ -78,7 +63,8 @@ def test_unscheduled_gpu_function_is_a_build_error(monkeypatch):
 
     monkeypatch.setattr(dl, "ApplyDefaultSchedule", lambda *rules: (lambda mod: mod))
     case = load_case(CONV)
-    with pytest.raises(BuildError, match="unscheduled by dlight: .*conv"):
+    with pytest.raises(BuildError,
+                       match="'schedule_gpu' failed after .*unscheduled by dlight: .*conv"):
         hgrt.build(case.model_path, ["cpu", "cuda"], hgrt.Placement(rules={"nn.conv2d": "cuda"}))
 
 
@@ -111,7 +97,7 @@ def test_gpu_unsupported_op_falls_back():
     ctx = BuildContext(devices=parse_devices(["cpu", "cuda"]), placement=Placement(
         preferred="cuda", fallback="cpu"))
     place_devices(mod, ctx)
-    rows = {r.op: r for r in ctx.report}
+    rows = {r.op: r for r in ctx.placed.report}
     assert rows["relax.exp"].device == "cuda:0"
     assert rows["relax.nonzero"].device == "cpu:0"
     assert rows["relax.nonzero"].reason.startswith("fallback (cuda:0:")

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from hgrt.errors import PlanError
 from hgrt.graph import COPY_FUNC, NOP_FUNC, Graph, Node
-from hgrt.relay_passes.plan_memory import ALIGN, memory_report, plan_memory, verify_memory
+from hgrt.lifetimes import ALIGN, memory_report
+from hgrt.relay_passes.plan_memory import plan_memory, verify_memory
 
 
 def make_graph(spec: list[tuple], n_inputs: int, heads: list[int], n_dev: int = 2) -> Graph:

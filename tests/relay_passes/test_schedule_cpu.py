@@ -8,14 +8,12 @@ import warnings
 import numpy as np
 import pytest
 import tvm
-from kernel_testing import fused_module, input_shape, light_model, run_relax_vm
 from tvm import tirx
 
-from hgrt.relay_passes.schedule_cpu import (
-    default_cpu_schedule,
-    host_target,
-    schedule_cpu_functions,
-)
+from hgrt.devices import host_target
+from hgrt.relay_passes.schedule_cpu import schedule_cpu_functions
+from hgrt.testing import fused_module, input_shape, run_lowered_vm
+from hgrt.zoo import light_model
 
 TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
 
@@ -64,30 +62,33 @@ def test_outputs_unchanged(squeezenet, scheduled):
     model, mod, params = squeezenet
     new, _ = scheduled
     x = np.random.default_rng(1).standard_normal(input_shape(model)).astype("float32")
-    ref = run_relax_vm(mod, TARGET, [x, *params])
-    out = run_relax_vm(new, TARGET, [x, *params])
+    ref = run_lowered_vm(mod, [x, *params], TARGET)
+    out = run_lowered_vm(new, [x, *params], TARGET)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
 
 
 def test_deterministic_and_idempotent(squeezenet, scheduled):
     _, mod, _ = squeezenet
     new, _ = scheduled
-    again = default_cpu_schedule(mod, TARGET)
+    again = schedule_cpu_functions(mod, TARGET)[0]
     tvm.ir.assert_structural_equal(again, new)
-    assert default_cpu_schedule(new, TARGET) is new  # all already scheduled: untouched
+    assert schedule_cpu_functions(new, TARGET)[0] is new  # all already scheduled: untouched
 
 
 def test_other_targets_are_left_alone(squeezenet):
     _, mod, _ = squeezenet
-    name = "fused_conv2d1_add1_relu1"
+    name = next(n for n in sorted(_prim_funcs(mod)) if n.startswith("fused_conv2d"))
     cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_80"}, host="llvm")
     m = mod.clone()
     m.update_func(m.get_global_var(name), m[name].with_attr("target", cuda))
     new, report = schedule_cpu_functions(m, TARGET)
     assert name in report.not_cpu
     assert new[name].same_as(m[name])
-    # no target at all: nothing is CPU, nothing changes
-    assert schedule_cpu_functions(mod, None)[0] is mod
+    # no target at all (neither a PrimFunc attr nor the argument): nothing is CPU, nothing changes
+    bare = mod.clone()
+    for gv, f in _prim_funcs(mod).items():
+        bare.update_func(bare.get_global_var(gv), f.without_attr("target"))
+    assert schedule_cpu_functions(bare, None)[0] is bare
 
 
 def test_host_target_describes_this_machine():
@@ -112,13 +113,18 @@ def test_build_schedules_every_cpu_kernel_for_this_host():
             assert "T.parallel(" in f.script(), name
 
 
-def test_runtime_gives_tvm_every_usable_core():
+def test_runtime_gives_tvm_every_usable_core_at_create_not_at_import():
     env = {k: v for k, v in os.environ.items() if k != "TVM_NUM_THREADS"}
-    code = ("import hgrt, tvm; print(tvm.get_global_func('runtime.NumThreads')())")
+    code = ("import os, hgrt, tvm; from hgrt.testing import GraphBuilder, elementwise_lib\n"
+            "print(os.environ.get('TVM_NUM_THREADS', 'unset'))\n"
+            "g = GraphBuilder(); g.output(g.op('add_one', [g.input('x')]))\n"
+            "hgrt.create(g.json(), elementwise_lib(), tvm.cpu(0))\n"
+            "print(tvm.get_global_func('runtime.NumThreads')())")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True).stdout
-    assert int(out.split()[-1]) == len(os.sched_getaffinity(0))
+                         check=True).stdout.split()
+    assert out[-2] == "unset"  # importing hgrt leaves the user's environment alone
+    assert int(out[-1]) == len(os.sched_getaffinity(0))
     env["TVM_NUM_THREADS"] = "1"  # the user's choice is kept
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True).stdout
-    assert int(out.split()[-1]) == 1
+                         check=True).stdout.split()
+    assert int(out[-1]) == 1

@@ -81,7 +81,7 @@ def _wait(cond, what: str, proc: Proc, timeout: float = START_TIMEOUT) -> None:
         try:
             if cond():
                 return
-        except Exception:  # noqa: BLE001 - not up yet
+        except Exception:
             pass
         time.sleep(0.1)
     raise RuntimeError(f"{what} not ready after {timeout} s:\n{proc.output()}")

@@ -16,7 +16,7 @@ import hgrt.rpc
 from hgrt.errors import DeviceError, GraphError, InputError, RemoteError
 from hgrt.rpc.client import RemoteGraphModule
 from hgrt.rpc.session import _UNAME_TO_ELF, library_machine
-from hgrt_testing import GraphBuilder, N, elementwise_lib
+from hgrt.testing import GraphBuilder, N, elementwise_lib
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +116,25 @@ def test_bad_connect_arguments():
         hgrt.rpc.connect(tracker="nohost", key="k")
     with pytest.raises(RemoteError, match="no RPC tracker answers at 127.0.0.1:1"):
         hgrt.rpc.connect(tracker="127.0.0.1:1", key="k", timeout=0.2)
+
+
+def test_load_for_remote_devices_uploads_the_library_and_never_loads_it_here(
+        session, tmp_path, monkeypatch, rng):
+    """A library built for the server's architecture may not load on the client: hgrt.load
+    uploads lib.so by path, without loading or re-exporting it in this process."""
+    g = graph()
+    w = rng.standard_normal(N).astype("float32")
+    art = hgrt.save(str(tmp_path / "art"), g.json(pools=True), elementwise_lib(), {"w": w})
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the client loaded or exported a library")
+
+    monkeypatch.setattr(tvm.runtime, "load_module", refuse)
+    monkeypatch.setattr(tvm.runtime.Module, "export_library", refuse)
+    m = hgrt.load(art, ["cpu:0", "cpu:1"], session=session)
+    assert isinstance(m, RemoteGraphModule)
+    x = rng.standard_normal(N).astype("float32")
+    m.run(x=x)
+    np.testing.assert_allclose(m.get_output(1).numpy(), (x + 1) * w, rtol=1e-6)
+    with pytest.raises(hgrt.HgrtError, match="loaded or exported"):
+        hgrt.load(art, ["cpu:0", "cpu:1"])  # the local path does load it (the check works)

@@ -18,9 +18,8 @@ from tvm import te
 
 import hgrt
 import hgrt.rpc
-from build_testing import conv_model
 from hgrt.errors import DeviceError, GraphError, InputError, RemoteError
-from hgrt_testing import GraphBuilder, N, elementwise_lib
+from hgrt.testing import GraphBuilder, N, conv_model, elementwise_lib
 
 pytestmark = pytest.mark.rpc
 
@@ -297,7 +296,7 @@ def test_model_compiled_with_hgrt_build_matches_local(rpc_env, tmp_path, rng):
     local = hgrt.load(art, [tvm.cpu(0), tvm.cpu(1)])
     local.run(x=x)
     remote = connect(rpc_env)
-    m = hgrt.rpc.load_remote(art, remote, ["cpu:0", "cpu:1"])
+    m = hgrt.load(art, ["cpu:0", "cpu:1"], session=remote)
     assert m.get_input_info() == local.get_input_info()
     m.run(x=x)
     np.testing.assert_array_equal(m.get_output(0).numpy(), local.get_output(0).numpy())

@@ -5,7 +5,7 @@ import pytest
 import tvm
 
 import hgrt
-from hgrt_testing import GraphBuilder, N
+from hgrt.testing import GraphBuilder, N
 
 
 def simplex():

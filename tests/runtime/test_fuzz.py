@@ -6,11 +6,11 @@ import json
 
 import numpy as np
 import tvm
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import hgrt
-from hgrt_testing import GraphBuilder, N, elementwise_lib
+from hgrt.testing import GraphBuilder, N, elementwise_lib
 
 NUMPY_OPS = {
     "add_one": lambda a: [a + 1],
@@ -20,6 +20,9 @@ NUMPY_OPS = {
     "__copy": lambda a: [a],
     "__nop": lambda a: [a],
 }
+
+
+NUMPY_ARITY = {name: fn.__code__.co_argcount for name, fn in NUMPY_OPS.items()}
 
 
 def seed_graph(pools: bool) -> dict:
@@ -108,6 +111,11 @@ def test_mutated_graph_runs_right_or_raises_hgrt_error(doc, seed):
         outs = [m.get_output(i).numpy() for i in range(m.get_num_outputs())]
     except hgrt.HgrtError:
         return
+    # A kernel swapped for another with the same argument count but another split of inputs and
+    # outputs (add(a, b, out) named for twice_out(a, out1, out2)) cannot be told apart: a TVM
+    # library does not say how many of a function's arguments are inputs. Not checked here.
+    assume(all(n["op"] == "null" or
+               NUMPY_ARITY[n["attrs"]["func_name"]] == len(n["inputs"]) for n in doc["nodes"]))
     expected = reference(doc, feeds)
     assert len(outs) == len(expected)
     for got, want in zip(outs, expected, strict=True):

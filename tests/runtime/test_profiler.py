@@ -5,7 +5,7 @@ import json
 import numpy as np
 
 import hgrt
-from hgrt_testing import GraphBuilder, N
+from hgrt.testing import GraphBuilder, N
 
 
 def two_device_graph():

@@ -1,0 +1,65 @@
+"""``hgrt.create`` and ``hgrt.load``: one graph module API, whether the devices are here or in an
+RPC server.
+
+>>> m = hgrt.load("out/", [tvm.cpu(0), tvm.cpu(1)])                        # doctest: +SKIP
+>>> remote = hgrt.rpc.connect(tracker="10.0.0.1:9190", key="jetson")      # doctest: +SKIP
+>>> m = hgrt.load("out/", ["cpu:0", "cuda:0"], session=remote)           # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tvm
+
+from hgrt import artifacts
+from hgrt import devices as hdev
+from hgrt.errors import DeviceError
+from hgrt.graph import Graph
+from hgrt.rpc.client import create_remote
+from hgrt.runtime import executor
+from hgrt.runtime.module_api import GraphModuleAPI
+
+
+def create(graph_json: str | bytes | dict | Graph, lib, devices) -> GraphModuleAPI:
+    """A module that runs ``graph_json`` with kernels from ``lib`` on ``devices``.
+
+    ``devices[i]`` holds the entries whose ``device_index`` is ``i`` (without that column,
+    everything runs on ``devices[0]``). Local devices give a ``GraphModule``; devices of one TVM
+    RPC session give a ``RemoteGraphModule`` whose executor runs in that server (``lib`` is then
+    a module of the session, or a path to a library, uploaded and never loaded here).
+    """
+    devs = executor.normalize_devices(devices)
+    if any(hdev.is_remote(d) for d in devs):
+        return create_remote(graph_json, lib, devs)
+    return executor.create(graph_json, lib, devs)
+
+
+def devices_for(graph: Graph, devices: Any = None, session: Any = None) -> list:
+    """The runtime devices for ``graph``: tvm Devices as given, names (``"cpu:1"``, or one
+    string ``"cpu:0,cuda:0"``) of this machine or of ``session``; by default the devices the
+    graph was built for."""
+    if isinstance(devices, tvm.runtime.Device):
+        devices = [devices]
+    if isinstance(devices, str):
+        devices = [d for d in devices.split(",") if d.strip()]
+    names = list(devices) if devices else graph.device_names or ["cpu:0"]
+    return [hdev.runtime_device(d, session) for d in names]
+
+
+def load(directory: str, devices: Any = None, *, session: Any = None) -> GraphModuleAPI:
+    """The module for the artifacts in ``directory`` (graph.json, lib.so, params.bin), params
+    loaded. ``devices`` as in ``devices_for``; with an RPC ``session`` (or remote devices) the
+    library is uploaded by path, so a library built for the server's architecture loads there
+    and is never loaded on this machine."""
+    graph_json, lib_path, params = artifacts.read(directory)
+    graph = Graph.from_json(graph_json)
+    devs = devices_for(graph, devices, session)
+    remote = [hdev.is_remote(d) for d in devs]
+    if any(remote) and not all(remote):
+        raise DeviceError(f"cannot mix local and remote devices: "
+                          f"{[hdev.device_name(d) for d in devs]}")
+    lib = lib_path if all(remote) else artifacts.load_library(lib_path)
+    m = create(graph, lib, devs)
+    m.load_params(params)
+    return m

@@ -1,0 +1,172 @@
+"""Liveness: which graph entries are alive at which step, and which bytes they occupy.
+
+The one home of the questions the memory planner, the graph verifier, the storage pools, the
+memory report and the pictures all ask. An entry group is an entry plus the ``__nop`` views of
+it (the same bytes); a step is a node id. Inputs and params are live from before the first
+step to after the last, graph outputs from their producer to after the last step, so a run can
+be repeated without setting them again.
+
+Functions take an ``hgrt.graph.Graph`` (not imported here: graph.py validates with this module).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+ALIGN = 64  # bytes: every storage of an hgrt memory plan starts at a multiple of this
+Graph = Any  # an hgrt.graph.Graph
+
+
+def align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class Group:
+    """Entries that are the same bytes (an entry and its ``__nop`` views), and the steps they
+    are live in, ``first`` to ``last`` inclusive (-1: before the first step)."""
+
+    root: int
+    first: int
+    last: int
+    members: tuple[int, ...]
+
+    def overlaps(self, other: Group) -> bool:
+        return self.first <= other.last and other.first <= self.last
+
+
+def live_ranges(g: Graph) -> dict[int, Group]:
+    """Every entry group by its root entry id."""
+    end = len(g.nodes)
+    root = g.alias_roots()
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    members: dict[int, list[int]] = {}
+    for nid, node in enumerate(g.nodes):
+        start = -1 if node.op == "null" else nid
+        for k in range(node.num_outputs):
+            eid = g.entry_id(nid, k)
+            r = root[eid]
+            members.setdefault(r, []).append(eid)
+            first[r] = min(first.get(r, start), start)
+            last[r] = max(last.get(r, start), end if node.op == "null" else start)
+        for src_nid, idx, _ in node.inputs:
+            r = root[g.entry_id(src_nid, idx)]
+            last[r] = max(last[r], nid)
+    for nid, idx, _ in g.heads:
+        last[root[g.entry_id(nid, idx)]] = end
+    return {r: Group(r, first[r], last[r], tuple(m)) for r, m in members.items()}
+
+
+def group_bytes(g: Graph, group: Group) -> int:
+    return max(g.entry_bytes(e) for e in group.members)
+
+
+def storage_devices(g: Graph, error: type[Exception]) -> dict[int, int]:
+    """storage id -> the one device it lives on; ``error`` when entries of one storage id are
+    on two devices."""
+    owner: dict[int, tuple[int, int]] = {}
+    for eid, sid in enumerate(g.storage_ids):
+        dev = g.entry_device(eid)
+        if owner.setdefault(sid, (dev, eid))[0] != dev:
+            raise error(f"storage id {sid} is used on device {owner[sid][0]} (entry "
+                        f"{owner[sid][1]}) and on device {dev} (entry {eid}): a storage belongs "
+                        f"to one device")
+    return {sid: dev for sid, (dev, _) in owner.items()}
+
+
+def storage_bytes(g: Graph) -> dict[int, int]:
+    """storage id -> its size: the largest entry using it, rounded up to ``ALIGN``."""
+    size: dict[int, int] = {}
+    for eid, sid in enumerate(g.storage_ids):
+        size[sid] = max(size.get(sid, 0), align(g.entry_bytes(eid)))
+    return size
+
+
+def find_overlap(g: Graph) -> tuple[int, int, int] | None:
+    """The first (entry, entry, step) whose bytes overlap while both are live, or None.
+
+    With the ``hgrt`` section, bytes are pool offsets per device; without it, each storage id
+    is its own buffer."""
+    regions = []  # (device, buffer, byte_start, byte_end, group)
+    for r, grp in live_ranges(g).items():
+        nbytes = group_bytes(g, grp)
+        if nbytes == 0:
+            continue  # an empty tensor owns no byte
+        sid = g.storage_ids[r]
+        if g.pool_bytes is not None:  # the weight pool (-2) or the activation pool (-1)
+            start, buf = g.storage_offset[sid], -2 if g.pool_of(r)[1] else -1
+        else:
+            start, buf = 0, sid
+        regions.append((g.entry_device(r), buf, start, start + nbytes, grp))
+    regions.sort(key=lambda t: (t[0], t[1], t[4].first))
+    active: list[tuple] = []
+    for reg in regions:
+        active = [a for a in active if a[:2] == reg[:2] and a[4].last >= reg[4].first]
+        for a in active:
+            if a[2] < reg[3] and reg[2] < a[3]:
+                return a[4].root, reg[4].root, reg[4].first
+        active.append(reg)
+    return None
+
+
+def check_lifetimes(g: Graph, error: type[Exception]) -> None:
+    """Raise ``error`` if two entries that are live at once share bytes; the message names
+    both entries, their bytes and the node where they meet."""
+    hit = find_overlap(g)
+    if hit is None:
+        return
+    a, b, step = hit
+    where = (f"storage {g.storage_ids[a]}" if g.pool_bytes is None else
+             f"pool bytes [{g.storage_offset[g.storage_ids[a]]}, ...) and "
+             f"[{g.storage_offset[g.storage_ids[b]]}, ...)")
+    nid = max(step, 0)
+    raise error(f"memory plan: entries {a} and {b} on device {g.entry_device(a)} share {where} "
+                f"while both are live: they overlap at node {nid} '{g.nodes[nid].name}'\n"
+                f"  entry {a}: {g.describe_entry(a)}\n  entry {b}: {g.describe_entry(b)}")
+
+
+@dataclass
+class DeviceMemory:
+    """Bytes of one device's arena: planned, the lower bound (most bytes live at once, so no
+    plan can do better), and the total without any reuse. Sizes are rounded up to ``ALIGN``."""
+
+    device: int
+    planned_bytes: int
+    lower_bound: int
+    no_reuse_bytes: int
+    weight_bytes: int = 0  # of planned_bytes, the weight pool (shared by frames and modules)
+
+
+def memory_report(g: Graph) -> list[DeviceMemory]:
+    """Per device: planned bytes (the ``hgrt`` pools, else one buffer per storage id), the lower
+    bound over the live ranges of entry groups, and the no-reuse total."""
+    n_dev = 1 + max(g.device_index or [0])
+    if g.pool_bytes is not None:
+        n_dev = max(n_dev, len(g.pool_bytes))
+    no_reuse = [0] * n_dev
+    events: list[list[tuple[int, int]]] = [[] for _ in range(n_dev)]
+    for root, grp in live_ranges(g).items():
+        dev = g.entry_device(root)
+        nbytes = align(group_bytes(g, grp))
+        no_reuse[dev] += nbytes
+        events[dev] += [(grp.first, nbytes), (grp.last + 1, -nbytes)]  # live through `last`
+    lower = []
+    for ev in events:
+        live = peak = 0
+        for _, delta in sorted(ev):  # at one step, frees (negative) before allocations
+            live += delta
+            peak = max(peak, live)
+        lower.append(peak)
+    weights = list(g.weight_pool_bytes or []) + [0] * (n_dev - len(g.weight_pool_bytes or []))
+    if g.pool_bytes is not None:
+        planned = [a + w for a, w in zip(list(g.pool_bytes) + [0] * (n_dev - len(g.pool_bytes)),
+                                         weights, strict=True)]
+    else:
+        planned = [0] * n_dev
+        owner = storage_devices(g, ValueError)
+        for sid, nbytes in storage_bytes(g).items():
+            planned[owner[sid]] += nbytes
+    return [DeviceMemory(d, p, lb, nr, w)
+            for d, (p, lb, nr, w) in enumerate(zip(planned, lower, no_reuse, weights, strict=True))]

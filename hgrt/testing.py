@@ -1,0 +1,343 @@
+"""Test helpers that ship with hgrt (as ``tvm.testing`` / ``numpy.testing`` do with theirs).
+
+What hgrt's tests and benchmark scripts share:
+
+* the reference: ``run_relax_vm`` runs a model through ``tvm.compile`` + the Relax VM;
+  ``run_lowered_vm`` runs an already lowered (fused) module, e.g. ``fused_module``'s;
+* running an ``hgrt.build`` result on ``tvm.cpu(0)``, ``tvm.cpu(1)``, … (``run_hgrt``) and an
+  adversarial placement that alternates ops between devices (``alternating``);
+* the ONNX backend test cases of the onnx wheel (``onnx_case_names``, ``load_case``,
+  ``case_inputs``, ``check_case``) and a small conv model (``conv_model``);
+* for the runtime alone: TVM-built elementwise kernels (``elementwise_lib``) and a graph-JSON
+  builder (``GraphBuilder``) on vectors of ``N`` floats.
+
+>>> import numpy as np
+>>> import hgrt
+>>> from hgrt.testing import alternating, conv_model, run_hgrt, run_relax_vm
+>>> model = conv_model()
+>>> x = np.ones((1, 3, 8, 8), "float32")
+>>> res = hgrt.build(model, ["cpu:0", "cpu:1"], alternating(model))
+>>> got = run_hgrt(res, {"x": x})
+>>> np.testing.assert_allclose(got[0], run_relax_vm(model, [x])[0], rtol=1e-5)
+
+The heavy imports (onnx, the Relax stack) happen inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tvm
+
+import hgrt
+
+__all__ = [
+    "N", "GraphBuilder", "OnnxCase", "alternating", "case_inputs", "check_case", "conv_model",
+    "elementwise_lib", "fused_module", "input_names", "input_shape", "load_case",
+    "onnx_case_names", "run_hgrt", "run_lowered_vm", "run_relax_vm",
+]
+
+N = 16  # the vector length of elementwise_lib's kernels and GraphBuilder's default shape
+CASE_DIRS = ("pytorch-converted", "pytorch-operator", "simple")
+
+
+# --- the Relax VM: the reference ---------------------------------------------------------------
+
+
+def run_relax_vm(model: Any, inputs: list[np.ndarray], params: dict | None = None
+                 ) -> list[np.ndarray]:
+    """The reference: ``model`` (what ``hgrt.build`` takes: ONNX ModelProto / path, or Relax
+    IRModule + ``params``) imported as hgrt imports it, then ``tvm.compile`` + the Relax VM on
+    the CPU. ``inputs`` in ``main``'s order; returns every output, tuples flattened."""
+    from tvm import relax
+
+    from hgrt.frontend import import_model
+
+    mod, weights = import_model(model, params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ex = tvm.compile(mod, "llvm")
+    main = mod["main"]
+    dev = tvm.cpu()
+    args = [tvm.runtime.tensor(x, dev) for x in inputs]
+    args += [tvm.runtime.tensor(weights[p.name], dev)
+             for p in main.params[int(main.attrs["num_input"]):]]
+    return _flatten(relax.VirtualMachine(ex, dev)["main"](*args))
+
+
+def run_lowered_vm(mod: tvm.IRModule, args: list[np.ndarray], target: Any = None
+                   ) -> list[np.ndarray]:
+    """An already lowered module (fused ``R.call_tir`` into PrimFuncs, as ``fused_module`` or
+    ``hgrt.compiler.lower_model`` give it) on the Relax VM, its kernels compiled as they are
+    (no further legalization or fusion). ``args``: ``main``'s parameters in order, inputs then
+    weights. ``target``: for PrimFuncs without a ``target`` attr (default: their own)."""
+    from tvm import relax
+
+    ex = tvm.compile(mod, target, relax_pipeline=relax.pipeline.default_build_pipeline())
+    dev = tvm.cpu()
+    out = relax.VirtualMachine(ex, dev)["main"](*[tvm.runtime.tensor(a, dev) for a in args])
+    return _flatten(out)
+
+
+def _flatten(out) -> list[np.ndarray]:
+    if hasattr(out, "numpy"):
+        return [out.numpy()]
+    return [a for o in out for a in _flatten(o)]
+
+
+def input_shape(model) -> list[int]:
+    """The shape of the first graph input of an ONNX ModelProto."""
+    return [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim]
+
+
+def fused_module(model: Any, devices: Any = "cpu", placement: hgrt.Placement | None = None
+                 ) -> tuple[tvm.IRModule, list[np.ndarray]]:
+    """``model`` lowered by hgrt's own pipeline (``hgrt.compiler.lower_model``: placed, fused,
+    each PrimFunc with its device's target, unscheduled) → (module, weights in ``main``'s
+    parameter order, after the inputs), ready for ``run_lowered_vm(mod, [*inputs, *weights])``.
+    """
+    from hgrt.compiler import lower_model
+
+    mod, weights = lower_model(model, devices, placement)
+    main = mod["main"]
+    n_in = int(main.attrs["num_input"]) if "num_input" in main.attrs else 0
+    return mod, [weights[p.name] for p in main.params[n_in:]]
+
+
+# --- running hgrt builds -----------------------------------------------------------------------
+
+
+def alternating(model: Any, params: dict | None = None, n_devices: int = 2) -> hgrt.Placement:
+    """Adversarial placement: op i goes to ``cpu:{i % n_devices}``."""
+    from hgrt.frontend import import_model
+    from hgrt.relay_passes.place_devices import op_bindings
+
+    mod, _ = import_model(model, params)
+    names = [n for n, _ in op_bindings(mod)]
+    return hgrt.Placement(overrides={n: f"cpu:{i % n_devices}" for i, n in enumerate(names)})
+
+
+def input_names(model: Any) -> list[str]:
+    """The user inputs of ``model`` as hgrt names them (the frontend may rename them)."""
+    from hgrt.frontend import import_model
+
+    mod, _ = import_model(model)
+    main = mod["main"]
+    return [p.name for p in main.params[: int(main.attrs["num_input"])]]
+
+
+def run_hgrt(result, inputs: dict[str, np.ndarray], devices: list | None = None
+             ) -> list[np.ndarray]:
+    """Run an ``hgrt.build`` result once (default devices: ``tvm.cpu(i)`` for device i)."""
+    devices = devices or [tvm.cpu(i) for i in range(len(result.devices))]
+    m = hgrt.create(result.graph_json, result.lib, devices)
+    m.load_params(result.params)
+    for k, v in inputs.items():
+        m.set_input(k, v)
+    m.run()
+    return [m.get_output(i).numpy() for i in range(m.get_num_outputs())]
+
+
+def conv_model(seed: int = 0):
+    """x → Conv(w, b) → Relu → Flatten → Add(f, s) → Mul(g, s) → Add(h, f): a weight (s) used by
+    two ops. An ONNX ModelProto, input ``x`` of shape (1, 3, 8, 8)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    inits = [numpy_helper.from_array(rng.standard_normal(s).astype("float32"), n)
+             for n, s in (("w", (4, 3, 3, 3)), ("b", (4,)), ("s", (1, 256)))]
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"]),
+             helper.make_node("Flatten", ["r"], ["f"]),
+             helper.make_node("Add", ["f", "s"], ["g"]),
+             helper.make_node("Mul", ["g", "s"], ["h"]),
+             helper.make_node("Add", ["h", "f"], ["y"])]
+    graph = helper.make_graph(nodes, "conv", [x], [y], initializer=inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+# --- the ONNX backend test cases of the onnx wheel ---------------------------------------------
+
+
+@dataclass
+class OnnxCase:
+    """One backend test case: its model file and test_data_set_0's inputs / expected outputs."""
+
+    name: str
+    model_path: str
+    inputs: list[np.ndarray]
+    outputs: list[np.ndarray]
+
+
+def _onnx_data() -> str:
+    import onnx
+
+    return os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data")
+
+
+def _read_pb(path: str) -> np.ndarray:
+    import onnx
+    from onnx import numpy_helper
+
+    t = onnx.TensorProto()
+    with open(path, "rb") as f:
+        t.ParseFromString(f.read())
+    return numpy_helper.to_array(t)
+
+
+def onnx_case_names() -> list[str]:
+    """Every backend case of ``CASE_DIRS`` as ``"<dir>/<case>"``, sorted per directory."""
+    names = []
+    for d in CASE_DIRS:
+        for path in sorted(glob.glob(os.path.join(_onnx_data(), d, "*", "model.onnx"))):
+            names.append(f"{d}/{os.path.basename(os.path.dirname(path))}")
+    return names
+
+
+def load_case(name: str) -> OnnxCase:
+    """The backend case ``name`` (e.g. ``"pytorch-converted/test_Conv2d"``)."""
+    root = os.path.join(_onnx_data(), name)
+    data = os.path.join(root, "test_data_set_0")
+
+    def arrays(kind: str) -> list[np.ndarray]:
+        paths = glob.glob(os.path.join(data, f"{kind}_*.pb"))
+        return [_read_pb(p) for p in sorted(paths, key=lambda p: int(p.rsplit("_", 1)[1][:-3]))]
+
+    return OnnxCase(name, os.path.join(root, "model.onnx"), arrays("input"), arrays("output"))
+
+
+def case_inputs(case: OnnxCase) -> dict[str, np.ndarray]:
+    """The case's input arrays keyed by hgrt input name (initializers listed as inputs dropped)."""
+    import onnx
+
+    graph = onnx.load(case.model_path).graph
+    inits = {t.name for t in graph.initializer}
+    given = [a for i, a in zip(graph.input, case.inputs, strict=False) if i.name not in inits]
+    return dict(zip(input_names(case.model_path), given, strict=True))
+
+
+def check_case(case: OnnxCase, placement: str) -> None:
+    """Build ``case`` (placement ``"single"``: all on cpu:0, or ``"alternating"``: ops alternate
+    between cpu:0 and cpu:1), run it and compare with the expected outputs."""
+    if placement == "single":
+        res = hgrt.build(case.model_path, ["cpu:0"])
+    else:
+        res = hgrt.build(case.model_path, ["cpu:0", "cpu:1"], alternating(case.model_path))
+    got = run_hgrt(res, case_inputs(case))
+    assert len(got) == len(case.outputs)
+    for g, want in zip(got, case.outputs, strict=True):
+        np.testing.assert_allclose(g, want, rtol=1e-3, atol=1e-4)
+
+
+# --- the runtime alone: hand-made kernels and graph JSON ---------------------------------------
+
+
+@functools.cache
+def elementwise_lib(n: int = N, dtype: str = "float32") -> tvm.runtime.Module:
+    """A library with add_one, add, mul, twice_out (a+1, a*2) and add_one_2d (on (4, n/4))."""
+    from tvm import te
+
+    one, two = tvm.tirx.const(1, dtype), tvm.tirx.const(2, dtype)
+    a = te.placeholder((n,), dtype, name="a")
+    b = te.placeholder((n,), dtype, name="b")
+    funcs = {
+        "add_one": [a, te.compute((n,), lambda i: a[i] + one, name="o")],
+        "add": [a, b, te.compute((n,), lambda i: a[i] + b[i], name="o")],
+        "mul": [a, b, te.compute((n,), lambda i: a[i] * b[i], name="o")],
+        "twice_out": [a, te.compute((n,), lambda i: a[i] + one, name="o1"),
+                      te.compute((n,), lambda i: a[i] * two, name="o2")],
+    }
+    a2 = te.placeholder((4, n // 4), dtype, name="a2")
+    funcs["add_one_2d"] = [a2, te.compute((4, n // 4), lambda i, j: a2[i, j] + one)]
+    mod = tvm.IRModule({name: te.create_prim_func(args).with_attr("global_symbol", name)
+                        for name, args in funcs.items()})
+    return tvm.tirx.build(mod, target="llvm")
+
+
+class GraphBuilder:
+    """Builds classic graph JSON by hand: ``x = g.input("x", dev=0); y = g.op("add_one", [x], 1)``.
+
+    Entries are referred to as (node_id, index). By default every entry has its own storage id.
+    """
+
+    def __init__(self, shape=(N,), dtype="float32"):
+        self.shape, self.dtype = tuple(shape), dtype
+        self.nodes, self.shapes, self.dtypes, self.devs, self.sids = [], [], [], [], []
+        self.arg_nodes, self.heads, self.params = [], [], []
+
+    def _add(self, node, n_out, dev, sids, shapes):
+        nid = len(self.nodes)
+        self.nodes.append(node)
+        for k in range(n_out):
+            self.shapes.append(list(shapes[k] if shapes else self.shape))
+            self.dtypes.append(self.dtype)
+            self.devs.append(dev)
+            self.sids.append(sids[k] if sids else len(self.sids))
+        return [(nid, k) for k in range(n_out)]
+
+    def input(self, name, dev=0, sid=None, shape=None, param=False):
+        self.arg_nodes.append(len(self.nodes))
+        if param:
+            self.params.append(name)
+        return self._add({"op": "null", "name": name, "inputs": []}, 1, dev,
+                         [sid] if sid is not None else None, [shape] if shape else None)[0]
+
+    def op(self, func, inputs, dev=0, num_outputs=1, sids=None, name=None, flatten=False,
+           shapes=None):
+        node = {"op": "tvm_op", "name": name or f"{func}_{len(self.nodes)}",
+                "inputs": [[nid, k, 0] for nid, k in inputs],
+                "attrs": {"func_name": func, "num_inputs": str(len(inputs)),
+                          "num_outputs": str(num_outputs), "flatten_data": "1" if flatten else "0"}}
+        outs = self._add(node, num_outputs, dev, sids, shapes)
+        return outs[0] if num_outputs == 1 else outs
+
+    def copy(self, x, dev, sid=None):
+        return self.op("__copy", [x], dev, sids=[sid] if sid is not None else None,
+                       name=f"copy_{len(self.nodes)}", shapes=[self.shapes[self._eid(x)]])
+
+    def _eid(self, ref):
+        nid, k = ref
+        return sum(int(n.get("attrs", {}).get("num_outputs", 1)) for n in self.nodes[:nid]) + k
+
+    def output(self, *refs):
+        self.heads.extend([[nid, k, 0] for nid, k in refs])
+
+    def doc(self, device_column=True, pools=False):
+        row_ptr = [0]
+        for n in self.nodes:
+            row_ptr.append(row_ptr[-1] + int(n.get("attrs", {}).get("num_outputs", 1)))
+        attrs = {"shape": ["list_shape", self.shapes], "dltype": ["list_str", self.dtypes],
+                 "storage_id": ["list_int", self.sids]}
+        if device_column:
+            attrs["device_index"] = ["list_int", self.devs]
+        doc = {"nodes": self.nodes, "arg_nodes": self.arg_nodes, "node_row_ptr": row_ptr,
+               "heads": self.heads, "attrs": attrs, "hgrt": {"version": 1, "params": self.params}}
+        if pools:
+            doc["hgrt"].update(self._pool_plan())
+        return json.loads(json.dumps(doc))
+
+    def json(self, **kw):
+        return json.dumps(self.doc(**kw))
+
+    def _pool_plan(self):
+        """Pack storage ids into one arena per device, in order (no reuse across sids)."""
+        size, dev_of = {}, {}
+        for eid, sid in enumerate(self.sids):
+            nbytes = int(np.prod(self.shapes[eid])) * np.dtype(self.dtype).itemsize
+            size[sid] = max(size.get(sid, 0), nbytes)
+            dev_of[sid] = self.devs[eid]
+        n_dev = max(self.devs) + 1
+        pool, offsets = [0] * n_dev, [0] * (max(self.sids) + 1)
+        for sid in sorted(size):
+            offsets[sid] = pool[dev_of[sid]]
+            pool[dev_of[sid]] += (size[sid] + 63) // 64 * 64
+        return {"pool_bytes": pool, "storage_offset": offsets}

@@ -1,0 +1,213 @@
+"""apply_tuning: the schedules ``hgrt tune`` wrote to a database, put back into a fused module.
+
+A record applies to a kernel when both its structural hash and its target (kind, mcpu, mattr,
+arch; not the core count) agree: a database tuned for another CPU is ignored with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import tvm
+import tvm_ffi
+from tvm import relax, tirx
+
+from hgrt.errors import BuildError
+from hgrt.relay_passes.context import BuildContext
+from hgrt.relay_passes.relax_util import func_target, is_scheduled, prim_funcs
+
+RECORDS_FILE = "database_tuning_record.json"
+
+
+def target_key(target: tvm.target.Target) -> tuple:
+    """What must agree for a record to apply: the code it was timed as (not the core count)."""
+    a = target.attrs
+    mattr = tuple(sorted(str(x) for x in a["mattr"])) if "mattr" in a else ()
+    return (target.kind.name, str(a.get("mcpu", "")) if "mcpu" in a else "", mattr,
+            str(a["arch"]) if "arch" in a else "")
+
+
+def bare_func(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """``func`` without the attrs that differ between a module's copy and a record's."""
+    for attr in ("global_symbol", "target", "tirx.noalias"):
+        if func.attrs is not None and attr in func.attrs:
+            func = func.without_attr(attr)
+    return func
+
+
+def kernel_key(func: tirx.PrimFunc, target: tvm.target.Target) -> str:
+    """A kernel of a fused module: its target (``target_key``) and its structural hash."""
+    return f"{'/'.join(map(str, target_key(target)))}|{tvm_ffi.structural_hash(bare_func(func))}"
+
+
+def module_targets(mod: tvm.IRModule) -> list[tvm.target.Target]:
+    """The distinct targets (by ``target_key``) of the PrimFuncs of a fused module."""
+    seen: dict[tuple, tvm.target.Target] = {}
+    for f in prim_funcs(mod).values():
+        if func_target(f) is not None:
+            seen.setdefault(target_key(f.attrs["target"]), f.attrs["target"])
+    return list(seen.values())
+
+
+def functions_for(mod: tvm.IRModule, target: tvm.target.Target) -> dict[str, tirx.PrimFunc]:
+    """PrimFuncs that run on ``target`` (their ``target`` attr, or none), attr stripped."""
+    key = target_key(target)
+    return {name: f.without_attr("target") if func_target(f) is not None else f
+            for name, f in prim_funcs(mod).items() if target_key(func_target(f, target)) == key}
+
+
+def open_database(db_dir: str):
+    """The MetaSchedule JSON database in ``db_dir`` (created when missing)."""
+    from tvm.s_tir import meta_schedule as ms
+
+    os.makedirs(db_dir, exist_ok=True)
+    return ms.database.JSONDatabase(work_dir=db_dir, module_equality="structural")
+
+
+class TuningProgress:
+    """``hgrt_progress.json`` in the database: per (target, workload hash), the trials a
+    finished tune of that task asked for, and per kernel whether its default schedule wins."""
+
+    FILE = "hgrt_progress.json"
+
+    def __init__(self, db_dir: str) -> None:
+        self.path = os.path.join(db_dir, self.FILE)
+        try:
+            with open(self.path) as f:
+                self.asked_by_key: dict[str, int] = json.load(f)
+        except (OSError, ValueError):
+            self.asked_by_key = {}
+
+    @staticmethod
+    def _key(task_mod: tvm.IRModule, target: tvm.target.Target, what: str) -> str:
+        return (f"{'/'.join(map(str, target_key(target)))}|"
+                f"{tvm_ffi.structural_hash(task_mod)}|{what}")
+
+    def asked(self, task_mod: tvm.IRModule, target: tvm.target.Target, what: str = "trials") -> int:
+        return int(self.asked_by_key.get(self._key(task_mod, target, what), 0))
+
+    def record(self, task_mod: tvm.IRModule, target: tvm.target.Target, trials: int,
+               what: str = "trials") -> None:
+        key = self._key(task_mod, target, what)
+        self.asked_by_key[key] = max(trials, self.asked_by_key.get(key, 0))
+        self._save()
+
+    def default_wins(self) -> set[str]:
+        """Kernels (``kernel_key``) whose tuned schedule ran slower in the model than the
+        default one when ``hgrt.tune.verify_in_model`` last ran."""
+        return {k.rsplit("|", 1)[0] for k, v in self.asked_by_key.items()
+                if k.endswith("|default_wins") and v}
+
+    def set_default_wins(self, keys: set[str], scope: set[str] | None = None) -> None:
+        """Record ``keys`` as the kernels whose default schedule wins, replacing the verdicts
+        on the kernels of ``scope`` (default: all; several models may share a database)."""
+        self.asked_by_key = {k: v for k, v in self.asked_by_key.items()
+                             if not k.endswith("|default_wins") or (
+                                 scope is not None and k.rsplit("|", 1)[0] not in scope)}
+        self.asked_by_key.update({f"{k}|default_wins": 1 for k in keys})
+        self._save()
+
+    def _save(self) -> None:
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.asked_by_key, f, indent=0, sort_keys=True)
+        os.replace(tmp, self.path)
+
+
+@dataclass
+class ApplyReport:
+    """Which kernels ``apply_database`` scheduled from the database, and which fell back."""
+
+    db_dir: str
+    tuned: dict[str, str] = field(default_factory=dict)  # kernel -> target it was tuned for
+    fallback: list[str] = field(default_factory=list)
+    default_faster: list[str] = field(default_factory=list)  # of fallback: verified in the model
+    ignored_records: int = 0  # records for targets this module does not build for
+
+    def summary(self) -> str:
+        n = len(self.tuned) + len(self.fallback)
+        s = f"tuned {len(self.tuned)} of {n} kernels from {self.db_dir}"
+        if self.fallback:
+            shown = ", ".join(self.fallback[:8]) + (" …" if len(self.fallback) > 8 else "")
+            s += f"; {len(self.fallback)} fall back to the default schedule ({shown})"
+        if self.default_faster:
+            s += (f" ({len(self.default_faster)} of them because the default schedule ran "
+                  f"faster in the model)")
+        if self.ignored_records:
+            s += f"; {self.ignored_records} records for other targets ignored"
+        return s
+
+
+def _short(target: tvm.target.Target) -> str:
+    a = target.attrs
+    return f"{target.kind.name}" + (f" -mcpu={a['mcpu']}" if "mcpu" in a else "") + (
+        f" -arch={a['arch']}" if "arch" in a else "")
+
+
+def apply_database(mod: tvm.IRModule, db_dir: str, *, log: Callable[[str], None] | None = None,
+                   use_verdicts: bool = True) -> tuple[tvm.IRModule, ApplyReport]:
+    """Give every kernel of the fused ``mod`` that ``db_dir`` has a record for its tuned
+    schedule (marked ``tirx.is_scheduled``); returns the module and who was tuned / fell back.
+
+    ``relax.transform.MetaScheduleApplyDatabase`` runs once per target of the module over that
+    target's kernels. A kernel whose tuned schedule ran slower inside the model than the
+    default one (``hgrt.tune.verify_in_model``) keeps the default; ``use_verdicts=False``
+    applies every record regardless.
+    """
+    from tvm.s_tir import meta_schedule as ms
+
+    if not os.path.exists(os.path.join(db_dir, RECORDS_FILE)):
+        raise BuildError(f"tuning database {db_dir!r} does not exist (no {RECORDS_FILE}): "
+                         f"run `hgrt tune` first")
+    report = ApplyReport(db_dir=db_dir)
+    targets = module_targets(mod)
+    per_target = {target_key(t): ms.database.MemoryDatabase(module_equality="structural")
+                  for t in targets}
+    other_targets: set[str] = set()
+    for rec in open_database(db_dir).get_all_tuning_records():
+        db = per_target.get(target_key(rec.target))
+        if db is None:
+            report.ignored_records += 1
+            other_targets.add(_short(rec.target))
+            continue
+        db.commit_tuning_record(ms.database.TuningRecord(
+            rec.trace, db.commit_workload(rec.workload.mod), rec.run_secs, rec.target,
+            rec.args_info))
+    if report.ignored_records:
+        warnings.warn(f"tuning database {db_dir!r}: {report.ignored_records} records for other "
+                      f"targets ({sorted(other_targets)}) ignored; building for "
+                      f"{sorted(_short(t) for t in targets)}", stacklevel=2)
+    default_wins = TuningProgress(db_dir).default_wins() if use_verdicts else set()
+    new = mod.clone()
+    for target in targets:
+        mine = functions_for(mod, target)
+        with target, per_target[target_key(target)], tvm.transform.PassContext(opt_level=3):
+            applied = relax.transform.MetaScheduleApplyDatabase()(tvm.IRModule(mine))
+        for name in sorted(mine):
+            f = applied[name]
+            if kernel_key(mine[name], target) in default_wins:
+                report.fallback.append(name)
+                report.default_faster.append(name)
+            elif is_scheduled(f) and not tvm_ffi.structural_equal(f, mine[name]):
+                new.update_func(new.get_global_var(name), f.with_attr("target", target))
+                report.tuned[name] = _short(target)
+            else:
+                report.fallback.append(name)
+    if log:
+        log(report.summary())
+    return (new if report.tuned else mod), report
+
+
+def apply_tuning(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
+    """The tuned schedules of ``ctx.options.tuning_db`` (none given: ``mod`` untouched).
+
+    Reads ``ctx.options``; writes ``ctx.lowered.tuning`` (the ``ApplyReport``)."""
+    if not ctx.options.tuning_db:
+        return mod
+    mod, ctx.lowered.tuning = apply_database(mod, ctx.options.tuning_db, log=ctx.log,
+                                             use_verdicts=ctx.options.tuning_verdicts)
+    return mod

@@ -1,0 +1,216 @@
+"""The graph-module API, once: what a user of TVM's graph executor calls, for every module.
+
+``GraphModuleAPI`` answers everything that only needs the graph (input names and indices, input
+info, output count, how ``set_input`` may be called, what ``out=`` must look like) and checks
+every argument at the boundary. A module kind (the local ``GraphModule``, the ``RemoteGraphModule``
+of hgrt.rpc) adds how values move: ``_set_one``, ``_get``, ``run``, params and benchmarks.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tvm
+
+from hgrt.errors import ClosedError, InputError, ParamError, did_you_mean
+from hgrt.graph import Graph
+
+
+@dataclass(frozen=True)
+class BenchmarkResult:
+    """Seconds per ``run()``: ``results`` holds one mean per repeat."""
+
+    results: tuple[float, ...]
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.results)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.results)
+
+    @property
+    def min(self) -> float:
+        return min(self.results)
+
+    @property
+    def max(self) -> float:
+        return max(self.results)
+
+    @property
+    def std(self) -> float:
+        return statistics.pstdev(self.results)
+
+    def __str__(self) -> str:
+        return (f"median {self.median * 1e3:.4f} ms, mean {self.mean * 1e3:.4f} ms, "
+                f"std {self.std * 1e3:.4f} ms over {len(self.results)} repeats")
+
+
+def checked_value(value: Any, shape: Any, dtype: str, what: str) -> Any:
+    """``value`` (a TVM tensor, or anything numpy takes) if its shape and dtype are the ones
+    expected, as a numpy array unless it was a tensor; else an InputError naming ``what``."""
+    if not isinstance(value, tvm.runtime.Tensor):
+        try:
+            value = np.asarray(value)
+        except Exception as e:
+            raise InputError(f"{what}: cannot convert {type(value).__name__} to an array: "
+                             f"{e}") from e
+    got_shape, got_dtype = tuple(value.shape), str(value.dtype)
+    if got_shape != tuple(shape):
+        raise InputError(f"{what}: expected shape {tuple(shape)}, got {got_shape}")
+    if got_dtype != dtype:
+        raise InputError(f"{what}: expected dtype {dtype}, got {got_dtype}")
+    return value
+
+
+def decode_params(params: Any) -> dict:
+    """Params as a dict: TVM ``save_param_dict`` bytes are decoded, a mapping is copied."""
+    if isinstance(params, (bytes, bytearray)):
+        try:
+            return dict(tvm.runtime.load_param_dict(bytes(params)))
+        except Exception as e:
+            raise ParamError(f"params blob is not in TVM's save_param_dict format: {e}") from e
+    if isinstance(params, Mapping):
+        return dict(params)
+    raise ParamError(f"params must be bytes or a dict of arrays, got {type(params).__name__}")
+
+
+class GraphModuleAPI:
+    """The part of a graph module that only needs its graph; subclasses move the values."""
+
+    def __init__(self, graph: Graph, devices: list):
+        self.graph = graph
+        self.devices = devices
+        self._arg_index = {graph.nodes[n].name: i for i, n in enumerate(graph.arg_nodes)}
+        self._input_eids = [graph.entry_id(n) for n in graph.arg_nodes]
+        self._output_eids = [graph.entry_id(nid, idx) for nid, idx, _ in graph.heads]
+        self.closed = False
+
+    # ---- lifetime -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Free what the module holds (device memory, the server's module) now rather than when
+        the last reference goes; any later call is a ``ClosedError``. Closing twice is fine."""
+        if not self.closed:
+            self.closed = True
+            self._release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ClosedError(f"{type(self).__name__} is closed; create or load it again")
+
+    # ---- what subclasses provide ------------------------------------------------------------
+    def run(self, **inputs) -> None:
+        raise NotImplementedError
+
+    def _release(self) -> None:
+        raise NotImplementedError
+
+    def _set_one(self, idx: int, value: Any, what: str = "input") -> None:
+        """Copy a checked ``value`` into input ``idx``."""
+        raise NotImplementedError
+
+    def _get(self, kind: str, idx: int, out):
+        """The tensor of input/output ``idx`` (``kind`` "input" or "output"), or a copy of it
+        in ``out`` (already checked)."""
+        raise NotImplementedError
+
+    # ---- inputs ---------------------------------------------------------------------------
+    def get_input_index(self, name: str) -> int:
+        """Position of input ``name`` among the graph's arg nodes, -1 if there is none."""
+        return self._arg_index.get(name, -1)
+
+    def get_num_inputs(self) -> int:
+        """Number of user inputs (arg nodes that are not parameters)."""
+        return len(self._arg_index) - len(self.graph.params)
+
+    def get_num_outputs(self) -> int:
+        return len(self._output_eids)
+
+    def get_input_info(self) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+        """``(shapes, dtypes)`` of the user inputs, keyed by name, in arg order."""
+        params = set(self.graph.params)
+        names = [n for n in self._arg_index if n not in params]
+        eids = [self._input_eids[self._arg_index[n]] for n in names]
+        return ({n: self.graph.shapes[e] for n, e in zip(names, eids, strict=True)},
+                {n: self.graph.dtypes[e] for n, e in zip(names, eids, strict=True)})
+
+    def _resolve_input(self, key: int | str) -> int:
+        if isinstance(key, str):
+            idx = self._arg_index.get(key)
+            if idx is None:
+                raise InputError(f"input {did_you_mean(key, list(self._arg_index))}")
+            return idx
+        if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+            if not 0 <= key < len(self._arg_index):
+                raise InputError(f"input index {key} out of range: the graph has "
+                                 f"{len(self._arg_index)} inputs")
+            return int(key)
+        raise InputError(f"input key must be a name or an index, got {key!r}")
+
+    def _checked_input(self, idx: int, value: Any, what: str) -> Any:
+        eid = self._input_eids[idx]
+        name = self.graph.nodes[self.graph.arg_nodes[idx]].name
+        return checked_value(value, self.graph.shapes[eid], self.graph.dtypes[eid],
+                             f"{what} {name!r}")
+
+    def set_input(self, key: int | str | Mapping | None = None, value: Any = None,
+                  **inputs) -> None:
+        """Copy values into inputs: ``set_input("x", arr)``, ``set_input(0, arr)``,
+        ``set_input(x=arr, y=arr2)`` or ``set_input({"x": arr})``. numpy arrays or TVM tensors;
+        every key, shape and dtype is checked before anything is copied."""
+        if isinstance(key, Mapping):
+            inputs = {**key, **inputs}
+        elif key is not None:
+            if value is None:
+                raise InputError(f"set_input({key!r}): no value given")
+            inputs = {key: value, **inputs}
+        self._check_open()
+        items = [(i, self._checked_input(i, v, "input"))
+                 for i, v in ((self._resolve_input(k), v) for k, v in inputs.items())]
+        for idx, val in items:
+            self._set_one(idx, val)
+
+    def get_input(self, key: int | str, out=None):
+        """The tensor holding input ``key`` (by name or index); copied into ``out`` if given."""
+        self._check_open()
+        idx = self._resolve_input(key)
+        return self._get("input", idx, self._checked_out(out, self._input_eids[idx],
+                                                        f"input {key!r}"))
+
+    # ---- outputs --------------------------------------------------------------------------
+    def get_output(self, index: int, out=None):
+        """The tensor of output ``index`` (valid until the next run); copied into ``out`` if
+        given."""
+        self._check_open()
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)) \
+                or not 0 <= index < len(self._output_eids):
+            raise InputError(f"output index {index!r} out of range: the graph has "
+                             f"{len(self._output_eids)} outputs")
+        return self._get("output", int(index),
+                         self._checked_out(out, self._output_eids[index], f"output {index}"))
+
+    def _checked_out(self, out, eid: int, what: str):
+        if out is None:
+            return None
+        if not isinstance(out, tvm.runtime.Tensor):
+            raise InputError(f"{what}: out must be a tvm Tensor, got {type(out).__name__}")
+        shape, dtype = tuple(self.graph.shapes[eid]), self.graph.dtypes[eid]
+        if tuple(out.shape) != shape or str(out.dtype) != dtype:
+            raise InputError(f"{what}: out is {tuple(out.shape)} {out.dtype}, expected "
+                             f"{shape} {dtype}")
+        return out
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({len(self.graph.nodes)} nodes, "
+                f"devices={[str(d) for d in self.devices]})")

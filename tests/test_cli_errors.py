@@ -1,0 +1,60 @@
+"""Every user error of the command line is one line on stderr and exit status 2, through
+``python -m hgrt`` (a real subprocess, as a user runs it)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+
+def hgrt_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hgrt", *args], capture_output=True, text=True,
+                          timeout=300, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def onnx_file(tmp_path_factory):
+    import onnx
+
+    from hgrt.testing import conv_model
+
+    path = tmp_path_factory.mktemp("m") / "conv.onnx"
+    onnx.save(conv_model(), str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("case", ["missing model", "bad device", "missing artifacts",
+                                  "bad input file", "bad --place"])
+def test_user_errors_are_one_line_and_status_2(case, onnx_file, tmp_path):
+    bad_npy = tmp_path / "x.npy"
+    bad_npy.write_text("not numpy")
+    art = str(tmp_path / "art")
+    if case == "bad input file":
+        assert hgrt_cli("compile", onnx_file, "--device", "cpu", "-o", art).returncode == 0
+    args = {
+        "missing model": ["compile", str(tmp_path / "missing.onnx"), "--device", "cpu", "-o",
+                          art],
+        "bad device": ["compile", onnx_file, "--device", "tpu:0", "-o", art],
+        "missing artifacts": ["run", str(tmp_path / "nothing")],
+        "bad input file": ["run", art, "--input", f"x={bad_npy}"],
+        "bad --place": ["compile", onnx_file, "--device", "cpu", "--place", "nn.conv2d", "-o",
+                        art],
+    }[case]
+    proc = hgrt_cli(*args)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"hgrt {args[0]}: error: "), proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_python_dash_m_hgrt_runs_the_cli(onnx_file, tmp_path):
+    art = str(tmp_path / "art")
+    assert hgrt_cli("compile", onnx_file, "--device", "cpu", "-o", art).returncode == 0
+    x = tmp_path / "x.npy"
+    np.save(x, np.ones((1, 3, 8, 8), "float32"))
+    proc = hgrt_cli("run", art, "--input", f"x={x}")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("output 0: shape (1, 256) float32")
