@@ -49,7 +49,8 @@ def machine() -> str:
     """CPU model, cores usable, load, Python, TVM and onnxruntime versions, TVM threads."""
     import tvm
 
-    from hgrt.runtime.executor import use_all_cores
+    from hgrt.devices import cpu_flags
+    from hgrt.runtime.threads import use_all_cores
 
     use_all_cores()  # what hgrt.create does: TVM_NUM_THREADS (the default) if unset
 
@@ -67,7 +68,9 @@ def machine() -> str:
     except ImportError:
         ort_v = "absent"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return (f"{cpu}, {cores} cores usable, load {os.getloadavg()[0]:.2f}; Python "
+    flags = cpu_flags()
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "SSE"
+    return (f"{cpu} ({isa}), {cores} cores usable, load {os.getloadavg()[0]:.2f}; Python "
             f"{platform.python_version()}, TVM {tvm.__version__}, onnxruntime {ort_v}, "
             f"TVM_NUM_THREADS={os.environ.get('TVM_NUM_THREADS', '-')}")
 

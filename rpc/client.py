@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -95,6 +96,7 @@ class _Session:
         self.index = index
         self.name = describe(sess)
         self.lost: str | None = None  # why the connection is gone, once it is
+        self.lock = threading.Lock()  # the call API: one call at a time through the session
 
     def error(self, e: BaseException, what: str) -> HgrtError:
         err = decode_error(e, self.name)
@@ -178,12 +180,16 @@ class RemoteGraphModule(GraphModuleAPI):
             self.set_input(**inputs)
         if self.session.lost is not None:
             self.session.check("run")
+        if not self._stateful.acquire(blocking=False):
+            raise self._in_use("run")
         try:
             self._run()
         except ClosedError:
             raise
         except Exception as e:
             raise self.session.error(e, "run") from e
+        finally:
+            self._stateful.release()
 
     def benchmark(self, repeat: int = 5, number: int = 10, warmup: int = 1) -> BenchmarkResult:
         """Time ``run()`` in the server (no network in the figures): seconds per run."""
@@ -191,7 +197,42 @@ class RemoteGraphModule(GraphModuleAPI):
                                                            int(number), int(warmup)))))
 
     # ---- values ---------------------------------------------------------------------------
+    def __call__(self, inputs: Mapping | None = None, /, *, out: list | None = None, **kw):
+        """Like ``GraphModule.__call__``: thread-safe, but the calls of one module go through
+        its session one at a time (the server runs a session's calls in order)."""
+        return self.infer({**(inputs or {}), **kw}, out=out)
+
+    def infer(self, inputs: Mapping, out: list | None = None) -> list:
+        self._check_open()
+        items = self._call_inputs(inputs)
+        outs = self._call_outputs(out)
+        with self.session.lock, self._stateful:
+            for idx, value in items:
+                self._send(idx, value, "input")
+            self._call("run")
+            results = []
+            for i, eid in enumerate(self._output_eids):
+                data = self._call("get_output_bytes", i)
+                arr = np.frombuffer(data, dtype=self.graph.dtypes[eid]).reshape(
+                    self.graph.shapes[eid])
+                if outs is None:
+                    results.append(arr.copy())
+                elif isinstance(outs[i], np.ndarray):
+                    outs[i][...] = arr
+                else:
+                    outs[i].copyfrom(arr)
+        return results if outs is None else outs
+        return results
+
     def _set_one(self, idx: int, value: Any, what: str = "input") -> None:
+        if not self._stateful.acquire(blocking=False):
+            raise self._in_use("set_input")
+        try:
+            self._send(idx, value, what)
+        finally:
+            self._stateful.release()
+
+    def _send(self, idx: int, value: Any, what: str) -> None:
         """numpy data is sent as bytes (one round trip); a tensor of this session is copied in
         the server (nothing downloaded); a local tensor is sent as bytes."""
         if isinstance(value, tvm.runtime.Tensor) and hdev.is_remote(value):
@@ -212,15 +253,20 @@ class RemoteGraphModule(GraphModuleAPI):
     def _get(self, kind: str, idx: int, out):
         """The remote tensor (valid until the next run), or a copy in ``out`` (a tensor of this
         session, copied in the server, or a local one, downloaded as bytes)."""
-        if out is None:
-            return self._call(f"get_{kind}", idx)
-        if hdev.is_remote(out):
-            self._check_same_session(out, f"{kind} {idx}: out")
-            self._call(f"get_{kind}_into", idx, out)
-        else:
-            data = self._call(f"get_{kind}_bytes", idx)
-            out.copyfrom(np.frombuffer(data, dtype=str(out.dtype)).reshape(tuple(out.shape)))
-        return out
+        if not self._stateful.acquire(blocking=False):
+            raise self._in_use(f"get_{kind}")
+        try:
+            if out is None:
+                return self._call(f"get_{kind}", idx)
+            if hdev.is_remote(out):
+                self._check_same_session(out, f"{kind} {idx}: out")
+                self._call(f"get_{kind}_into", idx, out)
+            else:
+                data = self._call(f"get_{kind}_bytes", idx)
+                out.copyfrom(np.frombuffer(data, dtype=str(out.dtype)).reshape(tuple(out.shape)))
+            return out
+        finally:
+            self._stateful.release()
 
     # ---- params ---------------------------------------------------------------------------
     def load_params(self, params: bytes | bytearray | Mapping, strict: bool = True) -> None:

@@ -8,10 +8,11 @@ At create time the graph is validated against the devices and the library, stora
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import tvm
@@ -26,26 +27,18 @@ from hgrt.errors import (
     ParamError,
     did_you_mean,
 )
-from hgrt.graph import COPY_FUNC, NOP_FUNC, Graph
+from hgrt.graph import Graph
+from hgrt.runtime.frames import (
+    Frame,
+    FramePool,
+    Step,
+    bind_steps,
+    copy_tensor,
+    zero_copy_view,
+)
 from hgrt.runtime.module_api import BenchmarkResult, GraphModuleAPI, decode_params
 from hgrt.runtime.pools import StoragePools
-
-copy_tensor = tvm.get_global_func("runtime.TVMTensorCopyFromTo")
-
-
-class Step(NamedTuple):
-    """One call of ``run()``: graph node ``node`` calls ``func(*args)`` (a kernel or a copy)."""
-
-    node: int
-    func: Any
-    args: tuple
-
-
-def use_all_cores() -> None:
-    """Give TVM's thread pool every core this process may use, unless the user chose
-    (``TVM_NUM_THREADS``). TVM otherwise starts half the hardware threads on x86 (it assumes
-    two per core): one worker on a 2-vCPU VM. Takes effect before TVM's first parallel kernel."""
-    os.environ.setdefault("TVM_NUM_THREADS", str(hdev.usable_cores()))
+from hgrt.runtime.threads import CallBudget, set_thread_count, use_all_cores
 
 
 def normalize_devices(devices: Any) -> list:
@@ -65,18 +58,6 @@ def normalize_devices(devices: Any) -> list:
     return devs
 
 
-def _find_function(lib, name: str):
-    try:
-        return lib.get_function(name, query_imports=True)
-    except (AttributeError, RuntimeError):
-        return None
-
-
-def _module_summary(lib) -> str:
-    kinds = [lib.kind] + [m.kind for m in lib.imports]
-    return f"module '{kinds[0]}'" + (f" and its imports {kinds[1:]}" if kinds[1:] else "")
-
-
 class GraphModule(GraphModuleAPI):
     """Runs a graph across several devices; the API of TVM's classic graph executor.
 
@@ -90,25 +71,15 @@ class GraphModule(GraphModuleAPI):
         _check_devices(graph, devices)
         self._storage = StoragePools(graph, devices)
         self._bind_steps()
+        self.configure_calls()
 
     def _bind_steps(self) -> None:
-        g, storage = self.graph, self._storage
-        steps = []
-        for nid, node in enumerate(g.nodes):
-            if node.op != "tvm_op" or node.func_name == NOP_FUNC:  # a __nop is a view
-                continue
-            eids = [g.entry_id(i, k) for i, k, _ in node.inputs]
-            eids += [g.entry_id(nid, k) for k in range(node.num_outputs)]
-            if node.func_name == COPY_FUNC:
-                func, flat = copy_tensor, False
-            else:
-                func, flat = _find_function(self.lib, node.func_name), node.flatten_data
-                if func is None:
-                    raise GraphError(f"{g.describe_node(nid)}: function {node.func_name!r} is "
-                                     f"not in the library (looked in {_module_summary(self.lib)})")
-            steps.append(Step(nid, func, tuple(storage.kernel_view(e, flat) for e in eids)))
-        self.steps: tuple[Step, ...] = tuple(steps)
-        self._calls = tuple((s.func, s.args) for s in steps)
+        self.steps: tuple[Step, ...] = bind_steps(self.graph, self.lib, self._storage)
+        self._calls = tuple((s.func, s.args) for s in self.steps)
+        self._uses: dict[int, list[tuple[int, int]]] = {}  # entry -> (step, argument) using it
+        for si, step in enumerate(self.steps):
+            for pos, eid in enumerate(step.eids):
+                self._uses.setdefault(eid, []).append((si, pos))
 
     def _release(self) -> None:
         closed = ClosedError("GraphModule is closed; create or load it again")
@@ -124,14 +95,68 @@ class GraphModule(GraphModuleAPI):
         """Run the graph once; keyword arguments are set as inputs first."""
         if inputs:
             self.set_input(**inputs)
+        if not self._stateful.acquire(blocking=False):
+            raise self._in_use("run")
+        try:
+            self._run_calls(self._calls)
+        finally:
+            self._stateful.release()
+
+    def _run_calls(self, calls: tuple) -> None:
         i = 0
         try:
-            for i, (func, args) in enumerate(self._calls):  # noqa: B007 - i names the fault
+            for i, (func, args) in enumerate(calls):  # noqa: B007 - i names the fault
                 func(*args)
         except ClosedError:
             raise
         except Exception as e:
             raise self.execution_error(i, e) from e
+
+    # ---- the call API: thread-safe, one frame per call ------------------------------------
+    def configure_calls(self, callers: int = 1, threads_per_call: int | None = None,
+                        max_frames: int | None = None) -> None:
+        """How concurrent callers share the machine: each call runs its kernels on
+        ``threads_per_call`` threads (default: cores // callers) in an activation frame of its
+        own; at most ``max_frames`` frames (default: callers) exist, one weight copy."""
+        self.budget = CallBudget(callers, threads_per_call, max_frames)
+        self._frames = FramePool(
+            lambda: Frame(self.graph, self.lib, self.devices, self._storage), self.budget.frames)
+
+    @property
+    def frame_bytes(self) -> list[int]:
+        """Bytes one more call frame allocates per device: activations only."""
+        return Frame.bytes(self.graph, len(self.devices))
+
+    def __call__(self, inputs: Mapping | None = None, /, *, out: list | None = None, **kw):
+        """Run on ``inputs`` (a dict and/or keywords) and return the outputs: a list of numpy
+        arrays, or ``out`` (a list of numpy arrays or tensors, written in place). Safe from any
+        number of threads at once; ``configure_calls`` sets their share of the cores."""
+        return self.infer({**(inputs or {}), **kw}, out=out)
+
+    def infer(self, inputs: Mapping, out: list | None = None) -> list:
+        """``m(inputs, out=out)``; see ``__call__``."""
+        self._check_open()
+        items = self._call_inputs(inputs)
+        outs = self._call_outputs(out)
+        set_thread_count(self.budget.threads)
+        frame = self._frames.take()
+        try:
+            bound = {}
+            for idx, value in items:
+                eid = self._input_eids[idx]
+                view = self._zero_copy(eid, value, inputs=True)
+                if view is None:
+                    self._copy_in(frame.storage.user_view(eid), value)
+                else:
+                    bound[eid] = view
+            for i, o in enumerate(outs or ()):
+                view = self._zero_copy(self._output_eids[i], o, inputs=False)
+                if view is not None:
+                    bound[self._output_eids[i]] = view
+            self._run_calls(frame.calls_with(bound, self._uses))
+            return self._call_results(frame, bound, outs)
+        finally:
+            self._frames.give(frame)
 
     def execution_error(self, step: int, cause: Exception) -> ExecutionError:
         """The error of step ``step`` failing: names its node and the device it ran on."""
@@ -166,21 +191,66 @@ class GraphModule(GraphModuleAPI):
 
         return profile(self, repeat=repeat, warmup=warmup)
 
-    # ---- values ---------------------------------------------------------------------------
-    def _set_one(self, idx: int, value: Any, what: str = "input") -> None:
-        dst = self._storage.user_view(self._input_eids[idx])
+    def _zero_copy(self, eid: int, value: Any, inputs: bool):
+        """``value`` bound in place of entry ``eid`` for one call, when that is safe: no
+        ``__nop`` view shares the entry's bytes, an input is not also an output, an output is
+        written by a step and listed once; else None (copied)."""
+        g = self.graph
+        if eid in self._viewed or (eid in self._output_eids if inputs else (
+                self._output_eids.count(eid) != 1 or g.nodes[g.node_of_entry(eid)].op == "null")):
+            return None
+        return zero_copy_view(value, self.devices[g.entry_device(eid)], g.shapes[eid],
+                              g.dtypes[eid])
+
+    @functools.cached_property
+    def _viewed(self) -> frozenset[int]:
+        """Entries that share their bytes with a ``__nop`` view (or are such a view)."""
+        roots = self.graph.alias_roots()
+        shared = {r for e, r in enumerate(roots) if r != e}
+        return frozenset(e for e, r in enumerate(roots) if r in shared)
+
+    def _call_results(self, frame: Frame, bound: dict, outs: list | None) -> list:
+        if outs is None:
+            return [frame.storage.user_view(eid).numpy() for eid in self._output_eids]
+        for o, eid in zip(outs, self._output_eids, strict=True):
+            if eid not in bound:  # not written in place: copied there
+                self._copy_out(frame.storage.user_view(eid), o)
+        return outs
+
+    @staticmethod
+    def _copy_in(dst, value) -> None:
         if isinstance(value, tvm.runtime.Tensor):
             copy_tensor(value, dst)
         else:
             dst.copyfrom(np.asarray(value, order="C"))
 
+    @staticmethod
+    def _copy_out(src, out) -> None:
+        if isinstance(out, np.ndarray):
+            out[...] = src.numpy()
+        else:
+            copy_tensor(src, out)
+
+    # ---- values ---------------------------------------------------------------------------
+    def _set_one(self, idx: int, value: Any, what: str = "input") -> None:
+        if not self._stateful.acquire(blocking=False):
+            raise self._in_use("set_input")
+        try:
+            self._copy_in(self._storage.user_view(self._input_eids[idx]), value)
+        finally:
+            self._stateful.release()
+
     def _get(self, kind: str, idx: int, out):
-        eid = (self._input_eids if kind == "input" else self._output_eids)[idx]
-        t = self._storage.user_view(eid)
-        if out is None:
-            return t
-        copy_tensor(t, out)
-        return out
+        if not self._stateful.acquire(blocking=False):
+            raise self._in_use(f"get_{kind}")
+        try:
+            eid = (self._input_eids if kind == "input" else self._output_eids)[idx]
+            t = self._storage.user_view(eid)
+            if out is not None:
+                copy_tensor(t, out)
+            return t if out is None else out
+        finally:
+            self._stateful.release()
 
     # ---- params -------------------------------------------------------------------------
     def load_params(self, params: bytes | bytearray | Mapping, strict: bool = True) -> None:

@@ -9,6 +9,7 @@ of hgrt.rpc) adds how values move: ``_set_one``, ``_get``, ``run``, params and b
 from __future__ import annotations
 
 import statistics
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import numpy as np
 import tvm
 
-from hgrt.errors import ClosedError, InputError, ParamError, did_you_mean
+from hgrt.errors import ClosedError, ExecutionError, InputError, ParamError, did_you_mean
 from hgrt.graph import Graph
 
 
@@ -90,6 +91,7 @@ class GraphModuleAPI:
         self._input_eids = [graph.entry_id(n) for n in graph.arg_nodes]
         self._output_eids = [graph.entry_id(nid, idx) for nid, idx, _ in graph.heads]
         self.closed = False
+        self._stateful = threading.Lock()  # set_input/run/get_output: one thread at a time
 
     # ---- lifetime -------------------------------------------------------------------------
     def close(self) -> None:
@@ -104,6 +106,12 @@ class GraphModuleAPI:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def _in_use(self, what: str) -> ExecutionError:
+        return ExecutionError(
+            f"{what}: another thread is using this module's set_input/run/get_output; their "
+            f"values would mix. Give each thread its own module (share_params keeps one copy "
+            f"of the weights) or call the module: outputs = m(x=...) is thread-safe")
 
     def _check_open(self) -> None:
         if self.closed:
@@ -187,6 +195,35 @@ class GraphModuleAPI:
         idx = self._resolve_input(key)
         return self._get("input", idx, self._checked_out(out, self._input_eids[idx],
                                                         f"input {key!r}"))
+
+    def _call_inputs(self, inputs: Mapping) -> list[tuple[int, Any]]:
+        """Every user input given once, checked; a call has no state, so none may be missing."""
+        params = set(self.graph.params)
+        items = [(self._resolve_input(k), v) for k, v in inputs.items()]
+        for idx, _ in items:
+            name = self.graph.nodes[self.graph.arg_nodes[idx]].name
+            if name in params:
+                raise InputError(f"call: {name!r} is a parameter; load_params sets it for "
+                                 f"every call")
+        missing = sorted(set(self.get_input_info()[0]) -
+                         {self.graph.nodes[self.graph.arg_nodes[i]].name for i, _ in items})
+        if missing:
+            raise InputError(f"call: no value for inputs {missing}")
+        return [(i, self._checked_input(i, v, "input")) for i, v in items]
+
+    def _call_outputs(self, out: list | None) -> list | None:
+        if out is None:
+            return None
+        if not isinstance(out, (list, tuple)) or len(out) != len(self._output_eids):
+            raise InputError(f"call: out must be a list of {len(self._output_eids)} arrays or "
+                             f"tensors, one per output")
+        for i, o in enumerate(out):
+            if isinstance(o, np.ndarray):
+                eid = self._output_eids[i]
+                checked_value(o, self.graph.shapes[eid], self.graph.dtypes[eid], f"out[{i}]")
+            else:
+                self._checked_out(o, self._output_eids[i], f"out[{i}]")
+        return out
 
     # ---- outputs --------------------------------------------------------------------------
     def get_output(self, index: int, out=None):

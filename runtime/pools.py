@@ -42,7 +42,7 @@ class StoragePools:
         self._user_views: dict[int, object] = {}
 
     def _allocate_arenas(self, devices: list, weights: StoragePools | None) -> None:
-        """hgrt plan: per device an activation arena (and a weight arena when the plan has
+        """hgrt plan: per device an activation arena and a weight arena (when the plan has
         one); entries at their storage's byte offset."""
         g = self.graph
         arenas = {}
@@ -50,15 +50,15 @@ class StoragePools:
             arenas[d, False] = _allocate(nbytes, devices[d], f"the pool of device {d}")
             self.device_bytes[d] += int(nbytes)
         for d, nbytes in enumerate((g.weight_pool_bytes or [])[:len(devices)]):
-            if weights is not None:
-                arenas[d, True] = weights.arena(d, True)
-                continue
-            arenas[d, True] = _allocate(nbytes, devices[d], f"the weight pool of device {d}")
-            self.device_bytes[d] += int(nbytes)
-        self._arenas = arenas
+            if weights is None:
+                arenas[d, True] = _allocate(nbytes, devices[d], f"the weight pool of device {d}")
+                self.device_bytes[d] += int(nbytes)
         self.buffers += list(arenas.values())
-        self.base = [arenas[g.pool_of(e)] for e in range(g.num_entries)]
-        self.offset = [g.storage_offset[sid] for sid in g.storage_ids]
+        pools = [g.pool_of(e) for e in range(g.num_entries)]
+        self.base = [weights.base[e] if weights is not None and p[1] else arenas[p]
+                     for e, p in enumerate(pools)]
+        self.offset = [weights.offset[e] if weights is not None and p[1] else
+                       g.storage_offset[g.storage_ids[e]] for e, p in enumerate(pools)]
 
     def _allocate_storages(self, devices: list, weights: StoragePools | None) -> None:
         """Classic layout: each storage id sized by the largest entry that uses it."""
@@ -67,19 +67,15 @@ class StoragePools:
         shared = g.weight_storages if weights is not None else frozenset()
         storage = {}
         for sid, nbytes in sorted(storage_bytes(g).items()):
-            if sid in shared:
-                storage[sid] = weights.base[g.storage_ids.index(sid)]
-                continue
-            nbytes = max(ALIGN, nbytes)
-            storage[sid] = _allocate(nbytes, devices[owner[sid]], f"storage {sid}")
-            self.device_bytes[owner[sid]] += nbytes
-        self._arenas = {}
+            if sid not in shared:
+                nbytes = max(ALIGN, nbytes)
+                storage[sid] = _allocate(nbytes, devices[owner[sid]], f"storage {sid}")
+                self.device_bytes[owner[sid]] += nbytes
         self.buffers += list(storage.values())
-        self.base = [storage[sid] for sid in g.storage_ids]
-        self.offset = [0] * g.num_entries
-
-    def arena(self, device: int, weight: bool):
-        return self._arenas[device, weight]
+        self.base = [weights.base[e] if sid in shared else storage[sid]
+                     for e, sid in enumerate(g.storage_ids)]
+        self.offset = [weights.offset[e] if sid in shared else 0
+                       for e, sid in enumerate(g.storage_ids)]
 
     def adopt(self, dst: int, other: StoragePools, src: int) -> None:
         """Entry ``dst`` uses entry ``src`` of another module's pools (``share_params``)."""

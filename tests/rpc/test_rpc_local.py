@@ -138,3 +138,32 @@ def test_load_for_remote_devices_uploads_the_library_and_never_loads_it_here(
     np.testing.assert_allclose(m.get_output(1).numpy(), (x + 1) * w, rtol=1e-6)
     with pytest.raises(hgrt.HgrtError, match="loaded or exported"):
         hgrt.load(art, ["cpu:0", "cpu:1"])  # the local path does load it (the check works)
+
+
+def test_call_api_on_a_remote_module_is_thread_safe(session, remote_lib, rng):
+    g = graph()
+    w = rng.standard_normal(N).astype("float32")
+    m = hgrt.create(g.json(pools=True), remote_lib, [session.cpu(0), session.cpu(1)])
+    m.load_params({"w": w})
+    xs = [rng.standard_normal(N).astype("float32") for _ in range(8)]
+    want = [((x + 1) * w + x, (x + 1) * w) for x in xs]
+    wrong = []
+
+    def caller(t: int) -> None:
+        for k in range(20):
+            i = (t + k) % len(xs)
+            got = m(x=xs[i])
+            if not all(np.allclose(a, b, rtol=1e-6) for a, b in zip(got, want[i], strict=True)):
+                wrong.append((t, k))
+
+    import threading
+
+    threads = [threading.Thread(target=caller, args=(t,)) for t in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert wrong == []
+    out = [np.zeros(N, "float32"), np.zeros(N, "float32")]
+    assert m(x=xs[0], out=out) is out
+    np.testing.assert_allclose(out[1], want[0][1], rtol=1e-6)

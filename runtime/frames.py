@@ -1,0 +1,147 @@
+"""Steps bound to storage, and activation frames: what lets many threads call one module.
+
+A frame is one call's memory: pools for everything that is not a weight, the weights shared
+with the module (its weight pools), and the module's steps bound to them. Frames wait in a
+free list; a call takes one, runs, and gives it back, so N concurrent calls need N frames and
+one copy of the weights. A call may bind its caller's own buffers for inputs and outputs
+(zero copy): the steps that read or write those entries get them for that call only.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, NamedTuple
+
+import numpy as np
+import tvm
+
+from hgrt.errors import GraphError
+from hgrt.graph import COPY_FUNC, NOP_FUNC, Graph
+from hgrt.lifetimes import ALIGN, storage_bytes, storage_devices
+from hgrt.runtime.pools import StoragePools
+
+copy_tensor = tvm.get_global_func("runtime.TVMTensorCopyFromTo")
+
+
+class Step(NamedTuple):
+    """One call of ``run()``: node ``node`` calls ``func(*args)``; ``args[i]`` is entry
+    ``eids[i]``."""
+
+    node: int
+    func: Any
+    args: tuple
+    eids: tuple
+
+
+def _find_function(lib, name: str):
+    try:
+        return lib.get_function(name, query_imports=True)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def bind_steps(graph: Graph, lib, storage: StoragePools) -> tuple[Step, ...]:
+    """Every kernel and copy of ``graph`` as a step on ``storage``'s views (a ``__nop`` is a
+    view, no step)."""
+    steps = []
+    for nid, node in enumerate(graph.nodes):
+        if node.op != "tvm_op" or node.func_name == NOP_FUNC:
+            continue
+        eids = [graph.entry_id(i, k) for i, k, _ in node.inputs]
+        eids += [graph.entry_id(nid, k) for k in range(node.num_outputs)]
+        if node.func_name == COPY_FUNC:
+            func, flat = copy_tensor, False
+        else:
+            func, flat = _find_function(lib, node.func_name), node.flatten_data
+            if func is None:
+                kinds = [lib.kind] + [m.kind for m in lib.imports]
+                raise GraphError(f"{graph.describe_node(nid)}: function {node.func_name!r} is "
+                                 f"not in the library (looked in module '{kinds[0]}'"
+                                 f"{f' and its imports {kinds[1:]}' if kinds[1:] else ''})")
+        steps.append(Step(nid, func, tuple(storage.kernel_view(e, flat) for e in eids),
+                          tuple(eids)))
+    return tuple(steps)
+
+
+class Frame:
+    """One call's activations and the steps bound to them."""
+
+    def __init__(self, graph: Graph, lib, devices: list, weights: StoragePools):
+        self.storage = StoragePools(graph, devices, weights=weights)
+        self.steps = bind_steps(graph, lib, self.storage)
+        self.calls = tuple((s.func, s.args) for s in self.steps)
+
+    @staticmethod
+    def bytes(graph: Graph, n_devices: int) -> list[int]:
+        """What one frame allocates per device: the activation pools (the weights are shared;
+        a graph planned without weight pools, or without pools, allocates all but params)."""
+        if graph.pool_bytes is not None:
+            return [int(b) for b in graph.pool_bytes[:n_devices]]
+        out = [0] * n_devices
+        owner = storage_devices(graph, GraphError)
+        for sid, nbytes in storage_bytes(graph).items():
+            if sid not in graph.weight_storages:
+                out[owner[sid]] += max(ALIGN, nbytes)
+        return out
+
+    def calls_with(self, bound: dict[int, Any], uses: dict[int, list]) -> tuple:
+        """The calls with entry ``e`` replaced by ``bound[e]`` wherever a step uses it."""
+        if not bound:
+            return self.calls
+        calls = list(self.calls)
+        for eid, tensor in bound.items():
+            for si, pos in uses[eid]:
+                func, args = calls[si]
+                view = args[pos]
+                arg = tensor if tuple(tensor.shape) == tuple(view.shape) else \
+                    tensor._create_view(tuple(view.shape), str(view.dtype), 0)
+                calls[si] = (func, args[:pos] + (arg,) + args[pos + 1:])
+        return tuple(calls)
+
+
+def zero_copy_view(value: Any, device, shape, dtype: str):
+    """``value`` itself as a kernel argument, when it is C-contiguous, of this shape and dtype,
+    on exactly ``device`` and aligned as TVM kernels assume; else None (copy instead)."""
+    if isinstance(value, np.ndarray):
+        if (value.dtype != np.dtype(dtype) or value.shape != tuple(shape)
+                or not value.flags.c_contiguous or value.ctypes.data % ALIGN
+                or (device.dlpack_device_type(), device.index) != (1, 0)):
+            return None
+        try:
+            return tvm.runtime.from_dlpack(value)
+        except Exception:  # noqa: BLE001 - numpy refuses read-only arrays: copy them instead
+            return None
+    if isinstance(value, tvm.runtime.Tensor) and value.device == device \
+            and tuple(value.shape) == tuple(shape) and str(value.dtype) == dtype \
+            and value.data_ptr() % ALIGN == 0:
+        return value
+    return None
+
+
+class FramePool:
+    """Frames made on demand, up to ``limit``; a caller beyond waits for one to come back."""
+
+    def __init__(self, make, limit: int):
+        self._make, self.limit = make, limit
+        self._free: queue.LifoQueue = queue.LifoQueue()
+        self._lock = threading.Lock()
+        self.made = 0
+
+    def take(self) -> Frame:
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            pass
+        with self._lock:
+            if self.made < self.limit:
+                self.made += 1
+                try:
+                    return self._make()
+                except BaseException:
+                    self.made -= 1
+                    raise
+        return self._free.get()
+
+    def give(self, frame: Frame) -> None:
+        self._free.put(frame)

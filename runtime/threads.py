@@ -1,0 +1,75 @@
+"""hgrt's one thread budget: how many cores a run, a call, a device may use.
+
+Every thread that calls a parallel TVM kernel gets its own TVM thread pool, sized by
+``TVM_NUM_THREADS`` when the pool starts, or later by ``runtime.config_threadpool``, which sets
+the CALLING thread's pool. So N callers each running kernels on all cores oversubscribe the
+machine N times; a caller's share is ``cores // callers``.
+
+- ``process_threads()``: what a plain ``run()`` uses: TVM_NUM_THREADS, which ``create`` sets to
+  every core this process may use unless the user chose (TVM itself starts half the hardware
+  threads on x86: one worker on a 2-vCPU VM);
+- ``CallBudget``: the share of one caller of the call API (``threads_per_call``, ``max_frames``),
+  applied to the calling thread's pool before each call.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+import tvm
+
+from hgrt.devices import usable_cores
+from hgrt.errors import InputError
+
+_config_threadpool = tvm.get_global_func("runtime.config_threadpool")
+_AFFINITY_ALL_CORES = 1  # TVM's kBig: on a CPU whose cores are alike, all of them
+_local = threading.local()
+
+
+def use_all_cores() -> None:
+    """Before TVM's first parallel kernel: give its pools every usable core, unless the user
+    set ``TVM_NUM_THREADS``."""
+    os.environ.setdefault("TVM_NUM_THREADS", str(usable_cores()))
+
+
+def process_threads() -> int:
+    try:
+        return max(1, int(os.environ.get("TVM_NUM_THREADS", "")))
+    except ValueError:
+        return usable_cores()
+
+
+def set_thread_count(n: int) -> None:
+    """Kernels called from this thread run on ``n`` threads (this thread's TVM pool)."""
+    if getattr(_local, "threads", None) != n:
+        _config_threadpool(_AFFINITY_ALL_CORES, int(n))
+        _local.threads = n
+
+
+@dataclass(frozen=True)
+class CallBudget:
+    """How callers of one module share the cores: ``callers`` expected at once, each with
+    ``threads_per_call`` kernel threads (default: cores // callers) and its own activation
+    frame; at most ``max_frames`` frames (default: callers), a caller beyond waits for one."""
+
+    callers: int = 1
+    threads_per_call: int | None = None
+    max_frames: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("callers", "threads_per_call", "max_frames"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise InputError(f"call budget: {name} must be a positive integer, got "
+                                 f"{value!r}")
+
+    @property
+    def threads(self) -> int:
+        return self.threads_per_call or max(1, process_threads() // self.callers)
+
+    @property
+    def frames(self) -> int:
+        return self.max_frames or self.callers

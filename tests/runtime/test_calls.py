@@ -1,0 +1,167 @@
+"""The call API: thread-safe calls with their own activation frames and one copy of the
+weights; zero-copy inputs and outputs; the stateful API refuses a second thread."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import tvm
+from onnx import TensorProto, helper, numpy_helper
+
+import hgrt
+from hgrt.lifetimes import memory_report
+from hgrt.testing import GraphBuilder, N, elementwise_lib
+
+LAYERS, SIZE = 8, 256
+
+
+def aligned(shape, dtype="float32", fill=None) -> np.ndarray:
+    """A C-contiguous array whose data starts at a multiple of 64 bytes (zero-copy eligible)."""
+    n = int(np.prod(shape))
+    raw = np.zeros(n + 64, dtype)
+    start = (-raw.ctypes.data % 64) // raw.itemsize
+    arr = raw[start:start + n].reshape(shape)
+    if fill is not None:
+        arr[...] = fill
+    return arr
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    """8 x (256x256 matmul + relu), random weights: the model the issue saw mix outputs."""
+    rng = np.random.default_rng(0)
+    nodes, inits, prev = [], [], "x"
+    for i in range(LAYERS):
+        w = (rng.standard_normal((SIZE, SIZE)) / 16).astype("float32")
+        inits.append(numpy_helper.from_array(w, f"w{i}"))
+        nodes += [helper.make_node("MatMul", [prev, f"w{i}"], [f"m{i}"]),
+                  helper.make_node("Relu", [f"m{i}"], [f"r{i}"])]
+        prev = f"r{i}"
+    graph = helper.make_graph(
+        nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, SIZE])],
+        [helper.make_tensor_value_info(prev, TensorProto.FLOAT, [4, SIZE])], inits)
+    res = hgrt.build(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]),
+                     ["cpu"])
+    m = hgrt.create(res.graph, res.lib, tvm.cpu(0))
+    m.load_params(res.params)
+    return m
+
+
+def test_threads_get_their_own_outputs_bitwise(mlp):
+    """4 threads x 200 calls on one module, different inputs: every output bitwise equal to the
+    same call made alone at the same threads per call."""
+    mlp.configure_calls(callers=4, threads_per_call=1)
+    rng = np.random.default_rng(1)
+    xs = [rng.standard_normal((4, SIZE)).astype("float32") for _ in range(16)]
+    want = [mlp(x=x)[0] for x in xs]
+    wrong, errors = [], []
+
+    def caller(t: int) -> None:
+        try:
+            for k in range(200):
+                i = (t * 7 + k) % len(xs)
+                if not np.array_equal(mlp(x=xs[i])[0], want[i]):
+                    wrong.append((t, k))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=caller, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and wrong == []
+    assert 1 <= mlp._frames.made <= 4
+
+
+def test_frames_share_the_weights(mlp):
+    """A frame allocates the activation pool only: the weights stay one copy."""
+    (mem,) = memory_report(mlp.graph)
+    assert mem.weight_bytes >= LAYERS * SIZE * SIZE * 4
+    assert mlp.frame_bytes == [mem.planned_bytes - mem.weight_bytes]
+    frame = mlp._frames.take()
+    try:
+        assert frame.storage.device_bytes == mlp.frame_bytes
+    finally:
+        mlp._frames.give(frame)
+
+
+def test_call_threads_are_the_callers_share(mlp):
+    mlp.configure_calls(callers=2, threads_per_call=1)
+    seen = []
+
+    def caller():
+        mlp(x=np.zeros((4, SIZE), "float32"))
+        seen.append(tvm.get_global_func("runtime.NumThreads")())
+
+    t = threading.Thread(target=caller)
+    t.start()
+    t.join()
+    assert seen == [1]
+
+
+def test_stateful_api_from_a_second_thread_is_refused(mlp):
+    """A run held open (an injected slow step): set_input/run/get_output from another thread
+    raise ExecutionError instead of mixing values."""
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_step():
+        entered.set()
+        release.wait(10)
+
+    calls = mlp._calls
+    mlp._calls = ((slow_step, ()),) + calls
+    runner = threading.Thread(target=mlp.run)
+    runner.start()
+    try:
+        assert entered.wait(10)
+        x = np.zeros((4, SIZE), "float32")
+        for call in (mlp.run, lambda: mlp.set_input("x", x), lambda: mlp.get_output(0)):
+            with pytest.raises(hgrt.ExecutionError, match="another thread is using"):
+                call()
+        assert len(mlp(x=x)) == 1  # the call API is not blocked by it
+    finally:
+        release.set()
+        runner.join()
+        mlp._calls = calls
+
+
+def test_zero_copy_input_and_output(mlp):
+    x = aligned((4, SIZE), fill=np.random.default_rng(2).standard_normal((4, SIZE)))
+    want = mlp(x=np.array(x))[0]  # unaligned copy: copied in
+    out = aligned((4, SIZE))
+    got = mlp(x=x, out=[out])
+    assert got[0] is out and np.array_equal(out, want)
+    mlp.run(x=x)  # the stateful API after a zero-copy call: its own storage, its own result
+    assert np.array_equal(mlp.get_output(0).numpy(), want)
+    unaligned = np.zeros(4 * SIZE + 1, "float32")[1:].reshape(4, SIZE)
+    mlp(x=x, out=[unaligned])  # not zero-copy eligible: written by a copy
+    assert np.array_equal(unaligned, want)
+
+
+def test_input_that_is_also_an_output(rng):
+    g = GraphBuilder()
+    x = g.input("x")
+    g.output(g.op("add_one", [x]), x)
+    m = hgrt.create(g.json(), elementwise_lib(), tvm.cpu(0))
+    xv = aligned((N,), fill=rng.standard_normal(N))
+    outs = [aligned((N,)), aligned((N,))]
+    m(x=xv, out=outs)
+    np.testing.assert_array_equal(outs[0], xv + 1)
+    np.testing.assert_array_equal(outs[1], xv)
+    y, same = m(x=xv)
+    np.testing.assert_array_equal(same, xv)
+    assert same.ctypes.data != xv.ctypes.data  # a new array, not the caller's
+
+
+def test_call_errors(mlp):
+    with pytest.raises(hgrt.InputError, match=r"no value for inputs \['x'\]"):
+        mlp()
+    with pytest.raises(hgrt.InputError, match="is a parameter"):
+        mlp(x=np.zeros((4, SIZE), "float32"), w0=np.zeros((SIZE, SIZE), "float32"))
+    with pytest.raises(hgrt.InputError, match="out must be a list of 1"):
+        mlp(x=np.zeros((4, SIZE), "float32"), out=[])
+    with pytest.raises(hgrt.InputError, match="expected shape"):
+        mlp(x=np.zeros((4, SIZE), "float32"), out=[np.zeros(3, "float32")])
