@@ -20,6 +20,7 @@ from hgrt.devices import DEFAULT_CUDA_ARCH, parse_devices
 from hgrt.frontend import import_model
 from hgrt.graph import Graph
 from hgrt.lifetimes import DeviceMemory, memory_report
+from hgrt.relay_passes.assign_streams import assign_streams
 from hgrt.relay_passes.context import BuildContext, LoweringOptions, PlacementRow, Weights
 from hgrt.relay_passes.graph_codegen import graph_codegen, static_shape
 from hgrt.relay_passes.insert_copies import insert_copies
@@ -42,6 +43,7 @@ PASSES: tuple = (
     ("schedule_gpu", schedule_gpu),  # lower_model(schedule=True) stops here
     ("build_library", build_library),
     ("graph_codegen", graph_codegen),
+    ("assign_streams", assign_streams),
     ("plan_memory", plan_memory),
 )
 
@@ -86,6 +88,7 @@ def _context(model: Any, devices: Any, placement: Placement | None, params: Any,
 def build(model: Any, devices: Any, placement: Placement | None = None,
           params: dict[str, Any] | None = None, *, input_shapes: dict[str, Any] | None = None,
           tuning_db: str | None = None, tuning_verdicts: bool = True,
+          streams: dict[str, Any] | None = None,
           cuda_arch: str = DEFAULT_CUDA_ARCH, verbose: bool = False) -> BuildResult:
     """Compile ``model`` (ONNX ModelProto / path, or Relax IRModule + ``params``) for ``devices``.
 
@@ -98,10 +101,13 @@ def build(model: Any, devices: Any, placement: Placement | None = None,
     schedule (``BuildResult.tuning`` says which), the others the default schedule, as do
     tuned kernels that ``hgrt tune`` found slower inside the model (``tuning_verdicts=False``
     applies them anyway).
+    ``streams``: ``{"per_device": n}`` streams per device for independent branches (default
+    1), ``{"single_stream": True}`` for none (everything in node order).
     """
     start = time.perf_counter()
     mod, ctx = _context(model, devices, placement, params, input_shapes, cuda_arch, verbose)
     ctx.options = LoweringOptions(tuning_db, tuning_verdicts)
+    ctx.streams = dict(streams or {})
     graph_json = run_passes(mod, ctx, PASSES).to_json()
     graph = Graph.from_json(graph_json)  # the runtime's own validation, before anyone ships it
     if verbose:

@@ -33,7 +33,7 @@ from hgrt.errors import GraphError
 
 FORMAT_VERSION = 1
 COPY_FUNC = "__copy"
-NOP_FUNC = "__nop"
+NOP_FUNC = lifetimes.NOP_FUNC
 _KNOWN_OPS = ("null", "tvm_op")
 # node attrs hgrt reads, and the form their (string) values must have
 NODE_ATTRS = {"func_name": r"\S+", "num_inputs": r"\d+", "num_outputs": r"\d+",
@@ -87,6 +87,8 @@ class Graph:
     params: list[str] = field(default_factory=list)  # names of arg nodes that are parameters
     device_names: list[str] | None = None  # hgrt section: what the compiler built each index for
     weight_pool_bytes: list[int] | None = None  # hgrt section: params apart, one pool per device
+    streams: list[int] | None = None  # hgrt section: per node its stream (-1: does not run)
+    waits: list[list[int]] | None = None  # hgrt section: per node, nodes of other streams
 
     # ---- derived views ------------------------------------------------------------------
     @property
@@ -170,6 +172,9 @@ class Graph:
             section["storage_offset"] = list(self.storage_offset or [])
         if self.weight_pool_bytes is not None:
             section["weight_pool_bytes"] = list(self.weight_pool_bytes)
+        if self.streams is not None:
+            section["streams"] = list(self.streams)
+            section["waits"] = [list(w) for w in self.waits or [[] for _ in self.nodes]]
         doc["hgrt"] = section
         return json.dumps(doc, indent=1)
 
@@ -254,6 +259,7 @@ def _parse(doc: Any) -> Graph:
               **_parse_columns(_require(doc, "attrs", dict, "graph"), row_ptr[-1]))
     _parse_section(doc.get("hgrt"), g)
     _check_special_ops(g)
+    _check_streams(g)
     lifetimes.storage_devices(g, GraphError)
     _check_pools(g)
     lifetimes.check_lifetimes(g, GraphError)
@@ -418,6 +424,7 @@ def _parse_section(section: Any, g: Graph) -> None:
         if p not in arg_names:
             raise GraphError(f"'hgrt' section: param {p!r} is not an input node")
     g.params = params
+    _parse_streams(section, g)
     names = section.get("devices")
     if names is not None:
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
@@ -444,6 +451,55 @@ def _parse_section(section: Any, g: Graph) -> None:
     g.pool_bytes = pools
     g.storage_offset = offsets
     g.weight_pool_bytes = weights
+
+
+def _parse_streams(section: dict, g: Graph) -> None:
+    streams, waits = section.get("streams"), section.get("waits")
+    if streams is None and waits is None:
+        return
+    n = len(g.nodes)
+    if not isinstance(streams, list) or len(streams) != n or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= -1 for x in streams):
+        raise GraphError(f"'hgrt' section: streams must list one stream id (or -1) per node "
+                         f"({n}), got {str(streams)[:80]}")
+    if not isinstance(waits, list) or len(waits) != n or not all(
+            isinstance(w, list) and all(isinstance(x, int) and not isinstance(x, bool)
+                                        for x in w) for w in waits):
+        raise GraphError(f"'hgrt' section: waits must list, per node, the node ids it waits for "
+                         f"({n} lists)")
+    g.streams, g.waits = streams, waits
+
+
+def _check_streams(g: Graph) -> None:
+    """Every node that runs has a stream, a stream stays on one device, a wait names an earlier
+    node of another stream, and every node's inputs are done before it starts."""
+    if g.streams is None:
+        return
+    device: dict[int, int] = {}
+    for nid, node in enumerate(g.nodes):
+        s, where = g.streams[nid], g.describe_node(nid)
+        if lifetimes.runs(node) != (s >= 0):
+            raise GraphError(f"{where}: stream {s}, but " + (
+                "it runs: give it a stream" if s < 0 else "it does not run: give it -1"))
+        if s >= 0 and device.setdefault(s, g.entry_device(g.entry_id(nid))) != \
+                g.entry_device(g.entry_id(nid)):
+            raise GraphError(f"{where}: stream {s} runs on device {device[s]}, this node on "
+                             f"device {g.entry_device(g.entry_id(nid))}")
+        for w in g.waits[nid]:
+            if not 0 <= w < nid or g.streams[w] < 0 or g.streams[w] == s:
+                raise GraphError(f"{where}: waits for node {w}, which is not an earlier node "
+                                 f"of another stream")
+    order = lifetimes.Order(g)
+    roots = g.alias_roots()
+    for nid, node in enumerate(g.nodes):
+        if g.streams[nid] < 0:
+            continue
+        for src, idx, _ in node.inputs:
+            writer = g.node_of_entry(roots[g.entry_id(src, idx)])
+            if g.nodes[writer].op != "null" and not order.before(writer, nid):
+                raise GraphError(f"{g.describe_node(nid)} (stream {g.streams[nid]}) reads the "
+                                 f"output of {g.describe_node(writer)} (stream "
+                                 f"{g.streams[writer]}) with no event between them: a race")
 
 
 def _check_pools(g: Graph) -> None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+NOP_FUNC = "__nop"  # hgrt.graph's name of a view node (graph.py imports this module)
+
 ALIGN = 64  # bytes: every storage of an hgrt memory plan starts at a multiple of this
 Graph = Any  # an hgrt.graph.Graph
 
@@ -25,15 +27,25 @@ def align(n: int) -> int:
 @dataclass(frozen=True)
 class Group:
     """Entries that are the same bytes (an entry and its ``__nop`` views), and the steps they
-    are live in, ``first`` to ``last`` inclusive (-1: before the first step)."""
+    are live in, ``first`` to ``last`` inclusive (-1: before the first step). ``writer`` is the
+    node that writes them (-1: an input or param), ``users`` the nodes that run and touch them,
+    ``forever``: never overwritten (an input, a param, a graph output)."""
 
     root: int
     first: int
     last: int
     members: tuple[int, ...]
+    writer: int = -1
+    users: tuple[int, ...] = ()
+    forever: bool = False
 
     def overlaps(self, other: Group) -> bool:
         return self.first <= other.last and other.first <= self.last
+
+
+def runs(node) -> bool:
+    """Whether a node is a step of ``run()`` (a kernel or a copy; a ``__nop`` is a view)."""
+    return node.op == "tvm_op" and node.func_name != NOP_FUNC
 
 
 def live_ranges(g: Graph) -> dict[int, Group]:
@@ -43,20 +55,92 @@ def live_ranges(g: Graph) -> dict[int, Group]:
     first: dict[int, int] = {}
     last: dict[int, int] = {}
     members: dict[int, list[int]] = {}
+    users: dict[int, set[int]] = {}
     for nid, node in enumerate(g.nodes):
         start = -1 if node.op == "null" else nid
         for k in range(node.num_outputs):
-            eid = g.entry_id(nid, k)
-            r = root[eid]
-            members.setdefault(r, []).append(eid)
+            r = root[g.entry_id(nid, k)]
+            members.setdefault(r, []).append(g.entry_id(nid, k))
             first[r] = min(first.get(r, start), start)
             last[r] = max(last.get(r, start), end if node.op == "null" else start)
+            if runs(node):
+                users.setdefault(r, set()).add(nid)
         for src_nid, idx, _ in node.inputs:
             r = root[g.entry_id(src_nid, idx)]
             last[r] = max(last[r], nid)
+            if runs(node):
+                users.setdefault(r, set()).add(nid)
     for nid, idx, _ in g.heads:
         last[root[g.entry_id(nid, idx)]] = end
-    return {r: Group(r, first[r], last[r], tuple(m)) for r, m in members.items()}
+    return {r: Group(r, first[r], last[r], tuple(m), first[r], tuple(sorted(users.get(r, ()))),
+                     last[r] == end)
+            for r, m in members.items()}
+
+
+class Order:
+    """Happens-before between steps: a stream runs its nodes in node order, and a node waits
+    for the nodes its ``waits`` name on other streams. A graph without streams is one stream.
+
+    ``clock[n][s]``: the position on stream ``s`` of the last node known to have finished
+    before node ``n`` starts (vector clocks)."""
+
+    def __init__(self, g: Graph | None = None):
+        self.sequential = g is None or g.streams is None
+        self.stream: list[int] = []
+        self.pos: list[int] = []
+        self.clock: list[dict[int, int]] = []
+        self._tail: dict[int, int] = {}
+        self._last_uses: dict[int, dict[int, int]] = {}
+        if g is not None:
+            streams = g.streams if g.streams is not None else \
+                [0 if runs(node) else -1 for node in g.nodes]
+            for nid, s in enumerate(streams):
+                self.add(s, g.waits[nid] if g.waits is not None else ())
+
+    def add(self, stream: int, waits=()) -> None:
+        """The next node: on ``stream`` (-1: it does not run), after the nodes ``waits``."""
+        self.stream.append(stream)
+        self.pos.append(-1)
+        self.clock.append({})
+        if stream < 0:
+            return
+        for w in waits:
+            self.wait(len(self.stream) - 1, w)
+        if stream in self._tail:
+            self.wait(len(self.stream) - 1, self._tail[stream])
+            self.pos[-1] = self.pos[self._tail[stream]] + 1
+        else:
+            self.pos[-1] = 0
+        self._tail[stream] = len(self.stream) - 1
+
+    def wait(self, nid: int, prev: int) -> None:
+        """Node ``nid`` starts after node ``prev`` (and all that ``prev`` came after)."""
+        clock = self.clock[nid]
+        for ps, pp in self.clock[prev].items():
+            clock[ps] = max(clock.get(ps, -1), pp)
+        clock[self.stream[prev]] = max(clock.get(self.stream[prev], -1), self.pos[prev])
+
+    def before(self, a: int, b: int) -> bool:
+        """Node ``a`` has finished before node ``b`` starts."""
+        return self.clock[b].get(self.stream[a], -1) >= self.pos[a]
+
+    def precedes(self, a: Group, b: Group) -> bool:
+        """Every use of ``a`` has finished before ``b`` is written: they may share bytes."""
+        if a.forever or b.writer < 0:
+            return False
+        uses = self._last_uses.get(a.root)
+        if uses is None:
+            uses = self._last_uses[a.root] = {}
+            for u in a.users:
+                uses[self.stream[u]] = max(uses.get(self.stream[u], -1), self.pos[u])
+        clock = self.clock[b.writer]
+        return all(clock.get(s, -1) >= p for s, p in uses.items())
+
+    def conflict(self, a: Group, b: Group) -> bool:
+        """``a`` and ``b`` may be live at once: they must not share bytes."""
+        if self.sequential:
+            return a.overlaps(b)
+        return not (self.precedes(a, b) or self.precedes(b, a))
 
 
 def group_bytes(g: Graph, group: Group) -> int:
@@ -85,10 +169,12 @@ def storage_bytes(g: Graph) -> dict[int, int]:
 
 
 def find_overlap(g: Graph) -> tuple[int, int, int] | None:
-    """The first (entry, entry, step) whose bytes overlap while both are live, or None.
+    """The first (entry, entry, node) whose bytes overlap while both may be live, or None.
 
     With the ``hgrt`` section, bytes are pool offsets per device; without it, each storage id
-    is its own buffer."""
+    is its own buffer. With streams, "may be live at once" is the happens-before order of
+    ``Order``, not the node order."""
+    order = Order(g)
     regions = []  # (device, buffer, byte_start, byte_end, group)
     for r, grp in live_ranges(g).items():
         nbytes = group_bytes(g, grp)
@@ -100,13 +186,13 @@ def find_overlap(g: Graph) -> tuple[int, int, int] | None:
         else:
             start, buf = 0, sid
         regions.append((g.entry_device(r), buf, start, start + nbytes, grp))
-    regions.sort(key=lambda t: (t[0], t[1], t[4].first))
+    regions.sort(key=lambda t: (t[0], t[1], t[2]))
     active: list[tuple] = []
-    for reg in regions:
-        active = [a for a in active if a[:2] == reg[:2] and a[4].last >= reg[4].first]
+    for reg in regions:  # sweep by bytes: the regions still open share bytes with this one
+        active = [a for a in active if a[:2] == reg[:2] and a[3] > reg[2]]
         for a in active:
-            if a[2] < reg[3] and reg[2] < a[3]:
-                return a[4].root, reg[4].root, reg[4].first
+            if order.conflict(a[4], reg[4]):
+                return a[4].root, reg[4].root, max(a[4].first, reg[4].first)
         active.append(reg)
     return None
 

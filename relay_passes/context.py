@@ -73,6 +73,8 @@ class BuildContext:
     weights: Weights = field(default_factory=Weights)
     options: LoweringOptions = field(default_factory=LoweringOptions)
     lowered: Lowered = field(default_factory=Lowered)
+    streams: dict = field(default_factory=dict)  # options of assign_streams (caller)
+
     def device_of_vdevice(self, vdev: relax.VDevice | None) -> int | None:
         if vdev is None:
             return None

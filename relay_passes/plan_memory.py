@@ -17,6 +17,7 @@ from hgrt.errors import PlanError
 from hgrt.graph import Graph
 from hgrt.lifetimes import (
     ALIGN,
+    Order,
     align,
     check_lifetimes,
     live_ranges,
@@ -42,27 +43,29 @@ PLACEMENT_ORDERS = {
 }
 
 
-def _place(items: list[tuple[int, int, int, int]], order) -> tuple[dict[int, int], int]:
-    """First-fit at the lowest offset that no storage live at the same time occupies."""
-    placed: list[tuple[int, int, int, int]] = []  # (offset, size, first, last)
+def _place(items: list[tuple], order, live: Order) -> tuple[dict[int, int], int]:
+    """First-fit at the lowest offset that no storage possibly live at the same time occupies
+    (with streams: not ordered by happens-before)."""
+    placed: list[tuple] = []  # (offset, size, group)
     offsets: dict[int, int] = {}
     pool = 0
-    for sid, size, first, last in sorted(items, key=order):
-        busy = sorted((o, o + s) for o, s, f, la in placed if f <= last and first <= la)
+    for sid, size, _first, _last, grp in sorted(items, key=order):
+        busy = sorted((o, o + s) for o, s, other in placed if live.conflict(grp, other))
         offset = 0
         for lo, hi in busy:
             if offset + size <= lo:
                 break
             offset = max(offset, align(hi))
         offsets[sid] = offset
-        placed.append((offset, size, first, last))
+        placed.append((offset, size, grp))
         pool = max(pool, offset + size)
     return offsets, pool
 
 
-def _greedy_offsets(items: list[tuple[int, int, int, int]]) -> tuple[dict[int, int], int]:
-    """items: (sid, size, first, last) → offsets and pool size, best of PLACEMENT_ORDERS."""
-    plans = [_place(items, order) for order in PLACEMENT_ORDERS.values()]
+def _greedy_offsets(items: list[tuple], live: Order) -> tuple[dict[int, int], int]:
+    """items: (sid, size, first, last, group) → offsets and pool size, best of
+    PLACEMENT_ORDERS."""
+    plans = [_place(items, order, live) for order in PLACEMENT_ORDERS.values()]
     return min(plans, key=lambda plan: plan[1])
 
 
@@ -78,7 +81,8 @@ def plan_memory(graph: Graph, ctx: object = None) -> Graph:
     if g.device_index is not None and ctx is not None and hasattr(ctx, "devices"):
         n_dev = max(n_dev, len(ctx.devices))
     weights = g.weight_storages
-    items: list[list[tuple[int, int, int, int]]] = [[] for _ in range(n_dev)]
+    live = Order(g)
+    items: list[list[tuple]] = [[] for _ in range(n_dev)]
     offsets = [0] * len(owner)
     weight_pools = [0] * n_dev
     for root, grp in sorted(live_ranges(g).items()):
@@ -88,10 +92,10 @@ def plan_memory(graph: Graph, ctx: object = None) -> Graph:
             offsets[sid] = weight_pools[owner[sid]]
             weight_pools[owner[sid]] += size
         else:
-            items[owner[sid]].append((sid, size, grp.first, grp.last))
+            items[owner[sid]].append((sid, size, grp.first, grp.last, grp))
     pools = [0] * n_dev
     for dev in range(n_dev):
-        dev_offsets, pools[dev] = _greedy_offsets(items[dev])
+        dev_offsets, pools[dev] = _greedy_offsets(items[dev], live)
         for s, o in dev_offsets.items():
             offsets[s] = o
     g = dataclasses.replace(g, pool_bytes=pools, storage_offset=offsets,

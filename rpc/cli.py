@@ -1,5 +1,6 @@
-"""``hgrt rpc-server --tracker HOST:PORT --key KEY [--host H --port P]``: a TVM RPC server
-whose sessions also serve hgrt. hgrt/cli.py adds it through ``register(subparsers)``;
+"""``hgrt rpc-server --tracker HOST:PORT --key KEY [--host H --port P --allow ADDR|CIDR]``: a TVM
+RPC server whose sessions also serve hgrt, refusing clients not in ``--allow`` before the
+handshake. hgrt/cli.py adds it through ``register(subparsers)``;
 ``hgrt run DIR --rpc-tracker HOST:PORT --rpc-key KEY`` is in hgrt/cli.py itself.
 
 ``python -m hgrt.rpc.cli rpc-server ...`` runs the server without hgrt/cli.py.
@@ -30,7 +31,12 @@ def add_rpc_server_parser(subparsers) -> argparse.ArgumentParser:
                    help="last port to try (default: port + 100)")
     p.add_argument("--custom-addr", default=None,
                    help="address to report to the tracker (default: as the tracker sees it)")
-    p.add_argument("--silent", action="store_true", help="no per-session log lines")
+    p.add_argument("--allow", action="append", default=[], metavar="ADDR|CIDR",
+                   help="serve only clients from this address or block (repeatable; e.g. "
+                        "10.0.0.5 or 10.0.0.0/24); others are disconnected before the "
+                        "handshake. Default: any client that reaches the port")
+    p.add_argument("--silent", action="store_true",
+                   help="no per-session log lines (refused clients are still logged)")
     p.set_defaults(func=run_rpc_server)
     return p
 
@@ -45,18 +51,18 @@ def run_rpc_server(args: argparse.Namespace) -> int:
         return 2
     try:
         host = listen_address(args.host, args.tracker)
+        port_end = args.port_end if args.port_end is not None else args.port + 100
+        server = serve(host, args.port, port_end, tracker=args.tracker, key=args.key,
+                       custom_addr=args.custom_addr, silent=args.silent, allow=args.allow)
     except HgrtError as e:
         print(f"hgrt rpc-server: error: {e}", file=sys.stderr)
         return 2
     if not _is_loopback(host):
-        print(f"hgrt rpc-server: warning: listening on {host}: anyone who reaches this port runs "
-              f"the code they upload (TVM RPC has no authentication; see README 'Security')",
-              file=sys.stderr)
-    port_end = args.port_end if args.port_end is not None else args.port + 100
-    server = serve(host, args.port, port_end, tracker=args.tracker, key=args.key,
-                   custom_addr=args.custom_addr, silent=args.silent)
+        who = "anyone who reaches this port" + (" from an --allow address" if args.allow else "")
+        print(f"hgrt rpc-server: warning: listening on {host}: {who} runs the code they upload "
+              f"(TVM RPC has no authentication; see README 'Security')", file=sys.stderr)
 
-    def stop(signum, frame):  # kill the worker and its session processes, then leave
+    def stop(signum, frame):  # kill the server and its session processes, then leave
         server.terminate()
         sys.exit(0)
 
@@ -64,9 +70,12 @@ def run_rpc_server(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, stop)
     where = f"tracker {args.tracker}, key {args.key!r}" if args.tracker else \
         f"standalone, key {args.key!r}"
+    if args.allow:
+        where += f", clients from {' '.join(args.allow)} only"
     print(f"hgrt rpc-server listening on {host}:{server.port} ({where})", flush=True)
-    server.proc.join()
-    return 0
+    server.join()
+    print("hgrt rpc-server: the server process ended (see the lines above)", file=sys.stderr)
+    return 1
 
 
 def _is_loopback(host: str) -> bool:

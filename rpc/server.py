@@ -10,6 +10,7 @@ sends is copied before the call returns (it is a non-owning view).
 
 from __future__ import annotations
 
+import gc
 import importlib.metadata
 import itertools
 import json
@@ -17,7 +18,7 @@ import os
 import platform
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,7 @@ import tvm
 import tvm_ffi
 
 from hgrt.errors import ClosedError, HgrtError, InputError, ParamError, did_you_mean
+from hgrt.rpc.listen import ListenConfig, RPCServer, parse_allow
 from hgrt.rpc.protocol import (
     CREATE_FUNC,
     METHODS,
@@ -234,30 +236,43 @@ def is_registered() -> bool:
 
 
 def _server_init() -> None:
-    # Runs in the RPC server's PopenWorker (shipped there by cloudpickle, by reference).
+    # Runs first in each session process (shipped there by cloudpickle, by reference).
     import hgrt.rpc.server
 
     hgrt.rpc.server.register()
 
 
+def _session_summary() -> str:
+    # The end of a session's log line, from its own process: what the client left behind.
+    gc.collect()
+    stats = json.loads(remote_stats())
+    return (f"{stats['modules']} hgrt module(s) still alive ({stats['module_bytes']} bytes), "
+            f"process RSS {stats['rss_bytes'] / 2**20:.1f} MiB")
+
+
 def serve(host: str = "127.0.0.1", port: int = 9090, port_end: int = 9199,
           tracker: str | tuple[str, int] | None = None, key: str = "", *,
           custom_addr: str | None = None, silent: bool = False,
-          load_library: str | None = None) -> tvm.rpc.Server:
-    """Start a TVM RPC server that also serves hgrt; returns it (``.port``, ``.terminate()``).
+          load_library: str | None = None, allow: Sequence[str] = ()) -> RPCServer:
+    """Start a TVM RPC server that also serves hgrt; returns it (``.port``, ``.terminate()``,
+    ``.join()``). Each session runs in its own process, which exits with the session and logs
+    how many hgrt modules the client left alive there.
 
     With ``tracker`` ("host:port"), the server registers there under ``key``; without, it is
     standalone and ``key`` is what clients must give to ``tvm.rpc.connect``.
 
     ``host`` is where it listens: loopback by default; anyone who reaches the port runs the
-    code they upload (TVM RPC has no authentication).
+    code they upload (TVM RPC has no authentication). ``allow`` (addresses or CIDR blocks)
+    limits who that is: any other client's connection is closed before the handshake.
 
-    >>> server = serve("10.0.0.7", 9090, tracker="10.0.0.1:9190", key="jetson")  # doctest: +SKIP
-    >>> server.proc.join()                                                      # doctest: +SKIP
+    >>> server = serve("10.0.0.7", 9090, tracker="10.0.0.1:9190", key="jetson",
+    ...                allow=["10.0.0.0/24"])                                   # doctest: +SKIP
+    >>> server.join()                                                           # doctest: +SKIP
     """
     tracker_addr = parse_address(tracker, "tracker") if isinstance(tracker, str) else tracker
     if tracker_addr is not None and not key:
         raise InputError("a server registered with a tracker needs a key (e.g. key='jetson')")
-    return tvm.rpc.Server(host, port, port_end, tracker_addr=tracker_addr, key=key,
-                          load_library=load_library, custom_addr=custom_addr, silent=silent,
-                          server_init_callback=_server_init)
+    return RPCServer(ListenConfig(
+        host, port, port_end, key=key, tracker=tracker_addr, custom_addr=custom_addr,
+        allow=parse_allow(allow), load_library=load_library, silent=silent,
+        session_init=_server_init, session_summary=_session_summary))

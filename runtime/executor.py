@@ -38,7 +38,14 @@ from hgrt.runtime.frames import (
 )
 from hgrt.runtime.module_api import BenchmarkResult, GraphModuleAPI, decode_params
 from hgrt.runtime.pools import StoragePools
-from hgrt.runtime.threads import CallBudget, set_thread_count, use_all_cores
+from hgrt.runtime.streams import StreamRunner
+from hgrt.runtime.threads import (
+    CallBudget,
+    process_threads,
+    restore_thread_count,
+    set_thread_count,
+    use_all_cores,
+)
 
 
 def normalize_devices(devices: Any) -> list:
@@ -70,8 +77,10 @@ class GraphModule(GraphModuleAPI):
         self.lib = lib
         _check_devices(graph, devices)
         self._storage = StoragePools(graph, devices)
+        self._params_missing: frozenset[str] = frozenset()  # see defer_params
         self._bind_steps()
         self.configure_calls()
+        self.configure_streams()
 
     def _bind_steps(self) -> None:
         self.steps: tuple[Step, ...] = bind_steps(self.graph, self.lib, self._storage)
@@ -88,19 +97,67 @@ class GraphModule(GraphModuleAPI):
             raise closed
 
         self.steps, self._calls, self.lib = (), ((refuse, ()),), None  # run() raises, for free
+        self._streams = None
         self._storage = None  # the pools (unless another module shares their params)
 
     # ---- running ------------------------------------------------------------------------
-    def run(self, **inputs) -> None:
-        """Run the graph once; keyword arguments are set as inputs first."""
+    def run(self, parallel: bool | None = None, **inputs) -> None:
+        """Run the graph once; keyword arguments are set as inputs first. A graph built with
+        streams runs them at once when they can overlap (``parallel=False``, or
+        ``HGRT_SEQUENTIAL=1``, runs its steps one after another: the same results)."""
         if inputs:
             self.set_input(**inputs)
+        if self._params_missing:
+            raise self._params_missing_error("run")
         if not self._stateful.acquire(blocking=False):
             raise self._in_use("run")
         try:
-            self._run_calls(self._calls)
+            runner = self._streams if (self.parallel if parallel is None else parallel) else None
+            if runner is None:
+                restore_thread_count()
+                self._run_calls(self._calls)
+            else:
+                self._run_streams(runner)
         finally:
             self._stateful.release()
+
+    def _run_streams(self, runner: StreamRunner, record: list | None = None) -> None:
+        runner.run(record)
+        if runner.failed is not None:
+            step, cause = runner.failed
+            if isinstance(cause, ClosedError):
+                raise cause
+            err = self.execution_error(step, cause)
+            raise ExecutionError(f"{err} (stream {runner.stream_of[step]})") from cause
+
+    def configure_streams(self, threads: Mapping[str, int] | None = None,
+                          parallel: bool | None = None) -> None:
+        """Kernel threads per device for streams (``{"cpu:0": 1, "cpu:1": 1}``; default: the
+        cores split evenly over the devices that have streams, then over their streams), and
+        whether ``run()`` runs streams at once (default: when the graph has streams that can
+        overlap, unless ``HGRT_SEQUENTIAL=1``)."""
+        g, self._streams, self._stream_config = self.graph, None, (threads, parallel)
+        self.parallel = os.environ.get("HGRT_SEQUENTIAL", "0") in ("", "0") \
+            if parallel is None else bool(parallel)
+        if g.streams is None or max(g.streams, default=-1) < 1 or not StreamRunner.overlaps(g):
+            return
+        stream_dev: dict[int, int] = {}
+        for nid, s in enumerate(g.streams):
+            if s >= 0:
+                stream_dev[s] = g.entry_device(g.entry_id(nid))
+        devs = sorted(set(stream_dev.values()))
+        names = [hdev.device_name(self.devices[d]) for d in devs]
+        share = dict(threads or {})
+        unknown = sorted(set(share) - set(names))
+        if unknown:
+            raise InputError(f"configure_streams: threads for {unknown}, but the streams run on "
+                             f"{names}")
+        per_dev = {d: share.get(n, max(1, process_threads() // len(devs)))
+                   for d, n in zip(devs, names, strict=True)}
+        counts = {d: list(stream_dev.values()).count(d) for d in devs}
+        self._streams = StreamRunner(g, self.steps, [
+            max(1, per_dev[stream_dev[s]] // counts[stream_dev[s]])
+            for s in range(max(stream_dev) + 1)])
 
     def _run_calls(self, calls: tuple) -> None:
         i = 0
@@ -136,6 +193,8 @@ class GraphModule(GraphModuleAPI):
     def infer(self, inputs: Mapping, out: list | None = None) -> list:
         """``m(inputs, out=out)``; see ``__call__``."""
         self._check_open()
+        if self._params_missing:
+            raise self._params_missing_error("call")
         items = self._call_inputs(inputs)
         outs = self._call_outputs(out)
         set_thread_count(self.budget.threads)
@@ -269,6 +328,27 @@ class GraphModule(GraphModuleAPI):
             except InputError as e:
                 raise ParamError(str(e)) from None
             self._set_one(idx, value)
+            if self._params_missing:
+                self._params_missing -= {name}  # empty once the last weight is here: runs go
+
+    def defer_params(self) -> None:
+        """Refuse ``run()`` and calls until every parameter has come through ``load_params``
+        (weights streamed one tensor at a time after create, as ``hgrt.Host`` does); the refusal
+        names a missing weight. Checked when a weight arrives, not per step."""
+        self._check_open()
+        self._params_missing = frozenset(self.graph.params)
+
+    @property
+    def missing_params(self) -> list[str]:
+        """Parameters not loaded yet after ``defer_params`` (empty: the module can run)."""
+        return sorted(self._params_missing)
+
+    def _params_missing_error(self, what: str) -> ParamError:
+        names = self.missing_params
+        more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+        return ParamError(f"{what}: weight {names[0]!r}{more} not loaded yet "
+                          f"({len(self.graph.params) - len(names)} of {len(self.graph.params)} "
+                          f"loaded); load_params brings them")
 
     def share_params(self, other: GraphModule, params: bytes | Mapping | None = None) -> None:
         """Use ``other``'s parameter tensors (no copy): both modules then read the same weights.
@@ -293,7 +373,9 @@ class GraphModule(GraphModuleAPI):
                                  f"{theirs.dtype} on {theirs.device} in the other module, "
                                  f"{tuple(mine.shape)} {mine.dtype} on {mine.device} here")
             self._storage.adopt(eid, other._storage, oeid)
+        self._params_missing -= set(names)
         self._bind_steps()  # steps now read the shared tensors; nothing else changes
+        self.configure_streams(*self._stream_config)
 
     # ---- introspection ------------------------------------------------------------------
     @property

@@ -48,6 +48,12 @@ def set_thread_count(n: int) -> None:
         _local.threads = n
 
 
+def restore_thread_count() -> None:
+    """Back to ``process_threads()`` on this thread, if hgrt changed its pool before."""
+    if getattr(_local, "threads", None) not in (None, process_threads()):
+        set_thread_count(process_threads())
+
+
 @dataclass(frozen=True)
 class CallBudget:
     """How callers of one module share the cores: ``callers`` expected at once, each with

@@ -1,0 +1,114 @@
+"""Streams at run time: each stream of the graph on a worker thread of its own, waiting only at
+events, so that independent branches on two devices (or two branches of one) overlap.
+
+TVM's FFI releases the GIL while a kernel runs, so Python threads give real parallelism. The
+calling thread runs the first stream itself; the others go to persistent workers (one per
+stream, started at the first parallel run, stopped when the runner is dropped). A failing step
+stops every stream (waiters are woken) and the error names its node, device and stream.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import weakref
+
+from hgrt.graph import Graph
+from hgrt.runtime.threads import set_thread_count
+
+
+def _worker(jobs: queue.SimpleQueue) -> None:
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        job()
+        job = None  # hold nothing of the runner between runs: it is freed with its module
+
+
+def _stop(queues: list) -> None:
+    for q in queues:
+        q.put(None)
+
+
+class StreamRunner:
+    """The steps of a graph grouped by stream, with their events; ``run()`` runs them all."""
+
+    def __init__(self, graph: Graph, steps: tuple, threads: list[int]):
+        """``steps``: the module's bound steps; ``threads[s]``: kernel threads of stream s."""
+        index = {step.node: i for i, step in enumerate(steps)}
+        waited = {w for ws in graph.waits for w in ws}
+        self.events = {n: threading.Event() for n in waited}
+        n_streams = max(graph.streams) + 1
+        self.streams: list[list[tuple]] = [[] for _ in range(n_streams)]
+        for step in steps:
+            waits = tuple(self.events[w] for w in graph.waits[step.node])
+            self.streams[graph.streams[step.node]].append(
+                (index[step.node], step.func, step.args, waits, self.events.get(step.node)))
+        self.threads = threads
+        self.stream_of = [graph.streams[step.node] for step in steps]
+        self._queues: list[queue.SimpleQueue] = []
+        self._failed: tuple[int, BaseException] | None = None
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def overlaps(graph: Graph) -> bool:
+        """Whether any two steps may run at once (the longest chain of the happens-before
+        order is shorter than the step count); else streams only add hand-offs."""
+        tail: dict[int, int] = {}
+        longest: dict[int, int] = {}
+        for nid, s in enumerate(graph.streams):
+            if s >= 0:
+                prev = list(graph.waits[nid]) + ([tail[s]] if s in tail else [])
+                longest[nid] = 1 + max((longest[p] for p in prev), default=0)
+                tail[s] = nid
+        return max(longest.values(), default=0) < len(longest)
+
+    def _start(self) -> None:
+        self._queues = [queue.SimpleQueue() for _ in self.streams[1:]]
+        for q in self._queues:
+            threading.Thread(target=_worker, args=(q,), daemon=True,
+                             name="hgrt-stream").start()
+        weakref.finalize(self, _stop, list(self._queues))
+
+    def run(self, record: list | None = None) -> None:
+        """Run every stream once; raise the first failure as ``(step index, exception)`` in
+        ``self.failed`` after all streams stopped. ``record`` gets (step, stream, t0, t1)."""
+        if not self._queues and len(self.streams) > 1:
+            self._start()
+        for ev in self.events.values():
+            ev.clear()
+        self._failed = None
+        done = [threading.Event() for _ in self._queues]
+        for s, (q, ev) in enumerate(zip(self._queues, done, strict=True), start=1):
+            q.put(lambda s=s, ev=ev: (self._run_stream(s, record), ev.set()))
+        self._run_stream(0, record)
+        for ev in done:
+            ev.wait()
+
+    @property
+    def failed(self) -> tuple[int, BaseException] | None:
+        return self._failed
+
+    def _run_stream(self, s: int, record: list | None) -> None:
+        set_thread_count(self.threads[s])
+        clock = time.perf_counter
+        for idx, func, args, waits, signal in self.streams[s]:
+            for ev in waits:
+                ev.wait()
+            if self._failed is not None:
+                return
+            try:
+                t0 = clock()
+                func(*args)
+                if record is not None:
+                    record.append((idx, s, t0, clock()))
+            except Exception as e:  # noqa: BLE001 - every stream stops; run() raises it
+                with self._lock:
+                    self._failed = self._failed or (idx, e)
+                for ev in self.events.values():  # wake every waiter: they see the failure
+                    ev.set()
+                return
+            if signal is not None:
+                signal.set()

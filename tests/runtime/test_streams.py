@@ -1,0 +1,145 @@
+"""Streams: branches on two devices run at once, events order the cross-stream edges, and the
+memory plan stays right when they overlap (a plan that is right only in node order is refused)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import time
+
+import numpy as np
+import pytest
+import tvm
+
+import hgrt
+from hgrt.graph import Graph
+from hgrt.relay_passes.assign_streams import assign_streams
+from hgrt.relay_passes.plan_memory import plan_memory
+from hgrt.testing import GraphBuilder, N, elementwise_lib
+
+DEVS = [tvm.cpu(0), tvm.cpu(1)]
+
+
+def branchy(depth: int = 6) -> Graph:
+    """x -> a chain on cpu:0 and, copied over from its first value, a chain on cpu:1; joined
+    on cpu:0 (that first value must not be overwritten while cpu:1's stream copies it)."""
+    g = GraphBuilder()
+    x = g.input("x", dev=0)
+    w = g.input("w", dev=1, param=True)
+    a = g.op("add_one", [x], dev=0)
+    b = g.copy(a, dev=1)  # read by cpu:1's stream while cpu:0's goes on
+    for i in range(depth):
+        a = g.op("add_one", [a], dev=0)
+        b = g.op("mul" if i % 2 else "add", [b, w], dev=1)
+    j = g.op("add", [a, g.copy(b, dev=0)], dev=0)
+    g.output(g.op("add_one", [j], dev=0))
+    return Graph.from_json(g.json())
+
+
+def planned(graph: Graph, **opts) -> Graph:
+    return plan_memory(assign_streams(graph, **opts))
+
+
+def module(graph: Graph):
+    m = hgrt.create(graph.to_json(), elementwise_lib(), DEVS)
+    m.load_params({"w": np.linspace(0.5, 1.5, N, dtype="float32")})
+    return m
+
+
+def test_two_branches_get_two_streams_and_one_event_each_way():
+    g = planned(branchy())
+    runs = [s for s in g.streams if s >= 0]
+    assert set(runs) == {0, 1}
+    assert sum(len(w) for w in g.waits) == 2  # the copy to cpu:1 and the copy back
+    assert Graph.from_json(g.to_json()).streams == g.streams  # kept in the JSON
+
+
+def test_single_stream_option_and_a_graph_without_streams_run_as_today(rng):
+    x = rng.standard_normal(N).astype("float32")
+    outs = []
+    for g in (branchy(), planned(branchy(), single_stream=True), planned(branchy())):
+        m = module(g)
+        m.run(x=x)
+        outs.append(m.get_output(0).numpy())
+    assert planned(branchy(), single_stream=True).streams is None
+    np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_array_equal(outs[0], outs[2])
+
+
+def test_streams_forced_to_interleave_stay_bitwise_equal(rng):
+    """300 runs with random sleeps injected before steps: every output equals the sequential
+    run's, bit for bit."""
+    m = module(planned(branchy()))
+    assert m._streams is not None and m.parallel
+    x = rng.standard_normal(N).astype("float32")
+    m.run(x=x, parallel=False)
+    want = m.get_output(0).numpy().copy()
+    jitter = random.Random(0)
+
+    def sleepy(func):
+        def call(*args):
+            time.sleep(jitter.random() * 2e-4)
+            return func(*args)
+        return call
+
+    runner = m._streams
+    runner.streams = [[(i, sleepy(f), a, w, s) for i, f, a, w, s in items]
+                      for items in runner.streams]
+    for _ in range(300):
+        m.run()
+        np.testing.assert_array_equal(m.get_output(0).numpy(), want)
+
+
+def test_a_plan_right_only_in_node_order_is_refused():
+    """The sequential planner reuses bytes that a copy on the other stream may still read."""
+    g = assign_streams(branchy())
+    sequential = plan_memory(dataclasses.replace(g, streams=None, waits=None))
+    racy = dataclasses.replace(sequential, streams=g.streams, waits=g.waits)
+    with pytest.raises(hgrt.GraphError, match="share .* while both are live"):
+        Graph.from_json(racy.to_json())
+    ok = planned(branchy())
+    seq = plan_memory(branchy())
+    assert sum(ok.pool_bytes) <= 1.10 * sum(seq.pool_bytes) + 128
+
+
+def test_a_missing_event_is_refused():
+    g = planned(branchy())
+    doc = json.loads(g.to_json())
+    nid = next(i for i, w in enumerate(doc["hgrt"]["waits"]) if w)
+    doc["hgrt"]["waits"][nid] = []
+    with pytest.raises(hgrt.GraphError, match="with no event between them: a race"):
+        Graph.from_json(json.dumps(doc))
+
+
+def test_a_failing_step_stops_every_stream_and_names_its_stream(rng):
+    m = module(planned(branchy()))
+    runner = m._streams
+
+    def boom(*args):
+        raise RuntimeError("injected")
+
+    idx, _, args, waits, signal = runner.streams[1][1]
+    runner.streams[1][1] = (idx, boom, args, waits, signal)
+    with pytest.raises(hgrt.ExecutionError, match=r"on cpu:1: injected \(stream 1\)"):
+        m.run(x=rng.standard_normal(N).astype("float32"))
+    m.run(parallel=False)  # the sequential path does not use the runner's steps
+
+
+def test_threads_per_device_are_set_and_checked():
+    m = module(planned(branchy()))
+    m.configure_streams(threads={"cpu:0": 1, "cpu:1": 1})
+    assert m._streams.threads == [1, 1]
+    with pytest.raises(hgrt.InputError, match=r"threads for \['cuda:0'\]"):
+        m.configure_streams(threads={"cuda:0": 1})
+
+
+def test_a_chain_across_devices_runs_sequentially():
+    """Streams that cannot overlap would only add hand-offs: run() stays sequential."""
+    g = GraphBuilder()
+    v = g.input("x", dev=0)
+    for i in range(6):
+        v = g.op("add_one", [g.copy(v, dev=(i + 1) % 2)], dev=(i + 1) % 2)
+    g.output(v)
+    m = hgrt.create(planned(Graph.from_json(g.json())).to_json(), elementwise_lib(), DEVS)
+    assert m._streams is None
