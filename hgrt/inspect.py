@@ -37,7 +37,20 @@ def summary(g: Graph) -> dict:
         "copies": {f"{names[s]} -> {names[d]}": b for (s, d), b in sorted(copies.items())},
         "num_copies": sum(1 for n in g.nodes if n.func_name == COPY_FUNC),
         "memory": {names[d]: vars(m) for d, m in enumerate(mem) if d < len(names)},
+        "streams": _streams(g, names),
     }
+
+
+def _streams(g: Graph, names: list[str]) -> dict[str, dict]:
+    """Per stream: its device, steps, and the events its steps wait for (none: sequential)."""
+    out: dict[str, dict] = {}
+    for nid, s in enumerate(g.streams or []):
+        if s >= 0:
+            row = out.setdefault(f"stream {s}", {"device": names[g.entry_device(g.entry_id(nid))],
+                                                 "steps": 0, "waits": 0})
+            row["steps"] += 1
+            row["waits"] += len(g.waits[nid])
+    return out
 
 
 def format_summary(s: dict) -> str:
@@ -45,6 +58,9 @@ def format_summary(s: dict) -> str:
     lines += [f"  {d:<10} {n}" for d, n in s["kernels_per_device"].items()]
     lines.append(f"copies: {s['num_copies']}")
     lines += [f"  {k}: {b} bytes per run" for k, b in s["copies"].items()]
+    lines.append("streams: " + (", ".join(f"{k} on {v['device']}: {v['steps']} steps, waits "
+                                          f"{v['waits']}" for k, v in s["streams"].items())
+                                if s["streams"] else "none (steps run one after another)"))
     lines.append("memory per device (bytes):   planned   lower bound   no reuse   planned/bound")
     for d, m in s["memory"].items():
         ratio = m["planned_bytes"] / m["lower_bound"] if m["lower_bound"] else 1.0

@@ -157,13 +157,29 @@ def profile(module, repeat: int = 10, warmup: int = 1) -> ProfileReport:
             rec.copy_from = dev_names[g.entry_device(src)]
         ops.append(rec)
 
+    return ProfileReport(ops, statistics.median(walls), repeat, _trace(module, ops, last_run))
+
+
+def _trace(module, ops: list[OpRecord], last_run: list[tuple[float, float]]) -> list[dict]:
+    """Chrome trace events: a track per device from the last timed run; when the module runs
+    streams at once, a track per stream from one real concurrent run (its overlap)."""
+    tracks = [str(d) for d in module.devices]
+    where = [tracks.index(rec.device) for rec in ops]
+    runner = getattr(module, "_streams", None) if getattr(module, "parallel", False) else None
+    if runner is not None:
+        record: list = []
+        module._run_streams(runner, record)
+        tracks = [f"stream {s} ({ops[runner.stream_of.index(s)].device})"
+                  for s in range(len(runner.streams))]
+        last_run = [(0.0, 0.0)] * len(ops)
+        where = list(runner.stream_of)
+        for idx, _, t0, t1 in record:
+            last_run[idx] = (t0, t1)
     events = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "hgrt run"}}]
-    for d, name in enumerate(dev_names):
-        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": d,
-                       "args": {"name": name}})
-    origin = last_run[0][0] if last_run else 0.0
-    for rec, (t0, t1) in zip(ops, last_run, strict=True):
-        tid = dev_names.index(rec.device)
+    events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": t, "args": {"name": name}}
+               for t, name in enumerate(tracks)]
+    origin = min((t0 for t0, _ in last_run), default=0.0)
+    for rec, tid, (t0, t1) in zip(ops, where, last_run, strict=True):
         args = {"node": rec.node_id, "function": rec.func}
         if rec.is_copy:
             args.update(bytes=rec.copy_bytes, src=rec.copy_from)
@@ -172,4 +188,4 @@ def profile(module, repeat: int = 10, warmup: int = 1) -> ProfileReport:
                        "ts": (t0 - origin) * 1e6, "args": args})
         events.append({"name": rec.name, "cat": cat, "ph": "E", "pid": 0, "tid": tid,
                        "ts": (t1 - origin) * 1e6})
-    return ProfileReport(ops, statistics.median(walls), repeat, events)
+    return events

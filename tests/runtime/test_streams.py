@@ -143,3 +143,21 @@ def test_a_chain_across_devices_runs_sequentially():
     g.output(v)
     m = hgrt.create(planned(Graph.from_json(g.json())).to_json(), elementwise_lib(), DEVS)
     assert m._streams is None
+
+
+def test_profile_trace_has_a_track_per_stream(rng):
+    m = module(planned(branchy(depth=12)))
+    m.set_input("x", rng.standard_normal(N).astype("float32"))
+    events = m.profile(repeat=2).chrome_trace()["traceEvents"]
+    names = [e["args"]["name"] for e in events if e["name"] == "thread_name"]
+    assert names == ["stream 0 (cpu:0)", "stream 1 (cpu:1)"]
+    assert {e["tid"] for e in events if e["ph"] == "B"} == {0, 1}
+
+
+def test_inspect_shows_streams():
+    from hgrt.inspect import format_summary, summary
+
+    s = summary(planned(branchy()))
+    assert s["streams"]["stream 1"] == {"device": "device 1", "steps": 7, "waits": 1}
+    assert "stream 0 on device 0" in format_summary(s)
+    assert "none (steps run one after another)" in format_summary(summary(branchy()))
