@@ -85,10 +85,7 @@ def bench_one(entry, repeat: int, tuning_db: str | None) -> dict:
 
 
 def split_graph_nodes(result) -> list[str]:
-    from hgrt.graph import Graph
-
-    g = Graph.from_json(result.graph_json)
-    return [n.func_name for n in g.nodes if n.op == "tvm_op"]
+    return [n.func_name for n in result.graph.nodes if n.op == "tvm_op"]
 
 
 HEADER = ("model", "build s", "hgrt ms", "VM ms", "hgrt/VM", "split ms", "copies", "ORT ms",

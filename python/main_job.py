@@ -47,7 +47,7 @@ def main() -> None:
     m.run()
     got = m.get_output(0).numpy()
     want = run_relax_vm(model, list(inputs.values()))[0]
-    copies = sum(1 for n in hgrt.Graph.from_json(res.graph_json).nodes if n.func_name == "__copy")
+    copies = sum(1 for n in res.graph.nodes if n.func_name == "__copy")
     print(f"graph: {copies} __copy nodes; memory per device: "
           + ", ".join(f"{names[i]} {d.planned_bytes} B (lower bound {d.lower_bound} B)"
                       for i, d in enumerate(res.memory_report)))

@@ -50,7 +50,7 @@ def set_thread_count(n: int) -> None:
 
 def restore_thread_count() -> None:
     """Back to ``process_threads()`` on this thread, if hgrt changed its pool before."""
-    if getattr(_local, "threads", None) not in (None, process_threads()):
+    if getattr(_local, "threads", None) is not None and _local.threads != process_threads():
         set_thread_count(process_threads())
 
 

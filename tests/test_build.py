@@ -34,7 +34,7 @@ def reference(model, x):
 
 
 def graph_of(res) -> Graph:
-    return Graph.from_json(res.graph_json)
+    return res.graph
 
 
 def test_single_device_matches_vm(model, x, reference):
