@@ -97,7 +97,7 @@ class GraphModule(GraphModuleAPI):
             raise closed
 
         self.steps, self._calls, self.lib = (), ((refuse, ()),), None  # run() raises, for free
-        self._streams = None
+        self._streams = self._frames = None
         self._storage = None  # the pools (unless another module shares their params)
 
     # ---- running ------------------------------------------------------------------------
@@ -376,6 +376,8 @@ class GraphModule(GraphModuleAPI):
         self._params_missing -= set(names)
         self._bind_steps()  # steps now read the shared tensors; nothing else changes
         self.configure_streams(*self._stream_config)
+        b = self.budget
+        self.configure_calls(b.callers, b.threads_per_call, b.max_frames)  # frames: new weights
 
     # ---- introspection ------------------------------------------------------------------
     @property

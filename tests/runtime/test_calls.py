@@ -165,3 +165,15 @@ def test_call_errors(mlp):
         mlp(x=np.zeros((4, SIZE), "float32"), out=[])
     with pytest.raises(hgrt.InputError, match="expected shape"):
         mlp(x=np.zeros((4, SIZE), "float32"), out=[np.zeros(3, "float32")])
+
+
+def test_calls_read_shared_params_and_close_frees_frames(mlp):
+    x = np.random.default_rng(3).standard_normal((4, SIZE)).astype("float32")
+    want = mlp(x=x)[0]
+    other = hgrt.create(mlp.graph, mlp.lib, tvm.cpu(0))  # its own weights: zeros
+    assert not np.array_equal(other(x=x)[0], want)
+    other.share_params(mlp)
+    np.testing.assert_array_equal(other(x=x)[0], want)
+    other.close()
+    with pytest.raises(hgrt.ClosedError):
+        other(x=x)
