@@ -16,9 +16,11 @@ from hgrt.errors import (
     InputError,
     ParamError,
     PlanError,
+    ProvisionError,
     RemoteError,
 )
 from hgrt.graph import Graph, Node
+from hgrt.host import Host
 from hgrt.rpc.client import RemoteGraphModule
 from hgrt.runtime.executor import GraphModule
 from hgrt.runtime.module_api import BenchmarkResult, GraphModuleAPI
@@ -40,7 +42,7 @@ def __getattr__(name):
 
 __all__ = [
     "BenchmarkResult", "BuildError", "BuildResult", "ClosedError", "DeviceError",
-    "ExecutionError", "Graph", "GraphError", "GraphModule", "GraphModuleAPI", "HgrtError",
-    "InputError", "Node", "ParamError", "Placement", "PlanError", "RemoteError",
+    "ExecutionError", "Graph", "GraphError", "GraphModule", "GraphModuleAPI", "HgrtError", "Host",
+    "InputError", "Node", "ParamError", "Placement", "PlanError", "ProvisionError", "RemoteError",
     "RemoteGraphModule", "build", "create", "load", "save",
 ]

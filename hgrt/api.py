@@ -35,15 +35,15 @@ def create(graph_json: str | bytes | dict | Graph, lib, devices) -> GraphModuleA
     return executor.create(graph_json, lib, devs)
 
 
-def devices_for(graph: Graph, devices: Any = None, session: Any = None) -> list:
+def devices_for(graph: Graph | None, devices: Any = None, session: Any = None) -> list:
     """The runtime devices for ``graph``: tvm Devices as given, names (``"cpu:1"``, or one
     string ``"cpu:0,cuda:0"``) of this machine or of ``session``; by default the devices the
-    graph was built for."""
+    graph was built for (``cpu:0`` without a graph)."""
     if isinstance(devices, tvm.runtime.Device):
         devices = [devices]
     if isinstance(devices, str):
         devices = [d for d in devices.split(",") if d.strip()]
-    names = list(devices) if devices else graph.device_names or ["cpu:0"]
+    names = list(devices) if devices else (graph and graph.device_names) or ["cpu:0"]
     return [hdev.runtime_device(d, session) for d in names]
 
 

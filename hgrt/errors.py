@@ -30,6 +30,11 @@ class DeviceError(HgrtError, ValueError):
     """A device list is unusable (mixed sessions, unknown device name, missing device)."""
 
 
+class ProvisionError(DeviceError):
+    """A model cannot be added to a ``hgrt.Host``: its name is taken, or a logical device of it
+    fits no physical device's memory budget."""
+
+
 class ExecutionError(HgrtError, RuntimeError):
     """A kernel or copy failed while the graph was running; names the node and its device."""
 
