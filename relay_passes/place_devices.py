@@ -8,7 +8,8 @@ The most specific setting wins:
      ``relax.`` prefix, or fnmatch patterns (``"nn.*"``); an exact name beats a pattern, and
      patterns are tried in the order given;
   4. the preferred device, unless its target cannot compile the op (``GPU_UNSUPPORTED_OPS``);
-  5. the fallback device.
+  5. the fallback device;
+  with ``auto=True``, 4 and 5 give way to the device where an op costs least (auto_place.py).
 
 The pass does not change the IR: it writes ``ctx.placed`` (``op_device``: binding name → device
 index, ``input_device``: hinted inputs, ``report``) and attaches the module's vdevice list.
@@ -26,6 +27,7 @@ from tvm import relax
 
 from hgrt.devices import DeviceSpec, resolve_device
 from hgrt.errors import BuildError
+from hgrt.relay_passes.auto_place import auto_place
 from hgrt.relay_passes.context import BuildContext, PlacementRow
 from hgrt.relay_passes.relax_util import (
     HINT_ON_DEVICE,
@@ -56,6 +58,8 @@ class Placement:
     overrides: dict[str, Any] = field(default_factory=dict)
     preferred: Any = None
     fallback: Any = None
+    auto: bool = False  # ops no hint/override/rule places go where they cost least (auto_place)
+    budgets: dict[str, int] = field(default_factory=dict)  # auto: weight bytes per device
 
 
 def op_bindings(mod: tvm.IRModule) -> Iterator[tuple[str, str]]:
@@ -124,10 +128,10 @@ def place_devices(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
             if annotated is not None and op_name(value) != TO_VDEVICE:
                 hinted.setdefault(b.var.name, annotated)
 
-    for p in func.params:
-        annotated = _annotated_device(p, ctx)
+    for param in func.params:
+        annotated = _annotated_device(param, ctx)
         if annotated is not None:
-            hinted.setdefault(p.name, annotated)
+            hinted.setdefault(param.name, annotated)
     param_names = {v.name for v in func.params}
     placed = ctx.placed
     placed.input_device = {n: d for n, d in hinted.items() if n in param_names}
@@ -138,13 +142,22 @@ def place_devices(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
 
     placed.op_device.clear()
     placed.report.clear()
+    explicit = {}
     for name, op in op_bindings(mod):
         if name in hinted:
-            dev, why = hinted[name], "hint"
+            explicit[name] = hinted[name], "hint"
         elif name in overrides:
-            dev, why = overrides[name], "override"
+            explicit[name] = overrides[name], "override"
         elif (rule := _match_rule(op, rules)) is not None:
-            dev, why = rules[rule], f"rule {rule!r}"
+            explicit[name] = rules[rule], f"rule {rule!r}"
+    if p.auto:
+        budgets = {resolve_device(k, devs, "budget"): int(v) for k, v in p.budgets.items()}
+        explicit |= auto_place(func, devs, {k: d for k, (d, _) in explicit.items()},
+                               ctx.weights.values, budgets,
+                               lambda op, dev: _compiles_on(op, dev) is None)
+    for name, op in op_bindings(mod):
+        if name in explicit:
+            dev, why = explicit[name]
         elif preferred is not None and _compiles_on(op, devs[preferred]) is None:
             dev, why = preferred, "preferred"
         elif preferred is not None:

@@ -1,0 +1,75 @@
+"""Automatic placement: the cheapest device per op within weight budgets, explained."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+import hgrt
+from hgrt.devices import parse_devices
+from hgrt.frontend import import_model
+from hgrt.relay_passes.context import BuildContext, Weights
+from hgrt.relay_passes.place_devices import place_devices
+from hgrt.testing import run_hgrt, run_relax_vm
+from hgrt.zoo import light_input, light_model
+
+
+@pytest.fixture(scope="module")
+def squeezenet():
+    return light_model("squeezenet")
+
+
+def placed(model, devices, placement):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mod, weights = import_model(model, None, None)
+    ctx = BuildContext(devices=parse_devices(devices), placement=placement)
+    ctx.weights = Weights(dict(weights))
+    place_devices(mod, ctx)
+    return ctx.placed.report
+
+
+def test_equal_devices_get_no_copies(squeezenet):
+    report = placed(squeezenet, ["cpu:0", "cpu:1"], hgrt.Placement(auto=True))
+    assert {r.device for r in report} == {"cpu:0"}
+    assert all(r.reason.startswith("auto: ") and " vs " in r.reason for r in report)
+
+
+def test_the_gpu_takes_the_heavy_kernels_and_says_why(squeezenet):
+    report = placed(squeezenet, ["cpu:0", "cuda:0"], hgrt.Placement(auto=True))
+    convs = [r for r in report if r.op == "relax.nn.conv2d"]
+    assert convs and all(r.device == "cuda:0" for r in convs)
+    assert "on cuda:0 vs" in convs[0].reason and "on cpu:0" in convs[0].reason
+
+
+def test_a_budget_splits_the_model_in_few_places_and_rules_still_win(squeezenet):
+    total = sum(np.asarray(v).nbytes for v in import_model(squeezenet, None, None)[1].values())
+    report = placed(squeezenet, ["cpu:0", "cpu:1"],
+                    hgrt.Placement(auto=True, budgets={"cpu:0": total // 2},
+                                   rules={"nn.softmax": "cpu:0"}))
+    devices = [r.device for r in report]
+    assert set(devices) == {"cpu:0", "cpu:1"}
+    switches = sum(1 for a, b in zip(devices, devices[1:], strict=False) if a != b)
+    assert switches <= 10  # regions per device (the budget runs out late), not every other op
+    soft = [r for r in report if r.op == "relax.nn.softmax"]
+    assert soft and all(r.device == "cpu:0" and r.reason.startswith("rule") for r in soft)
+
+
+def test_auto_build_runs_right(squeezenet):
+    res = hgrt.build(squeezenet, ["cpu:0", "cpu:1"],
+                     hgrt.Placement(auto=True, budgets={"cpu:0": 1 << 20}))
+    x = light_input(squeezenet)
+    got = run_hgrt(res, x)[0]
+    np.testing.assert_allclose(got, run_relax_vm(squeezenet, list(x.values()))[0],
+                               rtol=1e-4, atol=1e-5)
+    copies = sum(1 for n in res.graph.nodes if n.func_name == "__copy")
+    conv_rule = hgrt.build(squeezenet, ["cpu:0", "cpu:1"],
+                           hgrt.Placement(rules={"nn.conv2d": "cpu:1"}))
+    assert copies < sum(1 for n in conv_rule.graph.nodes if n.func_name == "__copy")
+
+
+def test_weights_that_fit_nowhere_are_a_build_error(squeezenet):
+    with pytest.raises(hgrt.BuildError, match="no device can hold the weights"):
+        placed(squeezenet, ["cpu:0"], hgrt.Placement(auto=True, budgets={"cpu:0": 1000}))
