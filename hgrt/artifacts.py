@@ -4,15 +4,19 @@
 from __future__ import annotations
 
 import io
+import json
 import os
+import shutil
 import struct
+import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any, BinaryIO
 
 import numpy as np
 import tvm
 
-from hgrt.errors import HgrtError, ParamError
+from hgrt.devices import is_host_triple, machine_arch
+from hgrt.errors import BuildError, HgrtError, ParamError
 
 GRAPH_FILE = "graph.json"
 LIB_FILE = "lib.so"
@@ -42,24 +46,87 @@ def params_to_bytes(params: bytes | Mapping | None) -> bytes:
     return bytes(tvm.runtime.save_param_dict(tensors))
 
 
-def save(directory: str, graph_json: Any, lib=None, params=None) -> str:
+def save(directory: str, graph_json: Any, lib=None, params=None, *, cc: str | None = None) -> str:
     """Write ``graph.json``, ``lib.so`` and ``params.bin`` into ``directory``.
 
     ``graph_json`` may also be a build result (anything with ``graph_json``, ``lib`` and
     ``params`` attributes): ``hgrt.save("out/", hgrt.build(...))``.
+    ``lib.so`` is linked for the machine its code is for: by this host's compiler, or for
+    another architecture by the cross compiler its triple names (``aarch64-linux-gnu-g++``);
+    ``cc`` names another compiler (on PATH, or a path). The three files are written into a
+    temporary directory beside ``directory`` and moved there only once all are complete: a
+    failed save leaves ``directory`` as it was.
+
+    >>> hgrt.save("out/", hgrt.build(model, ["cpu:0", "cpu:1"],
+    ...                              target={"cpu": "raspberry-pi/4b-aarch64"}))  # doctest: +SKIP
     """
     if hasattr(graph_json, "graph_json") and lib is None:
         art = graph_json
         graph_json, lib, params = art.graph_json, art.lib, art.params
     if lib is None:
         raise ArtifactError("save: no library given")
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, GRAPH_FILE), "w") as f:
-        f.write(graph_json if isinstance(graph_json, str) else graph_json.to_json())
-    lib.export_library(os.path.join(directory, LIB_FILE))
-    with open(os.path.join(directory, PARAMS_FILE), "wb") as f:
-        f.write(params_to_bytes(params))
+    fcompile = link_compiler(lib, cc)
+    final = os.path.abspath(directory)
+    os.makedirs(os.path.dirname(final), exist_ok=True)
+    tmp = f"{os.path.dirname(final)}/.{os.path.basename(final)}.partial-{uuid.uuid4().hex[:8]}"
+    os.mkdir(tmp)
+    try:
+        with open(os.path.join(tmp, GRAPH_FILE), "w") as f:
+            f.write(graph_json if isinstance(graph_json, str) else graph_json.to_json())
+        try:
+            lib.export_library(os.path.join(tmp, LIB_FILE), fcompile=fcompile)
+        except Exception as e:
+            raise BuildError(f"save {directory}: linking {LIB_FILE} for "
+                             f"{library_triple(lib) or 'this host'} failed: {e}") from e
+        with open(os.path.join(tmp, PARAMS_FILE), "wb") as f:
+            f.write(params_to_bytes(params))
+        if not os.path.isdir(final):
+            os.rename(tmp, final)  # the whole directory appears at once
+        for name in (GRAPH_FILE, PARAMS_FILE, LIB_FILE):  # (left after a rename: none)
+            if os.path.exists(os.path.join(tmp, name)):
+                os.replace(os.path.join(tmp, name), os.path.join(final, name))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return directory
+
+
+def library_triple(lib: tvm.runtime.Module) -> str | None:
+    """The LLVM triple of a built library's host code (None: not known, this host's)."""
+    try:
+        if lib.kind != "llvm":
+            return None
+        return json.loads(lib.get_function("_get_target_string")()).get("mtriple") or None
+    except Exception:  # not a module built here (a loaded .so), or no target string
+        return None
+
+
+def cross_compiler_name(triple: str) -> str:
+    """Debian's name of the g++ that links for ``triple``: ``aarch64-unknown-linux-gnu`` ->
+    ``aarch64-linux-gnu-g++``, ``armv8l-linux-gnueabihf`` -> ``arm-linux-gnueabihf-g++``."""
+    parts = triple.split("-")
+    if len(parts) == 4:  # arch-vendor-os-abi: Debian's names have no vendor
+        del parts[1]
+    if machine_arch(parts[0]) == "arm":
+        parts[0] = "arm"
+    return "-".join(parts) + "-g++"
+
+
+def link_compiler(lib: tvm.runtime.Module, cc: str | None = None):
+    """The ``fcompile`` that links ``lib``: None (TVM's default: this host's g++) for host
+    code, else ``cc`` or the cross compiler of the library's triple, which must exist."""
+    triple = library_triple(lib)
+    if cc is None:
+        if triple is None or is_host_triple(triple):
+            return None
+        cc = cross_compiler_name(triple)
+        if shutil.which(cc) is None:
+            raise BuildError(f"linking lib.so for {triple} needs the cross compiler {cc!r}, "
+                             f"which is not installed (Debian/Ubuntu: apt-get install "
+                             f"g++-{cc.removesuffix('-g++')}); or name one with cc= "
+                             f"(`hgrt compile --cc`)")
+    elif shutil.which(cc) is None:
+        raise BuildError(f"the compiler {cc!r} given to link lib.so is not on PATH")
+    return tvm.support.cc.cross_compiler(cc)
 
 
 def paths(directory: str) -> dict[str, str]:

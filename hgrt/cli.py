@@ -3,6 +3,8 @@
     hgrt tune model.onnx --device cpu:0 --device cpu:1 --place nn.conv2d=cpu:1 --db tuning/
     hgrt compile model.onnx --device cpu:0 --device cpu:1 --place nn.conv2d=cpu:1 \
         --tuning-db tuning/ -o out/
+    hgrt compile model.onnx --device cpu:0 --device cpu:1 --target cpu=raspberry-pi/4b-aarch64 \
+        -o out/       # for a board: cross-linked with aarch64-linux-gnu-g++ (or --cc)
     hgrt run out/ --input x=x.npy [--device cpu:0 --device cpu:1] [--save-output y.npz]
 """
 
@@ -64,14 +66,31 @@ def _placement(args: argparse.Namespace):
     )
 
 
+def _targets(items: list[str] | None) -> dict[str, str] | None:
+    """``--target cpu=raspberry-pi/4b-aarch64`` (KIND or DEVICE = a tag or JSON target), or a
+    target alone for the devices of its kind: ``{kind: target}`` as ``hgrt.build`` takes it."""
+    from hgrt.devices import as_target, kind_of, split_device
+
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if sep and not key.strip().startswith("{"):
+            split_device(key)  # a DeviceError naming the known kinds
+            out[key.strip()] = value.strip()
+        else:
+            out[kind_of(as_target(item, "--target")).name] = item
+    return out or None
+
+
 def cmd_compile(args: argparse.Namespace) -> int:
     import hgrt
 
     t0 = time.perf_counter()
     result = hgrt.build(args.model, devices=args.device, placement=_placement(args),
                         input_shapes=_input_shapes(args.input_shape) or None,
-                        tuning_db=args.tuning_db, verbose=True)
-    hgrt.save(args.output, result)
+                        tuning_db=args.tuning_db, target=_targets(args.target),
+                        kernels=args.kernels, verbose=True)
+    hgrt.save(args.output, result, cc=args.cc)
     print(f"compiled {args.model} for {args.device} in {time.perf_counter() - t0:.1f} s "
           f"-> {args.output}/ (graph.json, lib.so, params.bin)")
     return 0
@@ -194,6 +213,15 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compile", help="compile an ONNX model into graph.json + lib.so + params")
     _model_args(c)
     c.add_argument("--tuning-db", help="a MetaSchedule database written by `hgrt tune`")
+    c.add_argument("--target", action="append", metavar="KIND=TARGET",
+                   help="build the devices of KIND (or one DEVICE) for another machine: a TVM "
+                        "target tag or JSON target, e.g. cpu=raspberry-pi/4b-aarch64 (repeat "
+                        "for cpu and cuda; default: this host)")
+    c.add_argument("--cc", help="the compiler that links lib.so (default: this host's, or the "
+                                "cross compiler of the target's triple, aarch64-linux-gnu-g++)")
+    c.add_argument("--kernels", choices=("auto", "tvm", "onednn"), default="auto",
+                   help="who computes convolutions and dense layers on x86-64 CPUs (default "
+                        "auto: oneDNN where the onednn extra is installed)")
     c.add_argument("-o", "--output", required=True, help="artifact directory")
     c.set_defaults(func=cmd_compile)
 

@@ -21,21 +21,24 @@ from hgrt.frontend import import_model
 from hgrt.graph import Graph
 from hgrt.lifetimes import DeviceMemory, memory_report
 from hgrt.relay_passes.assign_streams import assign_streams
+from hgrt.relay_passes.claim_onednn import claim_onednn
 from hgrt.relay_passes.context import BuildContext, LoweringOptions, PlacementRow, Weights
 from hgrt.relay_passes.graph_codegen import graph_codegen, static_shape
 from hgrt.relay_passes.insert_copies import insert_copies
 from hgrt.relay_passes.lower import assign_targets, build_library, legalize_and_fuse, schedule_gpu
-from hgrt.relay_passes.pipeline import run_passes
+from hgrt.relay_passes.pipeline import located, run_passes
 from hgrt.relay_passes.place_devices import Placement, place_devices
 from hgrt.relay_passes.plan_memory import plan_memory
 from hgrt.relay_passes.schedule_cpu import schedule_cpu
 from hgrt.relay_passes.tuning_db import ApplyReport, apply_tuning
+from hgrt.runtime import onednn
 
 __all__ = ["BuildResult", "Placement", "build", "lower_model"]
 
 PASSES: tuple = (
     ("place_devices", place_devices),
     ("insert_copies", insert_copies),
+    ("claim_onednn", claim_onednn),  # kernels="tvm" (lower_model's default) leaves all to TVM
     ("legalize_and_fuse", legalize_and_fuse),
     ("assign_targets", assign_targets),  # lower_model stops here unscheduled: what is tuned
     ("apply_tuning", apply_tuning),
@@ -64,9 +67,9 @@ class BuildResult:
 
     def print_placement(self) -> str:
         """The placement report as a table (also what ``verbose=True`` prints)."""
-        rows = [("node", "op", "device", "reason")]
-        rows += [(r.node, r.op, r.device, r.reason) for r in self.placement_report]
-        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        rows = [("node", "op", "device", "kernels", "reason")]
+        rows += [(r.node, r.op, r.device, r.kernels, r.reason) for r in self.placement_report]
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
         return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True))
                          for r in rows)
 
@@ -78,7 +81,8 @@ def _context(model: Any, devices: Any, placement: Placement | None, params: Any,
     ctx = BuildContext(devices=devs, placement=placement or Placement(), verbose=verbose)
     for d in devs:
         ctx.log(f"device {d.name}: target {d.target}")
-    mod, weights = import_model(model, params, input_shapes)
+    with located("'import_model' failed"):
+        mod, weights = import_model(model, params, input_shapes)
     for p in mod["main"].params:
         static_shape(p.ty, f"input {p.name!r}")
     ctx.weights = Weights(dict(weights))
@@ -88,7 +92,7 @@ def _context(model: Any, devices: Any, placement: Placement | None, params: Any,
 def build(model: Any, devices: Any, placement: Placement | None = None,
           params: dict[str, Any] | None = None, *, input_shapes: dict[str, Any] | None = None,
           tuning_db: str | None = None, tuning_verdicts: bool = True,
-          streams: dict[str, Any] | None = None,
+          streams: dict[str, Any] | None = None, kernels: str = "auto", target: Any = None,
           cuda_arch: str = DEFAULT_CUDA_ARCH, verbose: bool = False) -> BuildResult:
     """Compile ``model`` (ONNX ModelProto / path, or Relax IRModule + ``params``) for ``devices``.
 
@@ -96,6 +100,9 @@ def build(model: Any, devices: Any, placement: Placement | None = None,
     ``device_index`` i of the graph and must match the i-th device given to ``hgrt.create``.
     A CPU named by kind gets this host's target (its mcpu and core count, see
     ``BuildResult.targets``); give a ``tvm.target.Target`` to build for another CPU.
+    ``target``: the target of the devices named by kind, for another machine than this one:
+    ``{"cpu": "raspberry-pi/4b-aarch64"}`` (a TVM tag, JSON or dict target, or a ``Target``;
+    see ``hgrt.devices.kind_targets``); save the result with ``hgrt.save`` (cross-linked).
     ``placement`` says which op runs where (default: everything on ``devices[0]``).
     ``tuning_db``: a directory written by ``hgrt tune``; kernels found there get their tuned
     schedule (``BuildResult.tuning`` says which), the others the default schedule, as do
@@ -103,10 +110,15 @@ def build(model: Any, devices: Any, placement: Placement | None = None,
     applies them anyway).
     ``streams``: ``{"per_device": n}`` streams per device for independent branches (default
     1), ``{"single_stream": True}`` for none (everything in node order).
+    ``kernels``: who computes convolutions and dense layers on x86-64 CPUs: ``"onednn"``
+    (the ``onednn`` extra; a BuildError without it), ``"tvm"``, or ``"auto"``: oneDNN where it
+    is installed and runs the op (the placement report's ``kernels`` column says who got it).
     """
     start = time.perf_counter()
+    if target is not None:  # DeviceSpecs carrying their targets
+        devices = parse_devices(devices, cuda_arch, target)
     mod, ctx = _context(model, devices, placement, params, input_shapes, cuda_arch, verbose)
-    ctx.options = LoweringOptions(tuning_db, tuning_verdicts)
+    ctx.options = LoweringOptions(tuning_db, tuning_verdicts, kernels, onednn)
     ctx.streams = dict(streams or {})
     graph_json = run_passes(mod, ctx, PASSES).to_json()
     graph = Graph.from_json(graph_json)  # the runtime's own validation, before anyone ships it

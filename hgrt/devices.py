@@ -5,23 +5,32 @@ Here a name becomes a build device (``DeviceSpec``: its TVM target and position 
 list), a runtime device (``tvm.cpu(1)``, or a device of an RPC session), and every question
 "is it a GPU / a CPU / remote" is answered once.
 
+A device built for another machine than this one carries its target: ``targets={"cpu":
+"raspberry-pi/4b-aarch64"}`` (a TVM target tag, a JSON/dict target or a ``Target``) for every
+device of a kind, or ``device_spec("cpu:1", target)`` for one.
+
 >>> split_device("gpu:1")
 ('cuda', 1)
 >>> [d.name for d in parse_devices(["cpu", "cpu:1"])]  # doctest: +SKIP
+['cpu:0', 'cpu:1']
+>>> [d.name for d in parse_devices(["cpu:0", "cpu:1"],
+...                                targets={"cpu": "raspberry-pi/4b-aarch64"})]  # doctest: +SKIP
 ['cpu:0', 'cpu:1']
 """
 
 from __future__ import annotations
 
+import json
 import os
+import platform
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import tvm
 from tvm.rpc.base import RPC_SESS_MASK
 
-from hgrt.errors import DeviceError
+from hgrt.errors import DeviceError, did_you_mean
 
 
 @dataclass(frozen=True)
@@ -138,50 +147,199 @@ class DeviceSpec:
         return relax.VDevice(self.target, self.device_id, "global")
 
 
-def target_for(kind: str, cuda_arch: str = DEFAULT_CUDA_ARCH) -> tvm.target.Target:
-    """The target of a device named by kind: a CPU is this host (``host_target``), unless
-    ``HGRT_CPU_TARGET`` names another (``llvm`` for a plain x86-64 build); a GPU gets
-    ``cuda_arch`` and an llvm host."""
-    if KINDS[kind].is_gpu:
-        return tvm.target.Target({"kind": KINDS[kind].target_kind, "arch": cuda_arch},
-                                 host="llvm")
-    spec = os.environ.get("HGRT_CPU_TARGET", "")
-    return tvm.target.Target(spec) if spec else host_target()
-
-
-def parse_device(spec: Any, index: int, cuda_arch: str = DEFAULT_CUDA_ARCH) -> DeviceSpec:
-    """``"cuda:1"`` / ``"cpu"`` / a ``Target`` → the DeviceSpec at position ``index``."""
-    if isinstance(spec, DeviceSpec):
-        return DeviceSpec(spec.name, spec.kind, spec.device_id, spec.target, index)
+def as_target(spec: Any, what: str = "target") -> tvm.target.Target:
+    """A TVM target from a ``Target``, a dict, a JSON string, one of TVM's target tags
+    (``"raspberry-pi/4b-aarch64"``, ``"nvidia/jetson-orin-nano"``; ``tvm.target.list_tags()``)
+    or a bare kind (``"llvm"``). TVM 0.27 refuses option strings (``"llvm -mtriple=..."``)."""
     if isinstance(spec, tvm.target.Target):
-        kind = kind_of(spec)
-        target = spec
-        if kind.is_gpu and spec.host is None:
-            target = tvm.target.Target(spec, host="llvm")
-        return DeviceSpec(f"{kind.name}:0", kind.name, 0, target, index)
+        return spec
+    if isinstance(spec, str) and spec.strip().startswith("{"):
+        try:
+            spec = json.loads(spec)
+        except ValueError as e:
+            raise DeviceError(f"{what} {spec!r} is not valid JSON: {e}") from e
+    if isinstance(spec, str) and re.search(r"\s-", spec.strip()):
+        raise DeviceError(f"{what} {spec!r}: TVM 0.27 takes no options in a target string; "
+                          f"give a tag ('raspberry-pi/4b-aarch64') or a JSON target "
+                          f"('{{\"kind\": \"llvm\", \"mtriple\": \"aarch64-linux-gnu\"}}')")
+    if not isinstance(spec, (str, dict)):
+        raise DeviceError(f"{what}: expected a tvm Target, a dict, JSON or a tag, got "
+                          f"{type(spec).__name__}")
+    try:
+        return tvm.target.Target(spec)
+    except Exception as e:
+        if isinstance(spec, dict):
+            raise DeviceError(f"{what} {spec!r}: {str(e).splitlines()[0]}") from e
+        known = sorted(tvm.target.list_tags()) + sorted({k.target_kind for k in KINDS.values()})
+        raise DeviceError(f"{what} {did_you_mean(spec.strip(), known)}") from e
+
+
+def _without_host(target: tvm.target.Target) -> tvm.target.Target:
+    # a CPU tag may carry itself as host ("raspberry-pi/4b-aarch64"); a CPU device needs none
+    if target.host is None:
+        return target
+    spec = json.loads(str(target))
+    spec.pop("host")
+    return tvm.target.Target(spec)
+
+
+def target_triple(target: tvm.target.Target) -> str:
+    """The LLVM triple of a target's CPU code (a GPU target's host), this host's by default."""
+    cpu = target.host if target.kind.name != "llvm" and target.host is not None else target
+    triple = str(cpu.attrs.get("mtriple", "") or "") if cpu.kind.name == "llvm" else ""
+    return triple or str(tvm.target.codegen.llvm_get_system_triple())
+
+
+# `uname -m` and triple names -> one name per architecture (as ELF headers name them)
+ARCHES = {"x86_64": "x86_64", "amd64": "x86_64", "i386": "x86", "i686": "x86",
+          "aarch64": "aarch64", "arm64": "aarch64", "aarch64_be": "aarch64", "arm": "arm",
+          "riscv64": "riscv", "riscv32": "riscv", "ppc64le": "ppc64", "ppc64": "ppc64",
+          "mips": "mips", "loongarch64": "loongarch"}
+
+
+def machine_arch(name: str) -> str:
+    """One name per architecture for a ``uname -m`` or the first part of a triple:
+    ``arm64``/``aarch64`` -> ``aarch64``, ``amd64`` -> ``x86_64``, ``armv8l`` -> ``arm``."""
+    name = str(name).split("-")[0].lower()
+    if name in ARCHES:
+        return ARCHES[name]
+    if name.startswith(("armv", "thumb")):
+        return "arm"
+    return name
+
+
+def is_host_triple(triple: str) -> bool:
+    """Whether code for ``triple`` runs on this machine's architecture."""
+    return machine_arch(triple) == machine_arch(platform.machine())
+
+
+def target_for(kind: str, cuda_arch: str = DEFAULT_CUDA_ARCH,
+               host: tvm.target.Target | None = None) -> tvm.target.Target:
+    """The target of a device named by kind: a CPU is this host (``host_target``), unless
+    ``HGRT_CPU_TARGET`` names another (a tag, JSON, or ``llvm`` for a plain x86-64 build); a
+    GPU gets ``cuda_arch`` and ``host`` (default: an llvm host)."""
+    if KINDS[kind].is_gpu:
+        try:
+            return tvm.target.Target({"kind": KINDS[kind].target_kind, "arch": cuda_arch},
+                                     host=host if host is not None else "llvm")
+        except Exception as e:  # TVM raises ValueError or its own types
+            raise DeviceError(f"{kind}: cuda_arch {cuda_arch!r} is not an architecture TVM "
+                              f"takes (e.g. 'sm_80'): {e}") from e
+    spec = os.environ.get("HGRT_CPU_TARGET", "")
+    return _without_host(as_target(spec, "HGRT_CPU_TARGET")) if spec else host_target()
+
+
+def device_target(kind: str, target: Any, cpu: tvm.target.Target | None = None
+                  ) -> tvm.target.Target:
+    """A device's target from ``target``: a CPU keeps no host; a GPU target without one gets
+    ``cpu`` (the CPU devices' target, else this host's plain llvm) as host."""
+    target = as_target(target, f"target for {kind}")
+    if kind_of(target).name != kind:
+        raise DeviceError(f"target {target.kind.name!r} is given for {kind} devices")
+    if not KINDS[kind].is_gpu:
+        return _without_host(target)
+    return target if target.host is not None else \
+        tvm.target.Target(target, host=cpu if cpu is not None else "llvm")
+
+
+def kind_targets(targets: Any) -> dict[str, tvm.target.Target]:
+    """``targets`` (one target, or ``{kind or device name: target}``) -> ``{key: Target}``
+    with kinds and names canonical. A GPU target whose host is another machine's CPU (a
+    Jetson tag) also gives the CPU devices that target, unless ``"cpu"`` is named."""
+    if targets is None:
+        return {}
+    if not isinstance(targets, dict) or "kind" in targets:
+        one = as_target(targets)
+        targets = {kind_of(one).name: one}
+    keys = {}
+    for key, value in targets.items():
+        kind, did = split_device(key)
+        keys[f"{kind}:{did}" if ":" in str(key) else kind] = value
+    cpu = device_target("cpu", keys["cpu"]) if "cpu" in keys else None
+    out = {key: device_target(split_device(key)[0], value, cpu) for key, value in keys.items()}
+    for t in list(out.values()):
+        if "cpu" not in out and t.host is not None and not is_host_triple(target_triple(t)):
+            out["cpu"] = _without_host(t.host)
+    return out
+
+
+def device_spec(name: str, target: Any = None, index: int = 0) -> DeviceSpec:
+    """One device of a build with its own target: ``device_spec("cpu:1",
+    "raspberry-pi/4b-aarch64")`` (its position is set by the device list it goes into)."""
+    kind, did = split_device(name)
+    t = device_target(kind, target) if target is not None else target_for(kind)
+    return DeviceSpec(f"{kind}:{did}", kind, did, t, index)
+
+
+def _is_target(spec: Any) -> bool:
+    """A device given as a target (a Target, dict, JSON or tag) rather than by name."""
+    return isinstance(spec, (tvm.target.Target, dict)) or (
+        isinstance(spec, str) and ("/" in spec or spec.strip().startswith("{")))
+
+
+def parse_device(spec: Any, index: int, cuda_arch: str = DEFAULT_CUDA_ARCH,
+                 targets: dict[str, tvm.target.Target] | None = None) -> DeviceSpec:
+    """``"cuda:1"`` / ``"cpu"`` / a ``Target`` (or a tag, JSON, dict) → the DeviceSpec at
+    position ``index``; a device named by kind takes its target from ``targets`` (as
+    ``kind_targets`` returns them: by device name, else by kind) when it is there."""
+    if isinstance(spec, DeviceSpec):
+        return replace(spec, index=index)
+    if _is_target(spec):
+        target = as_target(spec, f"device {index}")
+        kind = kind_of(target)
+        return DeviceSpec(f"{kind.name}:0", kind.name, 0, device_target(kind.name, target), index)
     if not isinstance(spec, str):
-        raise DeviceError(f"device {index}: expected a name like 'cpu:1' or a tvm Target, "
-                          f"got {type(spec).__name__}")
+        raise DeviceError(f"device {index}: expected a name like 'cpu:1', a tvm Target or a "
+                          f"target tag, got {type(spec).__name__}")
     kind, did = split_device(spec)
     if kind not in ("cpu", "cuda"):
         raise DeviceError(f"device {index} {spec!r}: hgrt builds for cpu and cuda devices by "
                           f"name; give a tvm Target for {kind}")
-    return DeviceSpec(f"{kind}:{did}", kind, did, target_for(kind, cuda_arch), index)
+    targets = targets or {}
+    target = targets.get(f"{kind}:{did}", targets.get(kind))
+    if target is None:  # a GPU's host is the CPU devices' target when one is given
+        target = target_for(kind, cuda_arch, targets.get("cpu"))
+    return DeviceSpec(f"{kind}:{did}", kind, did, target, index)
 
 
-def parse_devices(specs: Any, cuda_arch: str = DEFAULT_CUDA_ARCH) -> list[DeviceSpec]:
-    """Parse a device list; refuses an empty list and a device named twice."""
-    if isinstance(specs, (str, tvm.target.Target)):
+def parse_devices(specs: Any, cuda_arch: str = DEFAULT_CUDA_ARCH,
+                  targets: Any = None) -> list[DeviceSpec]:
+    """Parse a device list; refuses an empty list, a device named twice and CPU code for two
+    architectures (one library holds every kernel).
+
+    Devices given as targets (no id) take the lowest ids their kind has free, so
+    ``[arm, arm]`` is ``cpu:0, cpu:1``. ``targets``: see ``kind_targets``."""
+    if isinstance(specs, (str, tvm.target.Target, DeviceSpec, dict)):
         specs = [specs]
-    devices = [parse_device(s, i, cuda_arch) for i, s in enumerate(specs)]
+    if not isinstance(specs, (list, tuple)):
+        raise DeviceError(f"devices must be a name ('cpu:1'), a target, or a list of them, got "
+                          f"{type(specs).__name__}")
+    by_kind = kind_targets(targets)
+    devices = [parse_device(s, i, cuda_arch, by_kind) for i, s in enumerate(specs)]
     if not devices:
         raise DeviceError("the device list is empty")
+    unnamed = [i for i, s in enumerate(specs) if _is_target(s)]
+    taken = {d.name for i, d in enumerate(devices) if i not in unnamed}
+    for i in unnamed:
+        d = devices[i]
+        did = next(n for n in range(len(devices) + 1) if f"{d.kind}:{n}" not in taken)
+        taken.add(f"{d.kind}:{did}")
+        devices[i] = replace(d, name=f"{d.kind}:{did}", device_id=did)
     names = [d.name for d in devices]
     for d in devices:
         if names.index(d.name) != d.index:
             raise DeviceError(f"device {d.index} {d.name!r} repeats device {names.index(d.name)}: "
                               f"give two devices of one kind different ids ('cpu:0', 'cpu:1')")
+    _check_one_arch(devices)
     return devices
+
+
+def _check_one_arch(devices: list[DeviceSpec]) -> None:
+    arch = {d.name: machine_arch(target_triple(d.target)) for d in devices}
+    if len(set(arch.values())) > 1:
+        raise DeviceError(f"the devices' CPU code is for several architectures {arch}: one "
+                          f"library holds every kernel, so give every CPU device (and every "
+                          f"GPU's host) a target of one architecture")
 
 
 def resolve_device(name: Any, devices: list[DeviceSpec], what: str) -> int:

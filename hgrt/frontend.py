@@ -4,12 +4,19 @@ once, here (``relay_passes/simplify.py``).
 
 Params are always detached: ``main`` takes the user inputs first (``num_input`` of them), then
 the weights, which come back as numpy arrays keyed by param name, so no weight is baked into
-the compiled library.
+the compiled library. Small integer initializers (shapes, axes, positions) are the exception:
+they become constants, so that TVM folds the shapes they give at import. An ONNX model is
+prepared for TVM 0.27's import where that import is wrong (``_prepared``), and the warnings
+that import gives on every model hgrt hands it are silenced.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import re
+import warnings
 from typing import Any
 
 import numpy as np
@@ -19,6 +26,68 @@ from tvm import relax
 from hgrt.errors import BuildError
 from hgrt.relay_passes.simplify import fold_weight_transforms, pairwise_reductions
 
+# what TVM's ONNX import says about every model hgrt gives it: the checker sees the weights that
+# _from_onnx took out of the graph inputs, and names are made identifiers (input_names has them)
+_BENIGN_WARNINGS = (r".* in initializer but not in graph input", r"Renaming name ")
+SMALL_INTEGERS = 64  # integer initializers up to this size (shapes, axes, positions): constants
+
+
+def _prepared(model: Any) -> Any:
+    """A copy of ``model`` as TVM's ONNX import needs it (see the comments below)."""
+    from onnx import helper, numpy_helper
+
+    model, original = type(model)(), model
+    model.CopyFrom(original)
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    # old exporters list initializers as inputs too; TVM's frontend then makes each weight
+    # two params, so keep only the true inputs
+    kept = [i for i in graph.input if i.name not in inits]
+    del graph.input[:]
+    graph.input.extend(kept)
+    # with params kept as inputs TVM needs shapes, axes and positions as constants to fold them
+    small = [t for t in graph.initializer if np.prod(t.dims) <= SMALL_INTEGERS
+             and np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).kind in "iub"]
+    for t in reversed(small):
+        graph.node.insert(0, helper.make_node("Constant", [], [t.name], value=t))
+        graph.initializer.remove(t)
+    _sequence_insert_positions(graph, {t.name: numpy_helper.to_array(t) for t in small})
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 99)
+    if opset < 7:
+        _channel_prelu(model, inits)
+    return model
+
+
+def _sequence_insert_positions(graph: Any, constants: dict[str, np.ndarray]) -> None:
+    """TVM inserts at ``n + p + 1`` for a negative position ``p``, ONNX at ``n + p``: give TVM
+    ``p - 1``."""
+    from onnx import helper
+
+    for node in list(graph.node):
+        p = constants.get(node.input[2]) if node.op_type == "SequenceInsert" and len(
+            node.input) == 3 else None
+        if p is not None and int(p) < 0:
+            name = f"{node.input[2]}_for_{node.output[0]}"
+            graph.node.insert(0, helper.make_node("Constant", [], [name], value=helper.make_tensor(
+                name, helper.np_dtype_to_tensor_dtype(p.dtype), p.shape, [int(p) - 1])))
+            node.input[2] = name
+
+
+def _channel_prelu(model: Any, inits: dict) -> None:
+    """Before opset 7 a 1-D PRelu slope is per channel (axis 1); TVM reads it numpy-style
+    (last axis): shape it (C, 1, ...) so that it broadcasts onto axis 1."""
+    from onnx import shape_inference
+
+    graph = model.graph
+    ranks = {v.name: len(v.type.tensor_type.shape.dim)
+             for v in [*graph.input, *shape_inference.infer_shapes(model).graph.value_info]}
+    for node in graph.node:
+        if node.op_type != "PRelu" or node.input[1] not in inits:
+            continue
+        slope, rank = inits[node.input[1]], ranks.get(node.input[0], 0)
+        if len(slope.dims) == 1 and slope.dims[0] > 1 and rank > 2:
+            slope.dims.extend([1] * (rank - 2))
+
 
 def _from_onnx(model: Any, input_shapes: dict[str, Any] | None) -> tuple[tvm.IRModule, dict]:
     import onnx
@@ -26,20 +95,18 @@ def _from_onnx(model: Any, input_shapes: dict[str, Any] | None) -> tuple[tvm.IRM
 
     if isinstance(model, (str, os.PathLike)):
         model = onnx.load(os.fspath(model))
-    inits = {t.name for t in model.graph.initializer}
-    if any(i.name in inits for i in model.graph.input):
-        # old exporters list initializers as inputs too; TVM's frontend then makes each weight
-        # two params, so keep only the true inputs
-        model, original = type(model)(), model
-        model.CopyFrom(original)
-        kept = [i for i in model.graph.input if i.name not in inits]
-        del model.graph.input[:]
-        model.graph.input.extend(kept)
     shape_dict = {k: list(v) for k, v in (input_shapes or {}).items()}
+    printed = io.StringIO()  # TVM prints "Error converting operator X, ..." before it raises
     try:
-        mod = from_onnx(model, shape_dict=shape_dict or None, keep_params_in_input=True)
+        with warnings.catch_warnings(), contextlib.redirect_stdout(printed):
+            for message in _BENIGN_WARNINGS:
+                warnings.filterwarnings("ignore", message=message, category=UserWarning)
+            mod = from_onnx(_prepared(model), shape_dict=shape_dict or None,
+                            keep_params_in_input=True)
     except Exception as e:
-        raise BuildError(f"the ONNX frontend cannot import this model: {e}") from e
+        op = re.search(r"converting operator (\w+)", printed.getvalue())
+        raise BuildError(f"the ONNX frontend cannot import this model"
+                         f"{f' (operator {op[1]})' if op else ''}: {e}") from e
     mod, detached = relax.frontend.detach_params(mod)
     main = mod["main"]
     num_input = int(main.attrs["num_input"]) if "num_input" in main.attrs else len(main.params)

@@ -5,7 +5,8 @@ What hgrt's tests and benchmark scripts share:
 * the reference: ``run_relax_vm`` runs a model through ``tvm.compile`` + the Relax VM;
   ``run_lowered_vm`` runs an already lowered (fused) module, e.g. ``fused_module``'s;
 * running an ``hgrt.build`` result on ``tvm.cpu(0)``, ``tvm.cpu(1)``, … (``run_hgrt``) and an
-  adversarial placement that alternates ops between devices (``alternating``);
+  adversarial placement that alternates ops between devices (``alternating``), also written
+  into the Relax module itself as a user would (``user_placed``);
 * the ONNX backend test cases of the onnx wheel (``onnx_case_names``, ``load_case``,
   ``case_inputs``, ``check_case``) and a small conv model (``conv_model``);
 * for the runtime alone: TVM-built elementwise kernels (``elementwise_lib``) and a graph-JSON
@@ -41,7 +42,7 @@ import hgrt
 __all__ = [
     "N", "GraphBuilder", "OnnxCase", "alternating", "case_inputs", "check_case", "conv_model",
     "elementwise_lib", "fused_module", "input_names", "input_shape", "load_case",
-    "onnx_case_names", "run_hgrt", "run_lowered_vm", "run_relax_vm",
+    "onnx_case_names", "run_hgrt", "run_lowered_vm", "run_relax_vm", "user_placed",
 ]
 
 N = 16  # the vector length of elementwise_lib's kernels and GraphBuilder's default shape
@@ -122,6 +123,34 @@ def alternating(model: Any, params: dict | None = None, n_devices: int = 2) -> h
     mod, _ = import_model(model, params)
     names = [n for n, _ in op_bindings(mod)]
     return hgrt.Placement(overrides={n: f"cpu:{i % n_devices}" for i, n in enumerate(names)})
+
+
+def user_placed(model: Any, n_devices: int = 2) -> tuple[tvm.IRModule, dict[str, np.ndarray]]:
+    """An ONNX ``model`` as a TVM user brings it (``from_onnx(keep_params_in_input=True)`` +
+    ``detach_params``) and places it by hand, op i on ``cpu:{i % n_devices}``: vdevices in the
+    module's global infos, ``R.to_vdevice`` where an operand lives elsewhere (hgrt's
+    place_devices + insert_copies write them). Returns the module and ``params`` for
+    ``hgrt.build``."""
+    from tvm import relax
+    from tvm.relax.frontend.onnx import from_onnx
+
+    from hgrt.devices import parse_devices
+    from hgrt.relay_passes.context import BuildContext, Weights
+    from hgrt.relay_passes.insert_copies import insert_copies
+    from hgrt.relay_passes.place_devices import op_bindings, place_devices
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mod, detached = relax.frontend.detach_params(from_onnx(model, keep_params_in_input=True))
+    main = mod["main"]
+    weights = zip(main.params[int(main.attrs["num_input"]):], detached["main"], strict=True)
+    names = [n for n, _ in op_bindings(mod)]
+    ctx = BuildContext(parse_devices([f"cpu:{i}" for i in range(n_devices)]), hgrt.Placement(
+        overrides={n: f"cpu:{i % n_devices}" for i, n in enumerate(names)}),
+        weights=Weights({p.name: v.numpy() for p, v in weights}))
+    mod = insert_copies(place_devices(mod, ctx), ctx)
+    w = ctx.weights
+    return mod, {p: w.values[w.source[n]] for p, n in w.graph_names.items() if n in w.source}
 
 
 def input_names(model: Any) -> list[str]:

@@ -13,6 +13,13 @@ resnet50 on 2 cores):
     hgrt zoo resnet50 -o r50.onnx && hgrt tune r50.onnx --device cpu --db tuning/resnet50
         --trials-per-task 64
 
+With the ``onednn`` extra installed, ``--kernels tvm onednn`` (the default then) adds a build
+whose convolutions and dense layers are oneDNN kernels (``hgrt.build(..., kernels="onednn")``);
+``ONEDNN_MAX_CPU_ISA=AVX2`` caps oneDNN to AVX2 on an AVX-512 host (onnxruntime cannot be
+capped: its figure stays the host's ISA). The table's notes name the ISA each side ran.
+
+    python python/bench_kernels.py --skip-unscheduled --kernels tvm onednn
+
 Every variant runs through ``hgrt.create`` on cpu:0 (the Relax VM on the same kernels is
 ``bench_models.py``'s business). The hgrt builds are timed interleaved call by call, onnxruntime
 after them on its own (``time_onnxruntime`` says why). ``--skip-unscheduled`` saves a minute.
@@ -34,6 +41,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--db", action="append", default=[], metavar="MODEL=DIR",
                    help="tuned database of a model (written by `hgrt tune`)")
     p.add_argument("--skip-unscheduled", action="store_true")
+    p.add_argument("--kernels", nargs="+", choices=["tvm", "onednn"], default=None,
+                   help="kernel providers to time (default: tvm, and onednn where installed)")
     p.add_argument("--markdown", help="also write the table (command, machine) into this file")
     return p.parse_args()
 
@@ -48,11 +57,63 @@ def _build(model, **kwargs):
         return res, time.perf_counter() - t
 
 
+def _providers(asked: list[str] | None) -> list[str]:
+    """The kernel providers to time; oneDNN's ISA said once (the TVM kernels' is the
+    machine line's, onnxruntime's the host's)."""
+    from hgrt.runtime import onednn
+
+    reason = onednn.unavailable_reason()
+    if asked is None:
+        asked = ["tvm"] if reason else ["tvm", "onednn"]
+    if "onednn" in asked:
+        if reason:
+            sys.exit(f"--kernels onednn: {reason}")
+        onednn.prepare_process()  # before TVM's first pool: no spinning against oneDNN
+        print(f"oneDNN {onednn.version()}, ISA {onednn.isa()} (ONEDNN_MAX_CPU_ISA="
+              f"{os.environ.get('ONEDNN_MAX_CPU_ISA', '-')}); onnxruntime runs the host's ISA")
+    return asked
+
+
+def _claimed(res) -> str:
+    rows = res.placement_report
+    return f"{sum(r.kernels == 'onednn' for r in rows)} of {len(rows)} ops on oneDNN"
+
+
+def _variants(entry, skip_unscheduled: bool, kernels: list[str], db: str | None
+              ) -> tuple[dict, list[str]]:
+    """The builds of one model to time, as GraphModules by variant name, and notes."""
+    from bench_common import hgrt_runner
+
+    runners, notes = {}, []
+    if not skip_unscheduled:
+        os.environ["HGRT_DEFAULT_SCHEDULE"] = "0"
+        try:
+            res, _ = _build(entry.model, kernels="tvm")
+        finally:
+            del os.environ["HGRT_DEFAULT_SCHEDULE"]
+        runners["unscheduled"] = hgrt_runner(res, entry.inputs)
+    res, secs = _build(entry.model, kernels="tvm")
+    runners["default"] = hgrt_runner(res, entry.inputs)
+    notes.append(f"default build {secs:.1f} s")
+    if "onednn" in kernels:
+        res, secs = _build(entry.model, kernels="onednn")
+        runners["onednn"] = hgrt_runner(res, entry.inputs)
+        notes.append(f"oneDNN build {secs:.1f} s, {_claimed(res)}")
+    if db is not None:
+        res, secs = _build(entry.model, tuning_db=db, kernels="tvm")
+        runners["tuned"] = hgrt_runner(res, entry.inputs)
+        t = res.tuning
+        n = len(t.tuned) + len(t.fallback)
+        notes.append(f"tuned build {secs:.1f} s: {len(t.tuned)} of {n} kernels from the "
+                     f"database, {len(t.default_faster)} kept the default schedule (faster "
+                     f"in the model), {len(t.fallback) - len(t.default_faster)} untuned")
+    return runners, notes
+
+
 def main() -> None:
     args = _parse()
     from bench_common import (
         hgrt_outputs,
-        hgrt_runner,
         light,
         machine,
         max_diff,
@@ -62,36 +123,23 @@ def main() -> None:
     )
 
     dbs = dict(item.split("=", 1) for item in args.db)
+    kernels = _providers(args.kernels)
     print(machine())
     rows, notes_all = [], []
     for name in args.models:
         entry = light(name)
-        runners, notes = {}, []
-        if not args.skip_unscheduled:
-            os.environ["HGRT_DEFAULT_SCHEDULE"] = "0"
-            try:
-                res, _ = _build(entry.model)
-            finally:
-                del os.environ["HGRT_DEFAULT_SCHEDULE"]
-            runners["unscheduled"] = hgrt_runner(res, entry.inputs)
-        res, secs = _build(entry.model)
-        runners["default"] = hgrt_runner(res, entry.inputs)
-        notes.append(f"default build {secs:.1f} s")
-        if name in dbs:
-            res, secs = _build(entry.model, tuning_db=dbs[name])
-            runners["tuned"] = hgrt_runner(res, entry.inputs)
-            t = res.tuning
-            n = len(t.tuned) + len(t.fallback)
-            notes.append(f"tuned build {secs:.1f} s: {len(t.tuned)} of {n} kernels from the "
-                         f"database, {len(t.default_faster)} kept the default schedule (faster "
-                         f"in the model), {len(t.fallback) - len(t.default_faster)} untuned")
+        runners, notes = _variants(entry, args.skip_unscheduled, kernels, dbs.get(name))
         outs = {k: hgrt_outputs(m) for k, m in runners.items()}
         ref = outs["default"]
         for k, o in outs.items():
             if k != "default":
                 notes.append(f"{k} max rel. diff vs default {max_diff(o, ref):.1e}")
+        # oneDNN apart: its OpenMP threads and TVM's pool slow each other down when their
+        # runs alternate call by call (measured 1.5-1.7x on both), which no user sees
         times = timed_interleaved({k: m.run for k, m in runners.items()
-                                   if k != "unscheduled"}, args.repeat)
+                                   if k not in ("unscheduled", "onednn")}, args.repeat)
+        if "onednn" in runners:
+            times["onednn"] = median_time(runners["onednn"].run, args.repeat)
         if "unscheduled" in runners:  # seconds per run: a few runs are enough
             times["unscheduled"] = median_time(runners["unscheduled"].run, 3)
         ort = time_onnxruntime(entry.model, entry.inputs, args.repeat)
@@ -102,16 +150,16 @@ def main() -> None:
         notes_all.append(f"{name}: " + "; ".join(notes))
         rows.append((name, times))
 
-    header = ["model", "unscheduled ms", "default ms", "tuned ms", "onnxruntime ms",
-              "unscheduled/default", "default/ORT", "tuned/ORT"]
+    header = ["model", "unscheduled ms", "default ms", "tuned ms", "oneDNN ms", "onnxruntime ms",
+              "unscheduled/default", "default/ORT", "tuned/ORT", "oneDNN/ORT"]
     table = []
     for name, t in rows:
         def ratio(a, b, r=t):
             return f"{r[a] / r[b]:.2f}" if a in r and b in r else "-"
         table.append([name] + [f"{t[c] * 1e3:.2f}" if c in t else "-" for c in
-                               ("unscheduled", "default", "tuned", "onnxruntime")]
+                               ("unscheduled", "default", "tuned", "onednn", "onnxruntime")]
                      + [ratio("unscheduled", "default"), ratio("default", "onnxruntime"),
-                        ratio("tuned", "onnxruntime")])
+                        ratio("tuned", "onnxruntime"), ratio("onednn", "onnxruntime")])
     print(f"\nrun() latency, median of {args.repeat}, TVM_NUM_THREADS="
           f"{os.environ.get('TVM_NUM_THREADS')}, onnxruntime intra-op threads the same")
     widths = [max(len(r[i]) for r in [header, *table]) for i in range(len(header))]

@@ -4,6 +4,7 @@ hgrt's own kernels (so the ratio is the runtime's) and next to onnxruntime's CPU
     python python/bench_models.py                     # light zoo + pytorch-converted cases
     python python/bench_models.py --models squeezenet resnet50 --tuning-db tuning/
     python python/bench_models.py --markdown BENCHMARKS.md   # also write the table there
+    python python/bench_models.py --kernels onednn --models squeezenet resnet50  # oneDNN's
 
 For each model, in one process: ``hgrt.build(model, ["cpu"])`` (build time), run() latency
 (median of ``--repeat``), the same model split over cpu:0 + cpu:1 (convolutions and matmuls on
@@ -32,6 +33,10 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=20, help="timed runs per model (median)")
     p.add_argument("--tuning-db", help="build with this database (hgrt and the VM alike)")
     p.add_argument("--markdown", help="write the table (with command and machine) here")
+    p.add_argument("--kernels", choices=("tvm", "onednn", "auto"), default="tvm",
+                   help="hgrt's kernel provider (default tvm: the VM runs the same kernels, so "
+                        "hgrt/VM is the runtime's ratio; onednn: hgrt/ORT is the issue-17 check, "
+                        "ONEDNN_MAX_CPU_ISA=AVX2 for the AVX2 case)")
     return p.parse_args()
 
 
@@ -41,7 +46,7 @@ def _ms(s: float) -> str:
         else f"{ms:.0f}"
 
 
-def bench_one(entry, repeat: int, tuning_db: str | None) -> dict:
+def bench_one(entry, repeat: int, tuning_db: str | None, kernels: str = "tvm") -> dict:
     from bench_common import (
         hgrt_outputs,
         hgrt_runner,
@@ -58,18 +63,22 @@ def bench_one(entry, repeat: int, tuning_db: str | None) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         t = time.perf_counter()
-        single = hgrt.build(entry.model, ["cpu"], tuning_db=tuning_db)
+        single = hgrt.build(entry.model, ["cpu"], tuning_db=tuning_db, kernels=kernels)
         row["build_s"] = time.perf_counter() - t
         split = hgrt.build(entry.model, ["cpu:0", "cpu:1"],
                            hgrt.Placement(rules=SPLIT_RULES, fallback="cpu:0"),
-                           tuning_db=tuning_db)
+                           tuning_db=tuning_db, kernels=kernels)
         vm_call = vm_on_hgrt_kernels(entry.model, entry.inputs, tuning_db)
         vm_bytes = vm_planned_bytes(entry.model)
     m = hgrt_runner(single, entry.inputs)
     ms = hgrt_runner(split, entry.inputs)
     ref = vm_call()
     row["diff_vm"] = max(max_diff(hgrt_outputs(m), ref), max_diff(hgrt_outputs(ms), ref))
-    row.update(timed_interleaved({"hgrt": m.run, "vm": vm_call.run, "split": ms.run}, repeat))
+    if kernels == "tvm":
+        row.update(timed_interleaved({"hgrt": m.run, "vm": vm_call.run, "split": ms.run}, repeat))
+    else:  # oneDNN's OpenMP threads and TVM's pool slow each other when runs alternate
+        row.update(timed_interleaved({"vm": vm_call.run}, repeat))
+        row.update(timed_interleaved({"hgrt": m.run, "split": ms.run}, repeat))
     prof = m.profile(repeat=max(3, repeat // 4))
     row["kernel_share"] = prof.op_sum_us / max(prof.run_wall_us, 1e-9)
     ort = time_onnxruntime(entry.model, entry.inputs, repeat)  # last: see its doc
@@ -122,11 +131,17 @@ def main() -> None:
     args = _parse()
     from bench_common import PYTORCH_CASES, light, machine, pytorch_case, write_block
 
+    if args.kernels != "tvm":
+        from hgrt.runtime import onednn
+
+        onednn.prepare_process()  # before TVM's first pool
+        print(f"hgrt kernels: {args.kernels}; oneDNN {onednn.unavailable_reason() or onednn.isa()}"
+              f" (the VM: TVM kernels; onnxruntime: the host's ISA)")
     print(machine())
     rows = []
     for name in args.models:
         entry = pytorch_case(name) if name in PYTORCH_CASES else light(name)
-        r = bench_one(entry, args.repeat, args.tuning_db)
+        r = bench_one(entry, args.repeat, args.tuning_db, args.kernels)
         rows.append(r)
         print(f"{name}: hgrt {_ms(r['hgrt'])} ms, VM {_ms(r['vm'])} ms, split "
               f"{_ms(r['split'])} ms, ORT {_ms(r['ort']) if 'ort' in r else '-'} ms; max rel. diff "

@@ -24,6 +24,7 @@ class PlacementRow:
     op: str
     device: str
     reason: str
+    kernels: str = "tvm"  # who computes it: "tvm", or "onednn" (claim_onednn)
 
 
 @dataclass
@@ -47,10 +48,12 @@ class Weights:
 
 @dataclass
 class LoweringOptions:
-    """Written by the caller, read by apply_tuning."""
+    """Written by the caller, read by apply_tuning and claim_onednn."""
 
     tuning_db: str | None = None  # MetaSchedule database applied before the default schedules
     tuning_verdicts: bool = True  # honour `hgrt tune`'s "default faster in the model"
+    kernels: str = "tvm"  # kernel provider, read by claim_onednn: "auto" | "tvm" | "onednn"
+    onednn: Any = None  # the oneDNN runtime (hgrt.runtime.onednn), handed down by the caller
 
 
 @dataclass

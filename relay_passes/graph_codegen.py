@@ -20,7 +20,17 @@ from hgrt.errors import BuildError
 from hgrt.graph import COPY_FUNC, NOP_FUNC, Graph, Node
 from hgrt.relay_passes.context import BuildContext
 from hgrt.relay_passes.lower import VIEW_OPS, binding_devices
-from hgrt.relay_passes.relax_util import CALL_TIR, TO_VDEVICE, bindings, op_name, tensor_args
+from hgrt.relay_passes.pipeline import located
+from hgrt.relay_passes.relax_util import (
+    CALL_DPS_PACKED,
+    CALL_TIR,
+    TO_VDEVICE,
+    bindings,
+    callee,
+    op_name,
+    site,
+    tensor_args,
+)
 
 Entry = tuple[int, int, int]
 
@@ -111,7 +121,8 @@ def graph_codegen(mod: tvm.IRModule, ctx: BuildContext) -> Graph:
         g.entries[p] = g.add(Node("null", name), [(shape, str(p.ty.dtype))], dev[p])
         args.append(len(g.nodes) - 1)
     for b in bindings(func):
-        _emit(g, b, dev)
+        with located(site(b, ctx, dev.get(b.var))):
+            _emit(g, b, dev)
     heads = g.flatten(func.body.body, "output")
     weights = [n for n in args if g.nodes[n].name in ctx.weights.source]
     inputs = [n for n in args if n not in weights]
@@ -133,7 +144,7 @@ def _emit(g: _GraphBuilder, b: relax.VarBinding, dev: dict[relax.Var, int]) -> N
         g.entries[var] = [g.entries[value.tuple_value][value.index]]
     elif isinstance(value, tvm.ir.expr.Constant):
         g.entries[var] = [g.const_entry(value, dev.get(var, 0))]
-    elif op == CALL_TIR:
+    elif op in (CALL_TIR, CALL_DPS_PACKED):  # a kernel of the library, or a global function
         if len(value.args) > 2:
             raise BuildError(f"binding {name!r}: call_tir with symbolic shape arguments; hgrt "
                              f"needs static shapes")
@@ -141,8 +152,9 @@ def _emit(g: _GraphBuilder, b: relax.VarBinding, dev: dict[relax.Var, int]) -> N
         ins = [g.arg_entry(a, d, name) for a in tensor_args(value)]
         outs = [(static_shape(t, f"binding {name!r}"), str(t.dtype))
                 for t in _tensor_types(value.ty_args[0])]
-        attrs = {"func_name": value.args[0].name_hint, "num_inputs": str(len(ins)),
-                 "num_outputs": str(len(outs)), "flatten_data": "0"}
+        func_name, extra = callee(value)
+        attrs = {"func_name": func_name, "num_inputs": str(len(ins)),
+                 "num_outputs": str(len(outs)), "flatten_data": "0", **extra}
         g.entries[var] = g.add(Node("tvm_op", name, ins, attrs), outs, d)
     elif op in (TO_VDEVICE, *VIEW_OPS):
         func_name = COPY_FUNC if op == TO_VDEVICE else NOP_FUNC

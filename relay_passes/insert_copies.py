@@ -26,7 +26,14 @@ from tvm import relax
 
 from hgrt.errors import BuildError
 from hgrt.relay_passes.context import BuildContext
-from hgrt.relay_passes.relax_util import bindings, moved_to
+from hgrt.relay_passes.pipeline import located
+from hgrt.relay_passes.relax_util import bindings, called, moved_to, site
+
+# calls that have no graph form, and why
+UNSUPPORTED = {
+    "vm.builtin.tensor_to_shape": "the shape is data-dependent (read from {args} at run time) "
+    "and hgrt plans memory at build time: give {args} as a constant or model initializer",
+}
 
 
 def _vars_in(expr: relax.Expr, tuple_lits: dict[str, relax.Tuple]) -> list[str]:
@@ -172,7 +179,8 @@ def insert_copies(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     with bb.function("main", params, attrs={"num_input": num_input}):
         with bb.dataflow():
             for b in bindings(func):
-                _rebind(rb, b, ctx)
+                with located(site(b, ctx, ctx.placed.op_device.get(b.var.name))):
+                    _rebind(rb, b, ctx)
             out = bb.emit_output(rb.on_home(func.body.body))
         bb.emit_func_output(out)
     new_mod = mod.clone()
@@ -215,6 +223,8 @@ def _rebind(rb: _Rebuilder, b: relax.VarBinding, ctx: BuildContext) -> None:
         call = relax.Call(value.op, args, value.attrs, value.ty_args)
         rb.define(name, rb.bb.emit(call, name_hint=name), dev)
     else:
-        raise BuildError(f"binding {name!r}: {type(value).__name__} "
-                         f"{str(getattr(value, 'op', ''))[:60]} is not supported by hgrt "
-                         f"(calls to Relax functions must be inlined first)")
+        args = ", ".join(repr(a.name) for a in getattr(value, "args", ())
+                         if isinstance(a, relax.Var))
+        raise BuildError(f"{site(b, ctx)}: " + UNSUPPORTED.get(
+            called(value), "not supported by hgrt (calls to Relax functions must be inlined "
+            "first)").format(args=args))

@@ -12,19 +12,25 @@ drops it). ``schedule_gpu`` schedules GPU PrimFuncs with dlight; one left unsche
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import tvm
 from tvm import relax
 
 from hgrt.errors import BuildError
 from hgrt.relay_passes.context import BuildContext
+from hgrt.relay_passes.pipeline import located
 from hgrt.relay_passes.relax_util import (
     CALL_TIR,
     TO_VDEVICE,
+    alone,
     bindings,
     func_target,
     is_scheduled,
     op_name,
     prim_funcs,
+    site,
     tensor_args,
 )
 
@@ -50,11 +56,29 @@ def lowering_passes() -> list[tvm.transform.Pass]:
 
 
 def legalize_and_fuse(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
-    """``lowering_passes`` under the first device's target. Reads ``ctx.devices``."""
+    """``lowering_passes`` under the first device's target; a failure names the op it fails
+    on. Reads ``ctx.devices``."""
+    with located(lambda: _failing_op(mod, ctx)):
+        return _lowered(mod, ctx)
+
+
+def _lowered(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     with ctx.devices[0].target, tvm.transform.PassContext(opt_level=3):
         for p in lowering_passes():
             mod = p(mod)
     return mod
+
+
+def _failing_op(mod: tvm.IRModule, ctx: BuildContext) -> str:
+    """The first op binding of ``main`` that lowering fails on alone."""
+    for b in bindings(mod["main"]):
+        if op_name(b.value) in (None, TO_VDEVICE):
+            continue
+        try:
+            _lowered(alone(b.value, mod), ctx)
+        except Exception:
+            return site(b, ctx, ctx.device_of_vdevice(getattr(b.var.ty, "vdevice", None)))
+    return "no op fails alone (a fusion of several does)"
 
 
 def binding_devices(func: relax.Function, ctx: BuildContext) -> dict[relax.Var, int]:
@@ -161,14 +185,15 @@ def schedule_gpu(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     by_target: dict[str, dict] = {}
     for name, f in gpu.items():
         by_target.setdefault(str(f.attrs["target"]), {})[name] = f
+    rules = dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
+                                    dl.gpu.GeneralReduction(), dl.gpu.Fallback())
     for funcs in by_target.values():
-        with next(iter(funcs.values())).attrs["target"]:
-            sub = dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
-                                          dl.gpu.GeneralReduction(),
-                                          dl.gpu.Fallback())(tvm.IRModule(funcs))
+        with next(iter(funcs.values())).attrs["target"], located(
+                functools.partial(_failing_kernel, mod, ctx, funcs, rules)):
+            sub = rules(tvm.IRModule(funcs))
         for gv, f in sub.functions_items():
             new.update_func(new.get_global_var(gv.name_hint), f)
-    unscheduled = sorted(name for name in gpu if not is_scheduled(new[name]))
+    unscheduled = [_kernel_site(mod, ctx, n) for n in sorted(gpu) if not is_scheduled(new[n])]
     if unscheduled:
         raise BuildError(f"GPU PrimFuncs left unscheduled by dlight: {unscheduled}; place "
                          f"these ops on a CPU device (Placement.rules / overrides)")
@@ -180,11 +205,36 @@ def build_library(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
 
     Writes ``ctx.lowered.lib``; the IR goes on untouched (to graph_codegen)."""
     funcs = {name: f.with_attr("global_symbol", name) for name, f in prim_funcs(mod).items()}
-    if not funcs:
-        raise BuildError("the model lowered to no kernels; nothing to build")
+    # no kernels (outputs are inputs or weights, rearranged): an empty host library
+    host = None if funcs else _host_target(ctx)
     ctx.log(f"building {len(funcs)} PrimFuncs into one library")
-    try:
-        ctx.lowered.lib = tvm.tirx.build(tvm.IRModule(funcs))
-    except Exception as e:
-        raise BuildError(f"tvm.tirx.build failed: {e}") from e
+    with located(functools.partial(_failing_kernel, mod, ctx, funcs, tvm.tirx.build)):
+        ctx.lowered.lib = tvm.tirx.build(tvm.IRModule(funcs), target=host)
     return mod
+
+
+def _kernel_site(mod: tvm.IRModule, ctx: BuildContext, name: str) -> str:
+    """PrimFunc ``name`` as the first binding of ``main`` that calls it, with its device."""
+    main = mod["main"]
+    calls = [b for b in bindings(main)
+             if op_name(b.value) == CALL_TIR and b.value.args[0].name_hint == name]
+    return site(calls[0], ctx, binding_devices(main, ctx).get(calls[0].var)) if calls \
+        else f"kernel {name!r}"
+
+
+def _failing_kernel(mod: tvm.IRModule, ctx: BuildContext, funcs: dict,
+                    attempt: Callable[[tvm.IRModule], object]) -> str:
+    """The first PrimFunc of ``funcs`` that ``attempt`` fails on alone, as ``_kernel_site``."""
+    for name, f in funcs.items():
+        try:
+            attempt(tvm.IRModule({name: f}))
+        except Exception:
+            return _kernel_site(mod, ctx, name)
+    return "no kernel fails alone"
+
+
+def _host_target(ctx: BuildContext) -> tvm.target.Target:
+    """The CPU target of the build: its first CPU device's, else the host of device 0's."""
+    cpus = [d.target for d in ctx.devices if not d.is_gpu]
+    first = ctx.devices[0].target
+    return cpus[0] if cpus else (first.host or tvm.target.Target("llvm"))

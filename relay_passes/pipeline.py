@@ -1,4 +1,6 @@
-"""Run passes in order and say where it broke: "'insert_copies' failed after ['place_devices']".
+"""Run passes in order and say where it broke: "'insert_copies' failed after ['place_devices']";
+inside a pass, ``located`` adds the binding, its op and device to a failure of TVM's:
+"... binding 'lv3' (relax.nn.prelu) on cpu:1: AssertionError", TVM's exception as the cause.
 
 With ``HGRT_VERIFY_IR=1`` (or ``verify=True``) the Relax IR is checked for well-formedness after
 every pass, so a pass that produces bad IR is named instead of the pass that trips over it.
@@ -8,7 +10,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import tvm
@@ -17,6 +20,23 @@ from tvm import relax
 from hgrt.errors import BuildError, HgrtError
 
 Pass = Callable[[Any, Any], Any]
+
+
+def _text(e: BaseException) -> str:
+    return str(e) if str(e) else type(e).__name__
+
+
+@contextmanager
+def located(where: str | Callable[[], str]) -> Iterator[None]:
+    """A failure inside (TVM's, or any not an HgrtError) becomes a BuildError that says
+    ``where`` (``relax_util.site``: the binding, its op and device; or a function that finds
+    it, called only on failure), the failure its cause."""
+    try:
+        yield
+    except HgrtError:
+        raise
+    except Exception as e:
+        raise BuildError(f"{where if isinstance(where, str) else where()}: {_text(e)}") from e
 
 
 def _check_ir(mod: Any, name: str) -> None:
@@ -41,9 +61,11 @@ def run_passes(ir: Any, ctx: Any, passes: Sequence[tuple[str, Pass]],
             if verify:
                 _check_ir(ir, name)
         except Exception as e:
-            msg = f"'{name}' failed after {done}: {e if str(e) else type(e).__name__}"
-            cls = type(e) if isinstance(e, HgrtError) else BuildError
-            raise cls(msg) from e
+            ours = isinstance(e, HgrtError)
+            # the cause is the failure itself (TVM's), not the error that located it
+            cause = e.__cause__ if ours and e.__cause__ is not None else e
+            raise (type(e) if ours else BuildError)(
+                f"'{name}' failed after {done}: {_text(e)}") from cause
         done.append(name)
         log = getattr(ctx, "log", None)
         if log is not None:

@@ -11,6 +11,7 @@ from hgrt.devices import DeviceSpec, resolve_dl_device
 from hgrt.relay_passes.context import BuildContext
 
 CALL_TIR = "relax.call_tir"
+CALL_DPS_PACKED = "relax.call_dps_packed"  # a kernel that is a global function (claim_onednn)
 TO_VDEVICE = "relax.to_vdevice"
 HINT_ON_DEVICE = "relax.hint_on_device"
 SCHEDULED_ATTR = "tirx.is_scheduled"
@@ -30,8 +31,56 @@ def op_name(expr: relax.Expr) -> str | None:
 
 
 def tensor_args(call: relax.Call) -> list[relax.Expr]:
-    """What a call reads: a call_tir's argument tuple, another call's arguments."""
-    return list(call.args[1].fields) if op_name(call) == CALL_TIR else list(call.args)
+    """What a call reads: a call_tir's (call_dps_packed's) argument tuple, another call's
+    arguments."""
+    return list(call.args[1].fields) if op_name(call) in (CALL_TIR, CALL_DPS_PACKED) \
+        else list(call.args)
+
+
+def callee(call: relax.Call) -> tuple[str, dict[str, str]]:
+    """The function a call_tir or call_dps_packed calls, and the attrs its callee carries for
+    the graph node (an ExternFunc's, e.g. ``provider``)."""
+    func = call.args[0]
+    if isinstance(func, relax.ExternFunc):
+        return str(func.global_symbol), {str(k): str(v) for k, v in (func.attrs or {}).items()}
+    return func.name_hint, {}
+
+
+def called(value: relax.Expr) -> str:
+    """What a binding computes, for messages: an op, a kernel, an extern function's name."""
+    if not isinstance(value, relax.Call):
+        return type(value).__name__
+    if op_name(value) in (CALL_TIR, CALL_DPS_PACKED):
+        return callee(value)[0]
+    op = value.op
+    return str(getattr(op, "name", None) or getattr(op, "global_symbol", None)
+               or getattr(op, "name_hint", type(op).__name__))
+
+
+def site(b: relax.Binding, ctx: BuildContext, dev: int | None = None) -> str:
+    """Where a binding is, for errors: ``binding 'lv3' (relax.add) on cpu:1``."""
+    where = f"binding {b.var.name!r} ({called(getattr(b, 'value', None))})"
+    return where if dev is None else f"{where} on {ctx.devices[dev].name}"
+
+
+def alone(call: relax.Call, mod: tvm.IRModule) -> tvm.IRModule:
+    """A module whose ``main`` computes ``call`` alone from its operands (and ``mod``'s
+    vdevices): to find which op of a module a whole-module TVM pass fails on."""
+    params: dict[relax.Var, relax.Var] = {}
+
+    def param(e: relax.Expr) -> relax.Expr:
+        if isinstance(e, relax.Tuple):
+            return relax.Tuple([param(f) for f in e.fields])
+        return params.setdefault(e, relax.Var(e.name, e.ty)) if isinstance(e, relax.Var) else e
+
+    call = relax.Call(call.op, [param(a) for a in call.args], call.attrs, call.ty_args)
+    bb = relax.BlockBuilder()
+    with bb.function("main", list(params.values())):
+        bb.emit_func_output(bb.emit(call))
+    new = bb.finalize()
+    if "vdevice" in mod.global_infos:
+        new.update_global_info("vdevice", list(mod.global_infos["vdevice"]))
+    return new
 
 
 def hinted_device(call: relax.Call, devices: list[DeviceSpec]) -> int:

@@ -12,7 +12,9 @@ The result is the same sum in another order (floating point sums of two or three
 Computations on weights alone (resnet50's ``transpose`` of its last Gemm's weight, 4 ms a run
 on 2 cores) are done once at build time: ``relax.transform.LiftTransformParams`` splits them
 into ``main_transform_params``, which is compiled and run here on the CPU, and ``main`` takes
-their results as its weights (``fold_weight_transforms``).
+their results as its weights (``fold_weight_transforms``). A model that places itself
+(vdevices, ``R.to_vdevice``) has its transform run on this one CPU all the same; each result
+keeps, as a parameter of ``main``, the device the model gave it.
 
 (Lowering decomposes inference ``batch_norm`` into elementwise ops after placement, so that a
 rule naming ``nn.batch_norm`` still places it and it then fuses into the convolution before it.)
@@ -21,6 +23,7 @@ rule naming ``nn.batch_norm`` still places it and it then fuses into the convolu
 from __future__ import annotations
 
 import functools
+import logging
 import warnings
 
 import numpy as np
@@ -28,8 +31,9 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
-from hgrt.relay_passes.relax_util import op_name
+from hgrt.relay_passes.relax_util import HINT_ON_DEVICE, TO_VDEVICE, op_name
 
+_log = logging.getLogger("hgrt.build")
 TRANSFORM = "main_transform_params"  # the function LiftTransformParams makes
 _PAIRWISE = {"relax.sum": relax.op.add, "relax.mean": relax.op.add,
              "relax.max": relax.op.maximum, "relax.min": relax.op.minimum}
@@ -119,27 +123,69 @@ def fold_weight_transforms(mod: tvm.IRModule, weights: dict[str, np.ndarray]
     new_main = lifted["main"]
     new_names = [p.name for p in new_main.params[n_in:]]
     if len(new_names) != len(args) or len(set(new_names)) != len(new_names) or any(
-            not isinstance(p.ty, relax.TensorType) for p in new_main.params[n_in:]):
-        # symbolic shapes (a shape output comes first) or clashing names: not the shape this
-        # code knows, leave the model as it is
+            not isinstance(p.ty, relax.TensorType) for p in new_main.params[n_in:]
+    ) or not _well_formed(new_main):
+        # symbolic shapes (a shape output comes first), clashing names, or an output that is
+        # itself lifted (TVM 0.27 then returns an undefined var): leave the model as it is
         return mod, weights
     # every weight passes through unchanged (is a weight, not computed from weights)
     if all((a.tuple_value if isinstance(a, relax.TupleGetItem) else a) in params for a in args):
         return mod, weights
     # the transform may call the module's own functions (a Clip, a Pad): compile them along
     others = {gv: f for gv, f in lifted.functions_items() if gv.name_hint != "main"}
-    values = _run_transform(tvm.IRModule(others), [weights[p.name] for p in main.params[n_in:]])
+    try:
+        values = _run_transform(tvm.IRModule(others),
+                                [weights[p.name] for p in main.params[n_in:]])
+    except Exception as e:  # only a saving: main then computes them, where a failure is named
+        _log.info("weight-only computations left in main: %s", e)
+        return mod, weights
     folded = dict(zip(new_names, values, strict=True))
     # every function but the transform stays: main calls kernels of its own (Clip, Pad, ...)
     kept = {gv: (new_main.with_attr("num_input", n_in) if gv.name_hint == "main" else f)
             for gv, f in lifted.functions_items() if gv.name_hint != TRANSFORM}
-    return tvm.IRModule(kept, attrs=lifted.attrs), folded
+    return tvm.IRModule(kept, attrs=lifted.attrs, global_infos=lifted.global_infos), folded
+
+
+def _well_formed(func: relax.Function) -> bool:
+    try:
+        relax.analysis.well_formed(func)  # TVM 0.27: raises on the first violation
+    except Exception:
+        return False
+    return True
+
+
+def _plain(ty: relax.Type) -> relax.Type:
+    """``ty`` without its vdevice (tuples field by field)."""
+    if isinstance(ty, relax.TupleType):
+        return relax.TupleType([_plain(f) for f in ty.fields])
+    return relax.TensorType(ty.shape, ty.dtype) if isinstance(ty, relax.TensorType) else ty
+
+
+@relax.expr_functor.mutator
+class _OneDevice(relax.PyExprMutator):
+    """Drops ``R.to_vdevice`` / ``R.hint_on_device``; types are inferred again without them."""
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        return call.args[0] if op_name(call) in (TO_VDEVICE, HINT_ON_DEVICE) else call
+
+
+def _on_one_device(func: relax.Function) -> relax.Function:
+    """``func`` with every tensor on one device: a user-placed model's weight transform runs
+    once, here, on the CPU; its results take their devices from ``main``'s parameters."""
+    m = _OneDevice()
+    params = [relax.Var(p.name, _plain(p.ty)) for p in func.params]
+    for old, new in zip(func.params, params, strict=True):
+        m.set_var_remap(old, new)
+    return relax.Function(params, m.visit_expr(func.body), None, func.is_pure, func.attrs)
 
 
 def _run_transform(mod: tvm.IRModule, args: list[np.ndarray]) -> list[np.ndarray]:
     """Compile ``mod`` (the lifted transform and the functions it calls) and run the
     transform on the CPU."""
     dev = tvm.cpu()
+    mod = mod.clone()
+    mod.update_func(mod.get_global_var(TRANSFORM), _on_one_device(mod[TRANSFORM]))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ex = tvm.compile(mod, "llvm")

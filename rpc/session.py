@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import tvm
 from tvm.rpc import base as rpc_base
 
+from hgrt.devices import machine_arch
 from hgrt.errors import InputError, RemoteError
 from hgrt.rpc.protocol import PLATFORM_FUNC, STATS_FUNC, parse_address
 
@@ -179,12 +180,9 @@ def _what_tracker_has(addr: tuple[str, int], key: str) -> str:
 
 
 # ---- libraries --------------------------------------------------------------------------------
+# ELF machine codes, named as hgrt.devices.machine_arch names a server's `uname -m`
 _ELF_MACHINES = {3: "x86", 8: "mips", 20: "ppc", 21: "ppc64", 40: "arm", 62: "x86_64",
                  183: "aarch64", 243: "riscv", 258: "loongarch"}
-_UNAME_TO_ELF = {"x86_64": "x86_64", "amd64": "x86_64", "i386": "x86", "i686": "x86",
-                 "aarch64": "aarch64", "arm64": "aarch64", "armv7l": "arm", "armv8l": "arm",
-                 "armv6l": "arm", "riscv64": "riscv", "riscv32": "riscv", "ppc64le": "ppc64",
-                 "ppc64": "ppc64", "mips": "mips", "loongarch64": "loongarch"}
 
 
 def _elf_machine_of(head: bytes) -> str | None:
@@ -237,6 +235,20 @@ def stats(remote: tvm.rpc.RPCSession) -> dict:
         raise RemoteError(f"{describe(remote)}: stats failed: {e}") from e
 
 
+def _target_hint(info: dict) -> str:
+    """How to build for the server's machine: a JSON target (TVM 0.27 refuses option strings
+    such as 'llvm -mtriple=...'), or one of TVM's target tags."""
+    machine, system = info["machine"], str(info.get("system", "Linux")).lower()
+    arch = machine_arch(machine)
+    triple = f"{machine}-linux-{'gnueabihf' if arch == 'arm' else 'gnu'}" \
+        if system == "linux" else f"{machine}-{system}"
+    target = json.dumps({"kind": "llvm", "mtriple": triple})
+    tag = " such as 'raspberry-pi/4b-aarch64'" if arch == "aarch64" else ""
+    return (f"build it for the server's CPU with hgrt.build(..., target={{'cpu': '{target}'}}) "
+            f"or `hgrt compile --target 'cpu={target}'` (or a TVM target tag{tag}; "
+            f"tvm.target.list_tags() lists them)")
+
+
 def upload(remote: tvm.rpc.RPCSession, path: str, name: str | None = None, *,
            check_arch: bool = True):
     """Upload a compiled library (.so, or .tar of objects that the server links) and load it
@@ -261,11 +273,9 @@ def upload(remote: tvm.rpc.RPCSession, path: str, name: str | None = None, *,
     except Exception as e:
         raise RemoteError(f"{where}: cannot ask the server what it runs on: {e}") from e
     if info is not None:
-        server_arch = _UNAME_TO_ELF.get(info["machine"], info["machine"])
-        if lib_arch != server_arch:
+        if lib_arch != machine_arch(info["machine"]):
             raise RemoteError(f"{path} is a library for {lib_arch}, but the server of {where} "
-                              f"runs {info['machine']} ({info['system']}): build it for the "
-                              f"server's target (e.g. 'llvm -mtriple={info['machine']}-linux-gnu')"
+                              f"runs {info['machine']} ({info['system']}): {_target_hint(info)}"
                               f" and upload again")
     try:
         remote.upload(path, name)

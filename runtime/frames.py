@@ -19,6 +19,7 @@ import tvm
 from hgrt.errors import GraphError
 from hgrt.graph import COPY_FUNC, NOP_FUNC, Graph
 from hgrt.lifetimes import ALIGN, storage_bytes, storage_devices
+from hgrt.runtime.onednn import kernel_function
 from hgrt.runtime.pools import StoragePools
 
 copy_tensor = tvm.get_global_func("runtime.TVMTensorCopyFromTo")
@@ -38,7 +39,7 @@ def _find_function(lib, name: str):
     try:
         return lib.get_function(name, query_imports=True)
     except (AttributeError, RuntimeError):
-        return None
+        return kernel_function(name)  # a global function: a kernel provider's (oneDNN)
 
 
 def bind_steps(graph: Graph, lib, storage: StoragePools) -> tuple[Step, ...]:

@@ -15,7 +15,7 @@ from tvm.script import relax as R
 import hgrt
 from hgrt.errors import BuildError, DeviceError
 from hgrt.graph import COPY_FUNC, Graph
-from hgrt.testing import alternating, conv_model, run_hgrt, run_relax_vm
+from hgrt.testing import alternating, conv_model, run_hgrt, run_relax_vm, user_placed
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def test_weight_used_on_two_devices_is_stored_on_both(model, x, reference):
 
 
 def test_params_are_not_baked_into_the_library(model, x, reference):
-    res = hgrt.build(model, ["cpu"])
+    res = hgrt.build(model, ["cpu"], kernels="tvm")  # oneDNN refuses weights never loaded
     m = hgrt.create(res.graph_json, res.lib, [tvm.cpu(0)])
     m.load_params({k: np.zeros_like(v) for k, v in res.params.items()})
     m.set_input("x", x)
@@ -138,7 +138,7 @@ def test_precedence_hint_over_override_over_rule_over_preferred():
                    "d": ("cpu:0", "override"), "e": ("cpu:1", "override"),
                    "f": ("cpu:1", "rule 'mul*'")}
     table = res.print_placement().splitlines()
-    assert table[0].split() == ["node", "op", "device", "reason"]
+    assert table[0].split() == ["node", "op", "device", "kernels", "reason"]
     assert any(line.split()[:3] == ["d", "relax.multiply", "cpu:0"] and "override" in line
                for line in table)
     x = np.arange(8, dtype="float32") / 8
@@ -215,8 +215,9 @@ def test_graph_json_contract(model):
         if n.op == "tvm_op":
             assert n.attrs["flatten_data"] == "0"
             assert int(n.attrs["num_inputs"]) == len(n.inputs)
-            if not n.func_name.startswith("__"):
-                res.lib[n.func_name]  # every kernel is a symbol of the one library
+            if not n.func_name.startswith("__") and "provider" not in n.attrs:
+                res.lib[n.func_name]  # every kernel is a symbol of the one library (a
+                # provider's, oneDNN's, is a global function its runtime registers)
     assert all(off % 64 == 0 for off in g.storage_offset)
     assert len(g.pool_bytes) == 2
     assert res.devices == ["cpu:0", "cpu:1"]
@@ -299,5 +300,88 @@ def test_pass_failure_names_pass_and_history(monkeypatch, model):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(ic._Rebuilder, "on_device", broken)
-    with pytest.raises(BuildError, match=r"'insert_copies' failed after \['place_devices'\]: boom"):
+    with pytest.raises(BuildError, match=r"'insert_copies' failed after \['place_devices'\]: "
+                                         r"binding 'lv\d*' \(relax\.[\w.]+\) on cpu:0: boom") as e:
         hgrt.build(model, ["cpu:0", "cpu:1"], alternating(model))
+    assert str(e.value.__cause__) == "boom"  # the failure itself, not the error that located it
+
+
+def test_user_placed_relax_module_keeps_its_placement_and_folds_weights():
+    """A Relax module that places itself (vdevices, R.to_vdevice between ops alternating over
+    cpu:0 / cpu:1) with weight-only computations (Gemm transB: a transpose of each weight)."""
+    rng = np.random.default_rng(2)
+    inits = [helper.make_tensor(n, TensorProto.FLOAT, s, rng.standard_normal(s).ravel())
+             for n, s in (("w1", (16, 8)), ("b1", (16,)), ("w2", (4, 16)))]
+    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], transB=1),
+             helper.make_node("Relu", ["h"], ["r"]),
+             helper.make_node("Gemm", ["r", "w2"], ["y"], transB=1)]
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, [2, 8])], [helper.make_tensor_value_info(
+            "y", TensorProto.FLOAT, [2, 4])], initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    mod, params = user_placed(model)
+    res = hgrt.build(mod, ["cpu:0", "cpu:1"], params=params)
+    assert {r.reason for r in res.placement_report} == {"hint"}
+    assert {r.device for r in res.placement_report} == {"cpu:0", "cpu:1"}
+    assert not any("transpose" in n.func_name for n in res.graph.nodes if n.op == "tvm_op")
+    x = rng.standard_normal((2, 8)).astype("float32")
+    np.testing.assert_allclose(run_hgrt(res, {"x": x})[0], run_relax_vm(model, [x])[0],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_tvm_failure_names_pass_binding_op_and_device():
+    """TVM's legalization of this prelu fails with a bare AssertionError (slope of 3 on an
+    axis of 4): the BuildError says where, the AssertionError is its cause."""
+
+    @I.ir_module
+    class Mod:
+        @R.function
+        def main(x: R.Tensor((2, 3, 4), "float32"), s: R.Tensor((3,), "float32")):
+            with R.dataflow():
+                a = R.exp(x)
+                y = R.nn.prelu(a, s, axis=2)
+                R.output(y)
+            return y
+
+    with pytest.raises(BuildError, match=r"^'legalize_and_fuse' failed after \[.*\]: binding 'y' "
+                                         r"\(relax.nn.prelu\) on cpu:1: AssertionError") as e:
+        hgrt.build(Mod, ["cpu:0", "cpu:1"], hgrt.Placement(overrides={"y": "cpu:1"}),
+                   params={"s": np.ones(3, "float32")})
+    assert type(e.value.__cause__) is AssertionError
+
+
+def test_graph_of_inputs_and_weights_rearranged_builds_without_kernels():
+    @I.ir_module
+    class Mod:
+        @R.function
+        def main(x: R.Tensor((3,), "float32"), w: R.Tensor((3,), "float32")):
+            with R.dataflow():
+                out = (w, x, x)
+                R.output(out)
+            return out
+
+    x, w = np.arange(3, dtype="float32"), np.ones(3, "float32")
+    res = hgrt.build(Mod, ["cpu:0"], params={"w": w})
+    assert not [n for n in res.graph.nodes if n.op == "tvm_op"]
+    for got, want in zip(run_hgrt(res, {"x": x}), (w, x, x), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_library_build_failure_names_the_kernel_binding_and_device(monkeypatch):
+    @I.ir_module
+    class Mod:
+        @R.function
+        def main(x: R.Tensor((8,), "float32")):
+            return R.exp(x)
+
+    real = tvm.tirx.build
+
+    def build_without_exp(mod, *args, **kwargs):  # as if TVM had no code for exp
+        if any("exp" in gv.name_hint for gv in mod.get_global_vars()):
+            raise RuntimeError("no code for exp")
+        return real(mod, *args, **kwargs)
+
+    monkeypatch.setattr(tvm.tirx, "build", build_without_exp)
+    with pytest.raises(BuildError, match=r"'build_library' failed after \[.*\]: binding '\w+' "
+                                         r"\(\w*exp\w*\) on cpu:1: no code for exp"):
+        hgrt.build(Mod, ["cpu:0", "cpu:1"], hgrt.Placement(rules={"exp": "cpu:1"}))

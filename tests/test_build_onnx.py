@@ -23,6 +23,7 @@ from hgrt.testing import (
     onnx_case_names,
     run_hgrt,
     run_relax_vm,
+    user_placed,
 )
 from hgrt.zoo import LIGHT_MODELS, light_input, light_model
 
@@ -39,6 +40,7 @@ SUBSET = [
     "pytorch-converted/test_MaxPool2d",
     "pytorch-converted/test_PixelShuffle",
     "pytorch-converted/test_PReLU_2d",
+    "pytorch-converted/test_PReLU_3d_multiparam",  # opset 6: the slope is per channel
     "pytorch-converted/test_SELU",
     "pytorch-converted/test_Softmax",
     "pytorch-operator/test_operator_chunk",
@@ -47,6 +49,7 @@ SUBSET = [
     "pytorch-operator/test_operator_params",
     "pytorch-operator/test_operator_permute2",
     "pytorch-operator/test_operator_reduced_mean_keepdim",
+    "simple/test_sequence_model2",  # the output is an input: no kernels
     "simple/test_single_relu_model",
     "simple/test_sign_model",
 ]
@@ -99,6 +102,8 @@ def test_full_backend_sweep():
     for row in unexplained:
         print("UNEXPLAINED", row)
     assert not unexplained
+    # the 15 others: 13 the frontend cannot import, 2 with a data-dependent shape (refused)
+    assert min(passed.values()) >= 125, passed
 
 
 def _check_light(name: str) -> None:
@@ -108,7 +113,11 @@ def _check_light(name: str) -> None:
     feed = dict(zip(input_names(model), x.values(), strict=True))
     single = run_hgrt(hgrt.build(model, ["cpu:0"]), feed)
     split = run_hgrt(hgrt.build(model, ["cpu:0", "cpu:1"], alternating(model)), feed)
-    for got in (single, split):
+    mod, params = user_placed(model)  # the same split, written into the Relax module
+    names = [p.name for p in mod["main"].params if p.name not in params]
+    placed = run_hgrt(hgrt.build(mod, ["cpu:0", "cpu:1"], params=params),
+                      dict(zip(names, x.values(), strict=True)))
+    for got in (single, split, placed):
         assert len(got) == len(ref)
         for g, r in zip(got, ref, strict=True):
             assert np.isfinite(r).all() and r.std() > 0

@@ -39,7 +39,8 @@ def test_tune_compile_run(tmp_path, capsys):
     assert open(os.path.join(db, "database_tuning_record.json")).read() == records
 
     art = str(tmp_path / "out")
-    assert main(["compile", model, "--device", "cpu", "--tuning-db", db, "-o", art]) == 0
+    assert main(["compile", model, "--device", "cpu", "--tuning-db", db, "-o", art,
+                 "--kernels", "tvm"]) == 0  # the tuned conv, not oneDNN's
     out = capsys.readouterr().out
     assert "target" in out and "num-cores" in out
     # the tune verified the tuned kernel inside the model: it is applied, or kept out for a

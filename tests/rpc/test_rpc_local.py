@@ -13,9 +13,10 @@ import tvm
 
 import hgrt
 import hgrt.rpc
+from hgrt.devices import machine_arch
 from hgrt.errors import DeviceError, GraphError, InputError, RemoteError
 from hgrt.rpc.client import RemoteGraphModule
-from hgrt.rpc.session import _UNAME_TO_ELF, library_machine
+from hgrt.rpc.session import library_machine
 from hgrt.testing import GraphBuilder, N, elementwise_lib
 
 
@@ -104,7 +105,7 @@ def test_mixing_local_and_remote_devices_is_refused(session, remote_lib):
 def test_library_machine_reads_so_and_tar(tmp_path):
     path = str(tmp_path / "lib.so")
     elementwise_lib().export_library(path)
-    assert library_machine(path) == _UNAME_TO_ELF[platform.machine()]
+    assert library_machine(path) == machine_arch(platform.machine())
     (tmp_path / "junk.bin").write_bytes(b"not a library")
     assert library_machine(str(tmp_path / "junk.bin")) is None
 

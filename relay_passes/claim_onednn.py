@@ -1,0 +1,471 @@
+"""claim_onednn: hand convolutions and dense layers on x86-64 CPUs to oneDNN kernels.
+
+The kernel provider is chosen per build (``hgrt.build(..., kernels=)``): ``"tvm"`` leaves every
+op to TVM; ``"onednn"`` claims what oneDNN supports and is a ``BuildError`` where oneDNN cannot
+run; ``"auto"`` claims where it can and otherwise says once why not. Runs after insert_copies
+(devices known, weights per device), before legalization. A chain
+
+    conv2d(x, W)  [+ per-channel weight | batch_norm]*  [+ residual]  [relu | clip]
+    matmul(x, W)  [+ bias]                                             [relu | clip]
+
+on a CPU device, W a weight, each intermediate read once, becomes one
+``R.call_dps_packed("hgrt.onednn.conv2d", (x, packed[, residual]), out)`` bound to the chain's
+last variable. ``packed`` is a new weight (a uint8 blob): a header (``HEADER_SLOTS``), W with
+batch norms folded in, packed once in the layout oneDNN picks on this machine, then the bias.
+The residual add and the activation are oneDNN post-ops (``sum``, ``eltwise``). Weights the
+chains read are dropped when nothing else reads them. A chain result that only other chains
+read stays in the blocked layout oneDNN picks (a flat float32 tensor of that layout's size):
+kernels reorder to and from NCHW only where a TVM kernel, a copy or an output is on the other
+side. The ExternFunc's attrs become graph node attrs (``provider``, ``onednn_op``,
+``onednn_isa``, ``onednn_impl``, ``onednn_layouts``), and the placement report's rows of
+claimed ops say ``kernels: onednn``.
+
+Reads ``ctx.options.kernels`` and ``ctx.options.onednn`` (the runtime side, handed down by the
+caller: ``unavailable_reason()``, ``pack()``, ``isa()``, ``implementation()``,
+``layout_name()``), ``ctx.placed`` and ``ctx.weights``; writes new weights to ``ctx.weights``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from hgrt.errors import BuildError
+from hgrt.relay_passes.context import BuildContext
+from hgrt.relay_passes.insert_copies import _identifier
+from hgrt.relay_passes.relax_util import bindings, op_name
+
+KERNELS = ("auto", "tvm", "onednn")
+MAGIC, HEADER_VERSION, HEADER_INT64 = 0x4C4E4E4454524748, 1, 64
+MAX_POST_OPS = 3
+# the blob header, int64 slots; runtime/onednn_shim.cc `enum Slot` names the same positions
+HEADER_SLOTS = ("magic", "version", "kind", "n", "ic", "ih", "iw", "oc", "oh", "ow", "kh", "kw",
+                "sh", "sw", "pad_t", "pad_l", "pad_b", "pad_r", "dil_h", "dil_w", "groups",
+                *(f"post{k}{s}" for k in range(MAX_POST_OPS) for s in ("", "_alpha", "_beta")),
+                "wei_tag", "wei_offset", "wei_bytes", "bias_offset", "isa", "dnnl_version",
+                "src_tag", "dst_tag", "res_tag", "dst_bytes",  # activation layouts: 0 NCHW
+                "checksum")  # of the packed bytes
+SLOT = {name: i for i, name in enumerate(HEADER_SLOTS)}
+KIND = {"conv2d": 1, "dense": 2}
+POST_OP = {"relu": 1, "clip": 2, "sum": 3}
+FUNC_NAME = {"conv2d": "hgrt.onednn.conv2d", "dense": "hgrt.onednn.dense"}
+_log = logging.getLogger("hgrt.build")
+_said: set[str] = set()
+
+
+@dataclass
+class Chain:
+    """A claimed chain: its root op, the bindings it absorbs, and what it computes."""
+
+    kind: str  # "conv2d" | "dense"
+    root: relax.VarBinding
+    x: relax.Var
+    weight: np.ndarray  # plain (OIHW, or OI for dense), float32, batch norms folded in
+    bias: np.ndarray
+    members: list[relax.Var] = field(default_factory=list)  # root first, end last
+    read: list[relax.Expr] = field(default_factory=list)  # weights the chain absorbed
+    residual: relax.Var | None = None
+    post: list[tuple[str, float, float]] = field(default_factory=list)
+    label: list[str] = field(default_factory=list)
+
+    @property
+    def end(self) -> relax.Var:
+        return self.members[-1]
+
+
+class _Graph:
+    """What matching needs to know about ``main``: who reads a variable, what is a weight."""
+
+    def __init__(self, func: relax.Function, ctx: BuildContext) -> None:
+        self.func, self.ctx = func, ctx
+        n_in = int(func.attrs["num_input"]) if "num_input" in (func.attrs or {}) else 0
+        self.weights = {p: ctx.weights.graph_names.get(p.name, p.name)
+                        for p in func.params[n_in:]}
+        self.users: dict[relax.Var, list[relax.VarBinding]] = {}
+        self.claimed: set[relax.Var] = set()
+        for b in bindings(func):
+            for v in relax.analysis.free_vars(b.value):
+                self.users.setdefault(v, []).append(b)
+        for v in relax.analysis.free_vars(func.body.body):
+            self.users.setdefault(v, []).append(None)  # the function's result
+
+    def value(self, expr: relax.Expr) -> np.ndarray | None:
+        """The value of a weight or constant, else None."""
+        if isinstance(expr, tvm.ir.expr.Constant):
+            return expr.value.numpy()
+        if isinstance(expr, relax.Var) and expr in self.weights:
+            w = self.ctx.weights
+            return w.values[w.source[self.weights[expr]]]
+        return None
+
+    def only_user(self, var: relax.Var) -> relax.VarBinding | None:
+        """The one binding that reads ``var`` (None: several, none, or the result reads it)."""
+        users = self.users.get(var, [])
+        return users[0] if len(users) == 1 and users[0] is not None else None
+
+
+def _ints(values: Any, n: int) -> list[int]:
+    out = [int(v) for v in values]
+    return out * (n // len(out)) if len(out) in (1, n // 2) else out
+
+
+def _shape(expr: relax.Expr) -> tuple[int, ...] | None:
+    ty = expr.ty
+    if not isinstance(ty, relax.TensorType) or ty.shape is None or ty.dtype != "float32":
+        return None
+    if not all(isinstance(d, tvm.tirx.IntImm) for d in ty.shape.values):
+        return None
+    return tuple(int(d) for d in ty.shape.values)
+
+
+def _per_channel(value: np.ndarray, out: tuple[int, ...]) -> np.ndarray | None:
+    """``value`` as one number per output channel (axis 1 of ``out``), if it broadcasts so."""
+    if value.size == 1:
+        return np.full(out[1], value.reshape(()), "float32")
+    if value.ndim > len(out):
+        return None
+    shape = (1,) * (len(out) - value.ndim) + value.shape
+    if shape[1] != out[1] or any(s != 1 for i, s in enumerate(shape) if i != 1):
+        return None
+    return value.reshape(out[1]).astype("float32")
+
+
+# ---- chain roots: the op a kernel computes -------------------------------------------------
+
+def _fp32_out(call: relax.Call) -> bool:
+    return str(call.attrs.out_dtype) in ("", "None", "void", "float32")
+
+
+def _conv2d(g: _Graph, b: relax.VarBinding) -> Chain | None:
+    call, a = b.value, b.value.attrs
+    layouts = (str(a.data_layout), str(a.kernel_layout), str(a.out_layout or a.data_layout))
+    if layouts != ("NCHW", "OIHW", "NCHW") or not _fp32_out(call):
+        return None
+    x, w = call.args
+    xs, out, wv = _shape(x), _shape(b.var), g.value(w)
+    if (not isinstance(x, relax.Var) or x in g.weights or xs is None or out is None
+            or len(xs) != 4 or wv is None or wv.ndim != 4 or wv.dtype != np.float32):
+        return None
+    return Chain("conv2d", b, x, wv.copy(), np.zeros(out[1], "float32"), [b.var], [w],
+                 label=["conv2d"])
+
+
+def _dense(g: _Graph, b: relax.VarBinding) -> Chain | None:
+    x, w = b.value.args
+    xs, out, wv = _shape(x), _shape(b.var), g.value(w)
+    if (not _fp32_out(b.value) or not isinstance(x, relax.Var)
+            or x in g.weights or xs is None or out is None or len(xs) != 2 or wv is None
+            or wv.ndim != 2 or wv.dtype != np.float32):
+        return None
+    return Chain("dense", b, x, np.ascontiguousarray(wv.T), np.zeros(out[1], "float32"),
+                 [b.var], [w], label=["dense"])
+
+
+# ---- chain steps: what a kernel absorbs after its op ---------------------------------------
+
+def _add(g: _Graph, c: Chain, b: relax.VarBinding) -> bool:
+    lhs, rhs = b.value.args
+    if lhs.same_as(rhs) or _shape(b.var) != _shape(c.end):
+        return False
+    other = rhs if lhs.same_as(c.end) else lhs
+    value = g.value(other)
+    if value is not None:  # a per-channel weight: into the bias, before any post-op
+        bias = None if c.post else _per_channel(value, _shape(c.end))
+        if bias is None:
+            return False
+        c.bias, c.label = c.bias + bias, [*c.label, "bias"]
+        c.read.append(other)
+    elif (isinstance(other, relax.Var) and _shape(other) == _shape(c.end) and c.residual is None
+          and len(c.post) < MAX_POST_OPS):
+        c.residual, c.label = other, [*c.label, "add"]
+        c.post.append(("sum", 0.0, 0.0))
+    else:
+        return False
+    c.members.append(b.var)
+    return True
+
+
+def _outputs(g: _Graph, b: relax.VarBinding) -> tuple[relax.Var | None, list[relax.Var]]:
+    """The variable that takes output 0 of the tuple ``b`` makes, and the unused others."""
+    items = g.users.get(b.var, [])
+    if not all(u is not None and isinstance(u.value, relax.TupleGetItem) for u in items):
+        return None, []
+    first = [u.var for u in items if u.value.index == 0]
+    unused = [u.var for u in items if u.value.index != 0 and not g.users.get(u.var)]
+    return (first[0], unused) if len(first) == 1 and len(first) + len(unused) == len(items) \
+        else (None, [])
+
+
+def _batch_norm(g: _Graph, c: Chain, b: relax.VarBinding) -> bool:
+    call, a = b.value, b.value.attrs
+    values = [g.value(v) for v in call.args[1:]]
+    item, unused = _outputs(g, b)
+    if (c.post or int(a.axis) != 1 or any(v is None for v in values) or item is None
+            or getattr(a, "training", False)):
+        return False
+    channels = _shape(c.end)[1]
+    if any(v.size != channels for v in values):  # one value per channel of axis 1
+        return False
+    gamma, beta, mean, var = (v.reshape(channels).astype("float32") for v in values)
+    gamma = gamma if a.scale else np.ones_like(gamma)
+    beta = beta if a.center else np.zeros_like(beta)
+    scale = gamma / np.sqrt(var + np.float32(float(a.epsilon)))
+    c.weight = (c.weight * scale.reshape((-1,) + (1,) * (c.weight.ndim - 1))).astype("float32")
+    c.bias = ((c.bias - mean) * scale + beta).astype("float32")
+    c.members += [b.var, *unused, item]
+    c.read += list(call.args[1:])
+    c.label.append("batch_norm")
+    return True
+
+
+def _float(expr: Any) -> float:
+    value = getattr(expr, "value", expr)
+    return float(getattr(value, "value", value))
+
+
+def _activation(g: _Graph, c: Chain, b: relax.VarBinding) -> bool:
+    if len(c.post) >= MAX_POST_OPS:
+        return False
+    kind = "relu" if op_name(b.value) == "relax.nn.relu" else "clip"
+    lo, hi = (0.0, 0.0) if kind == "relu" else (_float(b.value.args[1]), _float(b.value.args[2]))
+    c.post.append((kind, lo, hi))
+    c.members.append(b.var)
+    c.label.append(kind)
+    return True
+
+
+ROOTS: dict[str, Callable[[_Graph, relax.VarBinding], Chain | None]] = {
+    "relax.nn.conv2d": _conv2d, "relax.matmul": _dense}
+STEPS: dict[str, Callable[[_Graph, Chain, relax.VarBinding], bool]] = {
+    "relax.add": _add, "relax.nn.batch_norm": _batch_norm, "relax.nn.relu": _activation,
+    "relax.clip": _activation}
+
+
+# ---- the pass ------------------------------------------------------------------------------
+
+def _runs_onednn(ctx: BuildContext, device: int) -> bool:
+    d = ctx.devices[device]
+    triple = str(d.target.attrs.get("mtriple", "")) if d.kind == "cpu" else "none"
+    return d.kind == "cpu" and (not triple or triple.startswith("x86_64"))
+
+
+def _provider(ctx: BuildContext) -> Any | None:
+    """The oneDNN runtime when this build uses it, else None (saying why once)."""
+    choice = ctx.options.kernels
+    if choice not in KERNELS:
+        raise BuildError(f"kernels={choice!r}: choose one of {list(KERNELS)}")
+    if choice == "tvm":
+        return None
+    runtime = ctx.options.onednn
+    reason = "no oneDNN runtime given" if runtime is None else runtime.unavailable_reason()
+    if reason is None and not any(_runs_onednn(ctx, d.index) for d in ctx.devices):
+        reason = "no device of this build is an x86-64 CPU"
+    if reason is None:
+        return runtime
+    if choice == "onednn":
+        raise BuildError(f"kernels='onednn': {reason}")
+    if reason not in _said:
+        _said.add(reason)
+        _log.warning("kernels: tvm (%s)", reason)
+    ctx.log(f"kernels: tvm ({reason})")
+    return None
+
+
+def _grow(g: _Graph, chain: Chain, block: set[relax.Var]) -> Chain:
+    device = g.ctx.placed.op_device.get(chain.root.var.name)
+    while True:
+        b = g.only_user(chain.end)
+        step = None if b is None else STEPS.get(op_name(b.value))
+        if (step is None or b.var in g.claimed or b.var not in block
+                or g.ctx.placed.op_device.get(b.var.name) != device or not step(g, chain, b)):
+            return chain
+
+
+def find_chains(g: _Graph) -> list[Chain]:
+    """The chains of ``main`` that oneDNN kernels can compute, in binding order."""
+    ctx = g.ctx
+    chains = []
+    for block in g.func.body.blocks:
+        in_block = {b.var for b in block.bindings}
+        for b in block.bindings:
+            root = ROOTS.get(op_name(b.value))
+            device = ctx.placed.op_device.get(b.var.name)
+            if root is None or b.var in g.claimed or device is None \
+                    or not _runs_onednn(ctx, device):
+                continue
+            chain = root(g, b)
+            if chain is not None:
+                chains.append(_grow(g, chain, in_block))
+                g.claimed.update(chain.members)
+    return chains
+
+
+def make_header(kind: str, x: tuple[int, ...], out: tuple[int, ...],
+                kernel: tuple[int, int] = (1, 1), strides: Any = (1, 1), padding: Any = (0,),
+                dilation: Any = (1, 1), groups: int = 1,
+                post: list[tuple[str, float, float]] | None = None) -> np.ndarray:
+    """A blob header before packing (``pack`` fills the layout slots): ``kind`` "conv2d"
+    (``x``, ``out`` NCHW; ``padding`` top, left, bottom, right) or "dense" (``x``, ``out``
+    2-D); ``post``: post-ops in order, ("relu" | "clip" | "sum", alpha, beta)."""
+    h = np.zeros(HEADER_INT64, "int64")
+    fields = {"magic": MAGIC, "version": HEADER_VERSION, "kind": KIND[kind], "n": x[0],
+              "ic": x[1], "oc": out[1], "groups": 1}
+    if kind == "conv2d":
+        fields.update(ih=x[2], iw=x[3], oh=out[2], ow=out[3], kh=kernel[0], kw=kernel[1],
+                      groups=int(groups))
+        fields.update(zip(("sh", "sw"), _ints(strides, 2), strict=True))
+        fields.update(zip(("dil_h", "dil_w"), _ints(dilation, 2), strict=True))
+        fields.update(zip(("pad_t", "pad_l", "pad_b", "pad_r"), _ints(padding, 4), strict=True))
+    for k, (op, lo, hi) in enumerate(post or []):
+        fields[f"post{k}"] = POST_OP[op]
+        fields[f"post{k}_alpha"] = int(np.float64(lo).view(np.int64))
+        fields[f"post{k}_beta"] = int(np.float64(hi).view(np.int64))
+    for name, value in fields.items():
+        h[SLOT[name]] = value
+    return h
+
+
+def header(chain: Chain) -> np.ndarray:
+    """The blob header of ``chain`` (``make_header`` from its ops' attributes)."""
+    if chain.kind == "dense":
+        return make_header("dense", _shape(chain.x), _shape(chain.end), post=chain.post)
+    a = chain.root.value.attrs
+    return make_header("conv2d", _shape(chain.x), _shape(chain.end), chain.weight.shape[2:],
+                       a.strides, a.padding, a.dilation, int(a.groups), chain.post)
+
+
+def _blob_param(chain: Chain, blob: np.ndarray, g: _Graph, taken: set[str]) -> relax.Var:
+    """A new weight holding ``blob``, on the chain's device, recorded in ``ctx.weights``. It
+    takes the name of the weight it replaces when only this chain read that weight (so
+    ``set_input``/``load_params`` of that name meet a parameter of another shape, not an
+    unknown name), else that name + ``.onednn``."""
+    w = g.ctx.weights
+    first = chain.read[0]
+    members = set(chain.members)
+    pname = g.weights.get(first, chain.end.name) if isinstance(first, relax.Var) \
+        else chain.end.name
+    only_here = pname in w.source and all(u is not None and u.var in members
+                                          for u in g.users.get(first, [None]))
+    if not only_here:  # a name of its own
+        pname += ".onednn"
+        while pname in w.source:
+            pname += "_"
+    rname = _identifier(pname, {**w.graph_names, **dict.fromkeys(taken)})
+    w.graph_names[rname] = pname
+    w.source[pname] = key = f"{pname} (oneDNN)"  # a value of its own, not the model's weight
+    w.values[key] = blob
+    vdevice = getattr(first.ty, "vdevice", None) or chain.x.ty.vdevice
+    return relax.Var(rname, relax.TensorType((blob.size,), "uint8", vdevice))
+
+
+def _blocked_results(g: _Graph, chains: list[Chain]) -> set[relax.Var]:
+    """Chain results that only other chains read (as input or residual, on the same device):
+    they stay in the layout oneDNN picks, with no reorder to NCHW and back between kernels."""
+    members = {v for c in chains for v in c.members}
+    return {c.end for c in chains if g.users.get(c.end) and all(
+        u is not None and u.var in members for u in g.users[c.end])}
+
+
+class _Emitter:
+    """Packs the chains in dataflow order and makes their calls; a blocked result becomes a
+    new variable (a flat float32 tensor of the blocked layout's size) that its readers get."""
+
+    def __init__(self, g: _Graph, chains: list[Chain], runtime: Any) -> None:
+        self.g, self.runtime = g, runtime
+        self.blocked = _blocked_results(g, chains)
+        self.isa = runtime.isa()
+        self.tags: dict[relax.Var, int] = {}  # blocked result -> its layout
+        self.out: dict[relax.Var, relax.Var] = {}  # blocked result -> its new variable
+        self.calls: dict[relax.Var, tuple[relax.Var, relax.Call]] = {}
+        self.blobs: list[relax.Var] = []
+        self.taken = {p.name for p in g.func.params}
+
+    def pack(self, chain: Chain) -> np.ndarray:
+        h = header(chain)
+        h[SLOT["src_tag"]] = self.tags.get(chain.x, 0)
+        h[SLOT["res_tag"]] = self.tags.get(chain.residual, 0)
+        h[SLOT["dst_tag"]] = -1 if chain.end in self.blocked else 0
+        blob = self.runtime.pack(h, chain.weight, chain.bias)
+        packed = blob[:HEADER_INT64 * 8].view("int64")
+        if packed[SLOT["dst_tag"]] > 0:
+            end = chain.end
+            self.tags[end] = int(packed[SLOT["dst_tag"]])
+            ty = relax.TensorType((int(packed[SLOT["dst_bytes"]]) // 4,), "float32",
+                                  end.ty.vdevice)
+            self.out[end] = type(end)(end.name, ty)
+        return blob
+
+    def emit(self, chain: Chain) -> None:
+        blob = self.pack(chain)
+        param = _blob_param(chain, blob, self.g, self.taken)
+        self.blobs.append(param)
+        self.taken.add(param.name)
+        layouts = [self.runtime.layout_name(self.tags.get(v, 0))
+                   for v in (chain.x, chain.end, chain.residual) if v is not None]
+        attrs = {"provider": "onednn", "onednn_op": "+".join(chain.label),
+                 "onednn_isa": self.isa, "onednn_impl": self.runtime.implementation(blob),
+                 "onednn_layouts": ", ".join(layouts)}  # input, output[, residual]
+        func = relax.ExternFunc(FUNC_NAME[chain.kind])
+        for key, value in attrs.items():
+            func = func.with_attr(key, value)
+        args = [self.out.get(v, v) for v in (chain.x, param, chain.residual) if v is not None]
+        var = self.out.get(chain.end, chain.end)
+        self.calls[chain.end] = (var, relax.op.call_dps_packed(func, relax.Tuple(args), var.ty))
+
+
+def _rewrite(func: relax.Function, calls: dict[relax.Var, tuple[relax.Var, relax.Call]],
+             drop: set[relax.Var], blobs: list[relax.Var], ctx: BuildContext) -> relax.Function:
+    """``func`` with each chain's last binding bound to its call, the rest of it dropped, the
+    blobs appended to the params and the weights nothing reads any more removed."""
+    blocks = []
+    for block in func.body.blocks:
+        kept = [relax.VarBinding(*calls[b.var]) if b.var in calls else b
+                for b in block.bindings if b.var not in drop]
+        blocks.append(type(block)(kept))
+    body = relax.SeqExpr(blocks, func.body.body)
+    used = set(relax.analysis.free_vars(body))
+    n_in = int(func.attrs["num_input"])
+    params = list(func.params[:n_in])
+    w = ctx.weights
+    blob_names = {w.graph_names[b.name] for b in blobs}
+    for p in func.params[n_in:]:
+        if p in used:
+            params.append(p)
+            continue
+        pname = w.graph_names.pop(p.name, p.name)  # read only by claimed chains: gone
+        if pname not in blob_names:  # (else a blob took over its name)
+            w.source.pop(pname, None)
+    return relax.Function(params + blobs, body, func.ret_ty, func.is_pure, func.attrs)
+
+
+def claim_onednn(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
+    """Claim what oneDNN computes (see module doc); ``mod`` untouched when nothing is claimed."""
+    runtime = _provider(ctx)
+    func = mod["main"]
+    if runtime is None or "num_input" not in (func.attrs or {}):
+        return mod
+    g = _Graph(func, ctx)
+    chains = find_chains(g)
+    if not chains:
+        return mod
+    emitter = _Emitter(g, chains, runtime)
+    position = {b.var: i for i, b in enumerate(bindings(func))}
+    for chain in sorted(chains, key=lambda c: position[c.end]):  # producers first
+        emitter.emit(chain)
+    drop = {v for c in chains for v in c.members[:-1]}
+    members = {v.name for c in chains for v in c.members}
+    for row in ctx.placed.report:
+        if row.node in members:
+            row.kernels = "onednn"
+    ctx.log(f"oneDNN ({emitter.isa}) claims {len(chains)} ops, {len(emitter.out)} results kept "
+            f"blocked: " + ", ".join(sorted({"+".join(c.label) for c in chains})))
+    new = mod.clone()
+    new.update_func(new.get_global_var("main"),
+                    _rewrite(func, emitter.calls, drop, emitter.blobs, ctx))
+    return new

@@ -1,0 +1,185 @@
+"""oneDNN kernels for hgrt: the optional ``onednn`` extra (``pip install -e '.[onednn]'``).
+
+``onednn_shim.cc`` is compiled once per machine with ``tvm_ffi.cpp`` (g++ and ninja) into
+``~/.cache/hgrt/onednn-<hash of source, flags, oneDNN paths>`` (``HGRT_CACHE_DIR`` moves the
+cache) and loaded. Loading registers global functions: ``hgrt.onednn.conv2d`` and
+``hgrt.onednn.dense`` are the kernels that graph nodes name (the executor falls back to
+global functions for names its library lacks, ``kernel_function``); ``hgrt.onednn.pack``
+packs weights at build (``relay_passes/claim_onednn.py`` builds the header).
+
+>>> from hgrt.runtime import onednn
+>>> onednn.unavailable_reason() or onednn.isa()  # doctest: +SKIP
+'avx512_core'
+
+Threads: a kernel runs on as many OpenMP threads as the calling thread's TVM pool has (hgrt's
+one thread budget, ``runtime/threads.py``). TVM's pool spins after a parallel kernel and
+slows oneDNN's threads (1.45x measured), so loading the shim sets
+``TVM_THREAD_POOL_SPIN_COUNT=0`` unless the user chose a value; pools started before keep
+spinning, which is why ``prepare_process`` exists for scripts that know early.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import os
+import platform
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import tvm
+import tvm_ffi
+
+from hgrt.errors import GraphError
+
+__all__ = ["FUNCTIONS", "INSTALL_HINT", "implementation", "isa", "kernel_function",
+           "layout_name", "load", "pack", "prepare_process", "unavailable_reason", "version"]
+
+INSTALL_HINT = "pip install -e '.[onednn]'"
+PREFIX = "hgrt.onednn."
+FUNCTIONS = (PREFIX + "conv2d", PREFIX + "dense")  # the kernels graph nodes call
+SOURCE = Path(__file__).with_name("onednn_shim.cc")
+_WHEELS = ("onednn-cpu-gomp", "onednn-devel-cpu-gomp")  # libdnnl.so + libgomp; headers
+_lock = threading.Lock()
+_module: list = []  # the loaded shim, once
+
+
+@functools.cache
+def _wheel_paths() -> tuple[str, str] | None:
+    """(include dir, lib dir) of the oneDNN wheels, or None when they are not installed."""
+    try:
+        runtime = importlib.metadata.distribution(_WHEELS[0])
+        devel = importlib.metadata.distribution(_WHEELS[1])
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    libs = [f for f in runtime.files or [] if f.name.startswith("libdnnl.so")]
+    headers = [f for f in devel.files or [] if f.as_posix().endswith("oneapi/dnnl/dnnl.hpp")]
+    if not libs or not headers:
+        return None
+    header = Path(devel.locate_file(headers[0])).resolve()
+    return str(header.parents[2]), str(Path(runtime.locate_file(libs[0])).resolve().parent)
+
+
+def _ninja() -> str | None:
+    found = shutil.which("ninja")
+    if found:
+        return found
+    try:
+        import ninja  # the `ninja` wheel of the extra
+    except ImportError:
+        return None
+    path = Path(ninja.BIN_DIR) / "ninja"
+    return str(path) if path.exists() else None
+
+
+def unavailable_reason() -> str | None:
+    """Why oneDNN kernels cannot run in this process, or None when they can."""
+    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
+        return f"oneDNN kernels need x86-64 Linux, this is {sys.platform} {platform.machine()}"
+    if _wheel_paths() is None:
+        return f"oneDNN not installed: {INSTALL_HINT}"
+    if _module:
+        return None
+    if not shutil.which(os.environ.get("CXX", "g++")):
+        return "no C++ compiler (g++) to build the oneDNN kernels once"
+    if _ninja() is None:
+        return f"ninja is missing to build the oneDNN kernels once: {INSTALL_HINT}"
+    return None
+
+
+def _cache_dir(flags: list[str]) -> Path:
+    root = Path(os.environ.get("HGRT_CACHE_DIR", "~/.cache/hgrt")).expanduser()
+    key = hashlib.sha256(SOURCE.read_bytes() + "\0".join(flags).encode()).hexdigest()[:16]
+    return root / f"onednn-{key}"
+
+
+def _build_and_load() -> tvm_ffi.Module:
+    include, lib = _wheel_paths()  # type: ignore[misc]
+    ldflags = [f"-L{lib}", f"-Wl,-rpath,{lib}", "-ldnnl", "-fopenmp"]
+    cflags = ["-O2", "-fopenmp"]
+    build_dir = _cache_dir([include, *ldflags, *cflags, tvm_ffi.__version__])
+    built = build_dir / "hgrt_onednn.so"
+    if not built.exists():
+        ninja = _ninja()
+        if ninja and not shutil.which("ninja"):  # tvm_ffi runs `ninja` from PATH
+            os.environ["PATH"] = f"{Path(ninja).parent}{os.pathsep}{os.environ['PATH']}"
+        from tvm_ffi import cpp  # pulls in the build tooling only when something is built
+
+        cpp.build_inline("hgrt_onednn", cpp_sources=SOURCE.read_text(), extra_cflags=cflags,
+                         extra_ldflags=ldflags, extra_include_paths=[include],
+                         build_directory=str(build_dir))
+    return tvm_ffi.load_module(str(built))
+
+
+def load() -> tvm_ffi.Module:
+    """The shim, compiled on first use on this machine and loaded once per process; raises
+    ``GraphError`` saying why when oneDNN kernels cannot run here."""
+    if _module:
+        return _module[0]
+    with _lock:
+        if not _module:
+            reason = unavailable_reason()
+            if reason is not None:
+                raise GraphError(f"{reason}; or rebuild the model with kernels='tvm'")
+            os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
+            try:
+                _module.append(_build_and_load())
+            except Exception as e:
+                raise GraphError(f"could not build the oneDNN kernels: {e}") from e
+    return _module[0]
+
+
+def prepare_process() -> None:
+    """Call before TVM's first parallel kernel in a process that will run oneDNN kernels: TVM's
+    thread pools then do not spin against oneDNN's threads."""
+    os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
+
+
+def kernel_function(name: str):
+    """The global function ``name`` (oneDNN's kernels are loaded first when it names one of
+    them), or None: what the executor binds when its library lacks ``name``."""
+    if name.startswith(PREFIX):
+        load()
+    return tvm.get_global_func(name, allow_missing=True)
+
+
+def _call(name: str, *args):
+    load()
+    return tvm.get_global_func(PREFIX + name)(*args)
+
+
+def pack(header: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    """``weight`` (plain OIHW, or OI for dense) and ``bias`` packed for this machine behind
+    ``header`` (int64 slots, ``claim_onednn.HEADER_SLOTS``): the blob a kernel node reads."""
+    cpu = tvm.cpu(0)
+    head = tvm.runtime.tensor(np.ascontiguousarray(header, dtype="int64"), cpu)
+    nbytes = int(_call("packed_bytes", head))
+    blob = tvm.runtime.empty((nbytes,), "uint8", cpu)
+    _call("pack", head, tvm.runtime.tensor(np.ascontiguousarray(weight, "float32"), cpu),
+          tvm.runtime.tensor(np.ascontiguousarray(bias, "float32"), cpu), blob)
+    return blob.numpy()
+
+
+def implementation(blob: np.ndarray) -> str:
+    """The implementation oneDNN runs for a packed blob here (``brg:avx512_core``, ...)."""
+    return str(_call("implementation", tvm.runtime.tensor(blob, tvm.cpu(0))))
+
+
+def layout_name(tag: int) -> str:
+    """oneDNN's name of a layout tag (``nChw16c``); 0 is plain (``nchw``, or ``ab`` for 2-D)."""
+    return str(_call("layout_name", int(tag))) if tag > 0 else "plain"
+
+
+def isa() -> str:
+    """The instruction set oneDNN's kernels use on this machine (``ONEDNN_MAX_CPU_ISA`` caps
+    it), e.g. ``avx2`` or ``avx512_core``."""
+    return str(_call("isa"))
+
+
+def version() -> str:
+    v = int(_call("version"))
+    return f"{v // 10000}.{v // 100 % 100}.{v % 100}"

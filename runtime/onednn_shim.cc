@@ -1,0 +1,558 @@
+// hgrt's oneDNN kernels: conv2d and dense with fused post-ops, weights packed once at build.
+//
+// A claimed op is called as `fn(x, blob, [residual,] out)`. The blob (a uint8 param) is
+// self-describing: a 512-byte header (int64 slots, laid out in relay_passes/claim_onednn.py:
+// HEADER_SLOTS), the weights already in the layout oneDNN chose at build (`format_tag::any`),
+// then the fp32 bias. Activations are plain NCHW (N x C for dense) in and out; the kernel
+// reorders them to and from the layout its primitive wants, in per-thread scratch buffers.
+//
+// Primitives are made on first call and cached per (blob address, thread count): oneDNN fixes
+// its thread partition when a primitive is made. The header is compared on every lookup, so a
+// new blob at a reused address never runs a stale primitive. Threads follow the calling
+// thread's TVM pool (runtime.NumThreads), which hgrt's thread budget sets.
+#include <omp.h>
+#include <oneapi/dnnl/dnnl.hpp>
+#include <oneapi/dnnl/dnnl_debug.h>
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/error.h>
+#include <tvm/ffi/function.h>
+#include <tvm/ffi/reflection/registry.h>
+#include <tvm/ffi/string.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+
+namespace hgrt_onednn {
+
+namespace ffi = tvm::ffi;
+using dnnl::memory;
+using Tag = memory::format_tag;
+
+constexpr int64_t kMagic = 0x4c4e4e4454524748;  // "HGRTDNNL", little endian
+constexpr int64_t kVersion = 1;
+constexpr int64_t kHeaderBytes = 512;
+constexpr int kSlots = kHeaderBytes / 8;
+constexpr int kMaxPostOps = 3;
+
+// Header slots; relay_passes/claim_onednn.py HEADER_SLOTS names the same positions.
+enum Slot : int {
+  kMagicSlot, kVersionSlot, kKind, kN, kIC, kIH, kIW, kOC, kOH, kOW, kKH, kKW, kSH, kSW,
+  kPadT, kPadL, kPadB, kPadR, kDilH, kDilW, kGroups, kPost0,  // 3 slots per post-op
+  kWeiTag = kPost0 + 3 * kMaxPostOps, kWeiOffset, kWeiBytes, kBiasOffset, kIsa, kDnnlVersion,
+  kSrcTag, kDstTag, kResTag, kDstBytes,  // activations: 0 plain, else a tag (kDstTag -1: pick)
+  kChecksum,  // of the packed weights and bias: new weights make a new header
+  kUsedSlots
+};
+static_assert(kUsedSlots <= kSlots, "header overflows its bytes");
+enum Kind : int64_t { kConv2d = 1, kDense = 2 };
+enum PostOp : int64_t { kNoPost = 0, kRelu = 1, kClip = 2, kSum = 3 };
+
+struct Header {
+  int64_t v[kSlots];
+  int64_t operator[](int i) const { return v[i]; }
+  int64_t& operator[](int i) { return v[i]; }
+  bool has_sum() const {
+    for (int k = 0; k < kMaxPostOps; ++k) {
+      if (v[kPost0 + 3 * k] == kSum) return true;
+    }
+    return false;
+  }
+};
+
+int64_t Round64(int64_t n) { return (n + 63) / 64 * 64; }
+
+double AsDouble(int64_t bits) {
+  double d;
+  std::memcpy(&d, &bits, sizeof(d));
+  return d;
+}
+
+int64_t DnnlVersion() {
+  const dnnl_version_t* v = dnnl_version();
+  return v->major * 10000 + v->minor * 100 + v->patch;
+}
+
+dnnl::engine& Engine() {
+  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  return engine;
+}
+
+dnnl::stream& Stream() {
+  thread_local dnnl::stream stream(Engine());
+  return stream;
+}
+
+// ---- descriptors from a header ------------------------------------------------------------
+
+memory::dims WeightDims(const Header& h) {
+  if (h[kKind] == kDense) return {h[kOC], h[kIC]};
+  if (h[kGroups] > 1) {
+    int64_t g = h[kGroups];
+    return {g, h[kOC] / g, h[kIC] / g, h[kKH], h[kKW]};
+  }
+  return {h[kOC], h[kIC], h[kKH], h[kKW]};
+}
+
+memory::desc PlainWeights(const Header& h) {
+  Tag tag = h[kKind] == kDense ? Tag::ab : (h[kGroups] > 1 ? Tag::goihw : Tag::oihw);
+  return memory::desc(WeightDims(h), memory::data_type::f32, tag);
+}
+
+memory::dims SrcDims(const Header& h) {
+  if (h[kKind] == kDense) return {h[kN], h[kIC]};
+  return {h[kN], h[kIC], h[kIH], h[kIW]};
+}
+
+memory::dims DstDims(const Header& h) {
+  if (h[kKind] == kDense) return {h[kN], h[kOC]};
+  return {h[kN], h[kOC], h[kOH], h[kOW]};
+}
+
+memory::desc WithTag(const memory::dims& dims, int64_t tag) {
+  dnnl_memory_desc_t md = nullptr;
+  dnnl_status_t st = dnnl_memory_desc_create_with_tag(
+      &md, static_cast<int>(dims.size()), dims.data(), dnnl_f32,
+      static_cast<dnnl_format_tag_t>(tag));
+  if (st != dnnl_success) {
+    TVM_FFI_THROW(RuntimeError) << "oneDNN: layout " << tag << " does not fit a tensor of "
+                                << dims.size() << " dimensions";
+  }
+  return memory::desc(md);
+}
+
+memory::desc WeightsWithTag(const Header& h, int64_t tag) { return WithTag(WeightDims(h), tag); }
+
+// An activation as the graph holds it: plain NCHW (N x C for dense), or a blocked layout that
+// a oneDNN kernel hands the next one (tag > 0).
+memory::desc Activation(const memory::dims& dims, int64_t tag) {
+  if (tag > 0) return WithTag(dims, tag);
+  return memory::desc(dims, memory::data_type::f32, dims.size() == 2 ? Tag::ab : Tag::nchw);
+}
+
+dnnl::primitive_attr Attributes(const Header& h) {
+  dnnl::post_ops ops;
+  for (int k = 0; k < kMaxPostOps; ++k) {
+    int64_t kind = h[kPost0 + 3 * k];
+    float alpha = static_cast<float>(AsDouble(h[kPost0 + 3 * k + 1]));
+    float beta = static_cast<float>(AsDouble(h[kPost0 + 3 * k + 2]));
+    if (kind == kRelu) ops.append_eltwise(dnnl::algorithm::eltwise_relu, 0.f, 0.f);
+    if (kind == kClip) ops.append_eltwise(dnnl::algorithm::eltwise_clip, alpha, beta);
+    if (kind == kSum) ops.append_sum(1.f);
+  }
+  dnnl::primitive_attr attr;
+  attr.set_post_ops(ops);
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  return attr;
+}
+
+// The primitive for `h` with weights `wei` (format_tag::any at build, the packed tag at run).
+dnnl::primitive_desc MakeDesc(const Header& h, const memory::desc& wei) {
+  auto any = [](memory::dims d) { return memory::desc(d, memory::data_type::f32, Tag::any); };
+  memory::desc bias({h[kOC]}, memory::data_type::f32, Tag::a);
+  auto kind = dnnl::prop_kind::forward_inference;
+  if (h[kKind] == kDense) {
+    return dnnl::inner_product_forward::primitive_desc(Engine(), kind, any(SrcDims(h)), wei, bias,
+                                                       any(DstDims(h)), Attributes(h));
+  }
+  if (h[kKind] != kConv2d) TVM_FFI_THROW(RuntimeError) << "oneDNN: unknown op kind " << h[kKind];
+  return dnnl::convolution_forward::primitive_desc(
+      Engine(), kind, dnnl::algorithm::convolution_direct, any(SrcDims(h)), wei, bias,
+      any(DstDims(h)), {h[kSH], h[kSW]},
+      {h[kDilH] - 1, h[kDilW] - 1}, {h[kPadT], h[kPadL]}, {h[kPadB], h[kPadR]}, Attributes(h));
+}
+
+// The format tag whose layout is exactly `md` (0: none is). Stored in the header, so the run
+// time rebuilds the packed layout without serializing a memory descriptor.
+int64_t FindTag(const memory::desc& md) {
+  memory::dims dims = md.get_dims();
+  for (int t = static_cast<int>(dnnl_a); t < static_cast<int>(dnnl_format_tag_last); ++t) {
+    dnnl_memory_desc_t c = nullptr;
+    if (dnnl_memory_desc_create_with_tag(&c, static_cast<int>(dims.size()), dims.data(), dnnl_f32,
+                                         static_cast<dnnl_format_tag_t>(t)) != dnnl_success) {
+      continue;
+    }
+    bool same = dnnl_memory_desc_equal(c, md.get()) != 0;
+    dnnl_memory_desc_destroy(c);
+    if (same) return t;
+  }
+  return 0;
+}
+
+// ---- checks on arguments ------------------------------------------------------------------
+
+void* DataOf(const ffi::TensorView& t) {
+  return static_cast<char*>(t.data_ptr()) + t.byte_offset();
+}
+
+void CheckTensor(const ffi::TensorView& t, const char* what, DLDataType dtype, int64_t numel) {
+  if (t.device().device_type != kDLCPU) {
+    TVM_FFI_THROW(ValueError) << "oneDNN kernel: " << what << " is not on a CPU";
+  }
+  if (t.dtype().code != dtype.code || t.dtype().bits != dtype.bits || !t.IsContiguous()) {
+    TVM_FFI_THROW(ValueError) << "oneDNN kernel: " << what << " must be contiguous "
+                              << (dtype.code == kDLFloat ? "float32" : "uint8");
+  }
+  if (numel >= 0 && t.numel() != numel) {
+    TVM_FFI_THROW(ValueError) << "oneDNN kernel: " << what << " has " << t.numel()
+                              << " elements, expected " << numel;
+  }
+}
+
+const DLDataType kF32{kDLFloat, 32, 1};
+const DLDataType kU8{kDLUInt, 8, 1};
+
+const Header& ReadHeader(const ffi::TensorView& blob) {
+  CheckTensor(blob, "packed weights", kU8, -1);
+  if (blob.numel() < kHeaderBytes) TVM_FFI_THROW(ValueError) << "oneDNN: packed weights too short";
+  const Header& h = *static_cast<const Header*>(DataOf(blob));
+  if (h[kMagicSlot] == 0) {
+    TVM_FFI_THROW(ValueError) << "oneDNN: the packed weights are zeros: load the params "
+                                 "(load_params / share_params) before running";
+  }
+  if (h[kMagicSlot] != kMagic || h[kVersionSlot] != kVersion) {
+    TVM_FFI_THROW(ValueError) << "oneDNN: the weights are not packed by this hgrt (header "
+                                 "version mismatch); rebuild the model";
+  }
+  if (h[kBiasOffset] + 4 * h[kOC] > blob.numel()) {
+    TVM_FFI_THROW(ValueError) << "oneDNN: packed weights truncated";
+  }
+  if (h[kDnnlVersion] != DnnlVersion()) {
+    TVM_FFI_THROW(ValueError) << "oneDNN: the weights were packed by oneDNN " << h[kDnnlVersion]
+                              << ", this is " << DnnlVersion()
+                              << "; rebuild the model here, or with kernels=\"tvm\"";
+  }
+  return h;
+}
+
+}  // namespace hgrt_onednn
+
+namespace hgrt_onednn {
+
+// ---- packing: at build, and again on another CPU ------------------------------------------
+
+Header ReadPlainHeader(const ffi::TensorView& header) {
+  CheckTensor(header, "header", DLDataType{kDLInt, 64, 1}, kSlots);
+  Header h;
+  std::memcpy(&h, DataOf(header), sizeof(Header));
+  return h;
+}
+
+// Fills the header's layout slots (tag, offsets, ISA) for this machine.
+Header Layout(Header h) {
+  memory::desc any(WeightDims(h), memory::data_type::f32, Tag::any);
+  dnnl::primitive_desc pd = MakeDesc(h, any);
+  if (h[kDstTag] < 0) h[kDstTag] = FindTag(pd.dst_desc());  // 0: no tag names it, plain
+  h[kDstBytes] = static_cast<int64_t>(Activation(DstDims(h), h[kDstTag]).get_size());
+  memory::desc chosen = pd.weights_desc();
+  int64_t tag = FindTag(chosen);
+  if (tag == 0) {  // a layout no tag names: keep plain weights (correct, maybe slower)
+    memory::desc plain = PlainWeights(h);
+    tag = FindTag(plain);
+    chosen = MakeDesc(h, plain).weights_desc();
+  }
+  h[kWeiTag] = tag;
+  h[kWeiOffset] = kHeaderBytes;
+  h[kWeiBytes] = static_cast<int64_t>(chosen.get_size());
+  h[kBiasOffset] = kHeaderBytes + Round64(h[kWeiBytes]);
+  h[kIsa] = static_cast<int64_t>(dnnl::get_effective_cpu_isa());
+  h[kDnnlVersion] = DnnlVersion();
+  return h;
+}
+
+// Weights packed on another CPU (another ISA: oneDNN picks other blocks there) are re-packed
+// once into the layout this CPU's kernels pick, in memory of their own: the params stay as
+// shipped. The header carries a checksum of the packed bytes, so a blob with new weights at the
+// same address (load_params) has another header and is re-packed again, never misread.
+struct Repacked {
+  Header layout;  // the blob's header, with this CPU's weight layout and offsets
+  std::unique_ptr<char[]> storage;
+  char* base = nullptr;  // layout[kWeiOffset] and layout[kBiasOffset] count from here
+};
+
+std::shared_ptr<Repacked> Repack(const char* blob) {
+  const Header& h = *reinterpret_cast<const Header*>(blob);
+  auto r = std::make_shared<Repacked>();
+  r->layout = Layout(h);
+  size_t bytes = static_cast<size_t>(r->layout[kBiasOffset] + 4 * h[kOC]);
+  r->storage.reset(new char[bytes + 64]);
+  r->base = r->storage.get() + (64 - reinterpret_cast<uintptr_t>(r->storage.get()) % 64) % 64;
+  memory src(WeightsWithTag(h, h[kWeiTag]), Engine(), const_cast<char*>(blob) + h[kWeiOffset]);
+  memory dst(WeightsWithTag(r->layout, r->layout[kWeiTag]), Engine(),
+             r->base + r->layout[kWeiOffset]);
+  dnnl::reorder(src, dst).execute(Stream(), src, dst);
+  Stream().wait();
+  std::memcpy(r->base + r->layout[kBiasOffset], blob + h[kBiasOffset],
+              static_cast<size_t>(h[kOC]) * 4);
+  return r;
+}
+
+uint64_t Checksum(const char* data, size_t n) {  // FNV-1a, 8 bytes at a time
+  uint64_t hash = 1469598103934665603ull;
+  size_t words = n / 8;
+  for (size_t i = 0; i < words; ++i) {
+    uint64_t w;
+    std::memcpy(&w, data + 8 * i, 8);
+    hash = (hash ^ w) * 1099511628211ull;
+  }
+  for (size_t i = 8 * words; i < n; ++i) {
+    hash = (hash ^ static_cast<uint8_t>(data[i])) * 1099511628211ull;
+  }
+  return hash;
+}
+
+// ---- primitives made once per call site ---------------------------------------------------
+
+struct Entry {
+  Header header;  // the blob's, as found: compared on every call
+  Header layout;  // what the weights behind `weights` follow (the header, or a re-pack's)
+  std::shared_ptr<Repacked> repacked;  // weights packed for another CPU, re-packed here
+  dnnl::primitive prim;
+  memory::desc src, dst, wei, bias, scratch, src_user, dst_user, res_user;
+  bool reorder_src = false, reorder_dst = false, reorder_res = false;
+  dnnl::reorder to_src, from_dst, residual_to_dst;
+};
+
+// The primitive for a packed blob. Asked with `any` weights first: passing the packed layout
+// itself can make oneDNN skip the implementation that chose it (brgconv_1x1 with 16 output
+// channels falls to ref:any). Another layout than the packed one (another CPU, another thread
+// count) gets the primitive that takes the packed layout, if any does.
+dnnl::primitive_desc RunDesc(const Header& h) {
+  memory::desc packed = WeightsWithTag(h, h[kWeiTag]);
+  dnnl::primitive_desc pd = MakeDesc(h, memory::desc(WeightDims(h), memory::data_type::f32,
+                                                     Tag::any));
+  if (pd.weights_desc() == packed) return pd;
+  try {
+    return MakeDesc(h, packed);
+  } catch (const dnnl::error&) {
+    TVM_FFI_THROW(RuntimeError)
+        << "oneDNN: the weights were packed for another CPU (ISA code " << h[kIsa]
+        << ", this CPU " << static_cast<int>(dnnl::get_effective_cpu_isa())
+        << ") and no oneDNN kernel here takes that layout; rebuild the model on this machine, "
+           "or with kernels=\"tvm\"";
+  }
+  __builtin_unreachable();
+}
+
+std::shared_ptr<Entry> MakeEntry(const char* blob, std::shared_ptr<Repacked> repacked) {
+  auto e = std::make_shared<Entry>();
+  std::memcpy(&e->header, blob, sizeof(Header));
+  e->repacked = std::move(repacked);
+  e->layout = e->repacked ? e->repacked->layout : e->header;
+  const Header& h = e->layout;
+  e->wei = WeightsWithTag(h, h[kWeiTag]);
+  dnnl::primitive_desc pd = RunDesc(h);
+  e->prim = dnnl::primitive(pd);
+  e->src = pd.src_desc();
+  e->dst = pd.dst_desc();
+  e->bias = memory::desc({h[kOC]}, memory::data_type::f32, Tag::a);
+  e->scratch = pd.scratchpad_desc();
+  e->src_user = Activation(SrcDims(h), h[kSrcTag]);
+  e->dst_user = Activation(DstDims(h), h[kDstTag]);
+  e->res_user = Activation(DstDims(h), h[kResTag]);
+  e->reorder_src = e->src != e->src_user;
+  e->reorder_dst = e->dst != e->dst_user;
+  // the residual is put where the kernel sums into: its dst buffer, in the dst layout
+  e->reorder_res = h.has_sum() && e->res_user != e->dst;
+  auto reorder = [](const memory::desc& a, const memory::desc& b) {
+    return dnnl::reorder(dnnl::reorder::primitive_desc(Engine(), a, Engine(), b));
+  };
+  if (e->reorder_src) e->to_src = reorder(e->src_user, e->src);
+  if (e->reorder_dst) e->from_dst = reorder(e->dst, e->dst_user);
+  if (e->reorder_res) e->residual_to_dst = reorder(e->res_user, e->dst);
+  return e;
+}
+
+// The entry of a call site: per (blob address, thread count), remade when the blob's header
+// changed; a re-pack is shared by the thread counts of one blob.
+std::shared_ptr<Entry> GetEntry(const char* blob, int threads) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, std::shared_ptr<Entry>> cache;
+  static std::map<const void*, std::shared_ptr<Repacked>> repacks;
+  std::lock_guard<std::mutex> lock(mu);
+  auto& slot = cache[{blob, threads}];
+  if (slot && std::memcmp(&slot->header, blob, sizeof(Header)) == 0) return slot;
+  const Header& h = *reinterpret_cast<const Header*>(blob);
+  std::shared_ptr<Repacked> repacked;
+  if (h[kIsa] != static_cast<int64_t>(dnnl::get_effective_cpu_isa())) {
+    auto& r = repacks[blob];
+    Header layout = Layout(h);
+    bool stale = !r || std::memcmp(&r->layout, &layout, sizeof(Header)) != 0;
+    if (layout[kWeiTag] != h[kWeiTag] && stale) r = Repack(blob);
+    if (layout[kWeiTag] != h[kWeiTag]) repacked = r;
+  }
+  slot = MakeEntry(blob, repacked);
+  return slot;
+}
+
+// Per-thread buffers for the reordered activations and oneDNN's scratchpad.
+struct Buffer {
+  void* ptr = nullptr;
+  size_t size = 0;
+  void* get(size_t want) {
+    if (want > size) {
+      std::free(ptr);
+      size = static_cast<size_t>(Round64(static_cast<int64_t>(want)));
+      ptr = std::aligned_alloc(64, size);
+      if (ptr == nullptr) TVM_FFI_THROW(RuntimeError) << "oneDNN: out of memory";
+    }
+    return ptr;
+  }
+  ~Buffer() { std::free(ptr); }
+};
+
+struct Scratch {
+  Buffer src, dst, pad;
+};
+
+int BudgetThreads() {
+  static std::optional<ffi::Function> num_threads = ffi::Function::GetGlobal("runtime.NumThreads");
+  int n = num_threads ? (*num_threads)().cast<int>() : omp_get_max_threads();
+  return n > 0 ? n : 1;
+}
+
+void Run(const ffi::TensorView& x, const ffi::TensorView& blob,
+         const ffi::TensorView* residual, const ffi::TensorView& out) {
+  const Header& h = ReadHeader(blob);
+  if (h.has_sum() != (residual != nullptr)) {
+    TVM_FFI_THROW(ValueError) << "oneDNN kernel: the residual operand "
+                              << (residual ? "is not expected" : "is missing");
+  }
+  int threads = BudgetThreads();
+  if (omp_get_max_threads() != threads) omp_set_num_threads(threads);
+  char* base = static_cast<char*>(DataOf(blob));
+  std::shared_ptr<Entry> e = GetEntry(base, threads);
+  CheckTensor(x, "input", kF32, static_cast<int64_t>(e->src_user.get_size() / 4));
+  CheckTensor(out, "output", kF32, static_cast<int64_t>(e->dst_user.get_size() / 4));
+  if (residual) {
+    CheckTensor(*residual, "residual", kF32, static_cast<int64_t>(e->res_user.get_size() / 4));
+  }
+  thread_local Scratch s;
+  dnnl::engine& eng = Engine();
+  dnnl::stream& stream = Stream();
+  memory src_user(e->src_user, eng, DataOf(x));
+  memory dst_user(e->dst_user, eng, DataOf(out));
+  memory src = e->reorder_src ? memory(e->src, eng, s.src.get(e->src.get_size())) : src_user;
+  memory dst = e->reorder_dst ? memory(e->dst, eng, s.dst.get(e->dst.get_size())) : dst_user;
+  if (e->reorder_src) e->to_src.execute(stream, src_user, src);
+  if (e->reorder_res) {
+    memory res(e->res_user, eng, DataOf(*residual));
+    e->residual_to_dst.execute(stream, res, dst);
+  } else if (residual && DataOf(*residual) != dst.get_data_handle()) {  // same layout: copy
+    std::memcpy(dst.get_data_handle(), DataOf(*residual), e->dst.get_size());
+  }
+  char* weights = e->repacked ? e->repacked->base : base;
+  memory wei(e->wei, eng, weights + e->layout[kWeiOffset]);
+  memory bias(e->bias, eng, weights + e->layout[kBiasOffset]);
+  memory pad(e->scratch, eng, s.pad.get(e->scratch.get_size() + 64));
+  e->prim.execute(stream, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_BIAS, bias},
+                           {DNNL_ARG_DST, dst}, {DNNL_ARG_SCRATCHPAD, pad}});
+  if (e->reorder_dst) e->from_dst.execute(stream, dst, dst_user);
+  stream.wait();
+}
+
+// ---- packing at build ---------------------------------------------------------------------
+
+int64_t PackedBytes(const ffi::TensorView& header) {
+  Header h = Layout(ReadPlainHeader(header));
+  return h[kBiasOffset] + 4 * h[kOC];
+}
+
+void Pack(const ffi::TensorView& header, const ffi::TensorView& weight,
+          const ffi::TensorView& bias, const ffi::TensorView& blob) {
+  Header h = Layout(ReadPlainHeader(header));
+  memory::desc plain = PlainWeights(h);
+  CheckTensor(weight, "weight", kF32, static_cast<int64_t>(plain.get_size() / 4));
+  CheckTensor(bias, "bias", kF32, h[kOC]);
+  CheckTensor(blob, "packed weights", kU8, h[kBiasOffset] + 4 * h[kOC]);
+  char* base = static_cast<char*>(DataOf(blob));
+  std::memset(base, 0, static_cast<size_t>(blob.numel()));
+  std::memcpy(base, &h, sizeof(Header));
+  memory src(plain, Engine(), DataOf(weight));
+  memory dst(WeightsWithTag(h, h[kWeiTag]), Engine(), base + h[kWeiOffset]);
+  dnnl::reorder(src, dst).execute(Stream(), src, dst);
+  Stream().wait();
+  std::memcpy(base + h[kBiasOffset], DataOf(bias), static_cast<size_t>(h[kOC]) * 4);
+  h[kChecksum] = static_cast<int64_t>(
+      Checksum(base + kHeaderBytes, static_cast<size_t>(blob.numel() - kHeaderBytes)));
+  std::memcpy(base, &h, sizeof(Header));
+}
+
+std::string IsaName(int64_t isa) {
+  switch (static_cast<dnnl::cpu_isa>(isa)) {
+    case dnnl::cpu_isa::sse41: return "sse41";
+    case dnnl::cpu_isa::avx: return "avx";
+    case dnnl::cpu_isa::avx2: return "avx2";
+    case dnnl::cpu_isa::avx2_vnni: return "avx2_vnni";
+    case dnnl::cpu_isa::avx2_vnni_2: return "avx2_vnni_2";
+    case dnnl::cpu_isa::avx512_core: return "avx512_core";
+    case dnnl::cpu_isa::avx512_core_vnni: return "avx512_core_vnni";
+    case dnnl::cpu_isa::avx512_core_bf16: return "avx512_core_bf16";
+    case dnnl::cpu_isa::avx512_core_fp16: return "avx512_core_fp16";
+    case dnnl::cpu_isa::avx512_core_amx: return "avx512_core_amx";
+    case dnnl::cpu_isa::avx512_core_amx_fp16: return "avx512_core_amx_fp16";
+    default: return "isa_" + std::to_string(isa);
+  }
+}
+
+// Which implementation oneDNN runs for a packed blob (e.g. "brg:avx512_core"), for reports.
+std::string Implementation(const ffi::TensorView& blob) {
+  return RunDesc(ReadHeader(blob)).impl_info_str();
+}
+
+template <typename F>
+auto Catch(F f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const dnnl::error& e) {
+    TVM_FFI_THROW(RuntimeError) << "oneDNN: " << e.what();
+  }
+  __builtin_unreachable();
+}
+
+void RunPacked(ffi::PackedArgs args, ffi::Any* rv) {
+  Catch([&] {
+    if (args.size() == 3) {
+      Run(args[0].cast<ffi::TensorView>(), args[1].cast<ffi::TensorView>(), nullptr,
+          args[2].cast<ffi::TensorView>());
+    } else if (args.size() == 4) {
+      ffi::TensorView residual = args[2].cast<ffi::TensorView>();
+      Run(args[0].cast<ffi::TensorView>(), args[1].cast<ffi::TensorView>(), &residual,
+          args[3].cast<ffi::TensorView>());
+    } else {
+      TVM_FFI_THROW(TypeError) << "oneDNN kernel: expected (x, packed, [residual,] out), got "
+                               << args.size() << " arguments";
+    }
+  });
+}
+
+}  // namespace hgrt_onednn
+
+TVM_FFI_STATIC_INIT_BLOCK() {
+  namespace refl = tvm::ffi::reflection;
+  using namespace hgrt_onednn;
+  refl::GlobalDef()
+      .def_packed("hgrt.onednn.conv2d", RunPacked)
+      .def_packed("hgrt.onednn.dense", RunPacked)
+      .def("hgrt.onednn.packed_bytes",
+           [](ffi::TensorView h) { return Catch([&] { return PackedBytes(h); }); })
+      .def("hgrt.onednn.pack",
+           [](ffi::TensorView h, ffi::TensorView w, ffi::TensorView b, ffi::TensorView out) {
+             Catch([&] { Pack(h, w, b, out); });
+           })
+      .def("hgrt.onednn.implementation", [](ffi::TensorView b) {
+        return Catch([&] { return ffi::String(Implementation(b)); });
+      })
+      .def("hgrt.onednn.isa", []() {
+        return ffi::String(IsaName(static_cast<int64_t>(dnnl::get_effective_cpu_isa())));
+      })
+      .def("hgrt.onednn.version", []() { return DnnlVersion(); })
+      .def("hgrt.onednn.layout_name", [](int64_t tag) {
+        return ffi::String(dnnl_fmt_tag2str(static_cast<dnnl_format_tag_t>(tag)));
+      });
+}

@@ -1,0 +1,274 @@
+"""claim_onednn: which ops oneDNN kernels take, and that the builds equal the Relax VM."""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+
+import numpy as np
+import pytest
+import tvm
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto, helper, numpy_helper
+from tvm import relax
+
+import hgrt
+from hgrt.relay_passes import claim_onednn as claim
+from hgrt.runtime import onednn
+from hgrt.testing import alternating, run_hgrt, run_relax_vm
+from hgrt.zoo import light_input, light_model
+
+REASON = onednn.unavailable_reason()
+needs_onednn = pytest.mark.skipif(REASON is not None, reason=f"oneDNN unavailable: {REASON}")
+TOL = {"rtol": 1e-4, "atol": 1e-4}
+
+
+def conv_onnx(c=8, oc=16, hw=9, k=3, stride=1, pad=(1, 1, 1, 1), dilation=1, groups=1,
+              bias=True, bn=False, residual=False, relu=True, seed=0):
+    """x → Conv [→ BatchNormalization] [→ Add(r)] [→ Relu] as an ONNX model (opset 13);
+    a second input ``r`` when ``residual``."""
+    rng = np.random.default_rng(seed)
+    oh = (hw + pad[0] + pad[2] - dilation * (k - 1) - 1) // stride + 1
+    ow = (hw + pad[1] + pad[3] - dilation * (k - 1) - 1) // stride + 1
+
+    def init(name, shape, positive=False):
+        v = rng.standard_normal(shape).astype("float32")
+        inits.append(numpy_helper.from_array(np.abs(v) + 0.5 if positive else v, name))
+        return name
+
+    inits: list = []
+    conv_in = ["x", init("w", (oc, c // groups, k, k))] + ([init("b", (oc,))] if bias else [])
+    nodes = [helper.make_node("Conv", conv_in, ["y0"], strides=[stride] * 2, pads=list(pad),
+                              dilations=[dilation] * 2, group=groups)]
+    if bn:
+        names = [init("g", (oc,)), init("beta", (oc,)), init("m", (oc,)),
+                 init("v", (oc,), positive=True)]
+        nodes.append(helper.make_node("BatchNormalization", ["y0", *names], ["y1"]))
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, c, hw, hw])]
+    if residual:
+        inputs.append(helper.make_tensor_value_info("r", TensorProto.FLOAT, [1, oc, oh, ow]))
+        nodes.append(helper.make_node("Add", [nodes[-1].output[0], "r"], ["y2"]))
+    if relu:
+        nodes.append(helper.make_node("Relu", [nodes[-1].output[0]], ["y3"]))
+    nodes[-1].output[0] = "y"
+    graph = helper.make_graph(nodes, "conv", inputs,
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+def _inputs(model, seed=1):
+    rng = np.random.default_rng(seed)
+    return {i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim])
+            .astype("float32") for i in model.graph.input}
+
+
+def _check(model, devices=("cpu",), placement=None, kernels="onednn"):
+    """Build with oneDNN, compare with the Relax VM; the build result."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = hgrt.build(model, list(devices), placement, kernels=kernels)
+        inputs = _inputs(model)
+        want = run_relax_vm(model, list(inputs.values()))
+    got = run_hgrt(res, inputs)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, **TOL)
+    return res
+
+
+def _onednn_nodes(res):
+    return [n for n in res.graph.nodes if n.attrs.get("provider") == "onednn"]
+
+
+CASES = {
+    "3x3": {},
+    "7x7 stride 2, pad 3": dict(c=3, oc=16, hw=23, k=7, stride=2, pad=(3, 3, 3, 3)),
+    "asymmetric pads": dict(pad=(0, 1, 2, 1)),
+    "dilation 2": dict(dilation=2, pad=(2, 2, 2, 2)),
+    "groups 2": dict(groups=2),
+    "depthwise": dict(c=16, groups=16),
+    "1x1, no bias, no relu": dict(k=1, pad=(0, 0, 0, 0), bias=False, relu=False),
+    "residual add + relu": dict(residual=True),
+    "batch norm + residual": dict(bias=False, bn=True, residual=True),
+}
+
+
+@needs_onednn
+@pytest.mark.parametrize("case", list(CASES))
+def test_conv_chains_equal_the_relax_vm(case):
+    res = _check(conv_onnx(**CASES[case]))
+    (node,) = _onednn_nodes(res)  # the whole chain is one kernel
+    assert node.func_name == "hgrt.onednn.conv2d"
+    assert node.attrs["onednn_isa"] == onednn.isa()
+    kw = CASES[case]
+    want = ["conv2d", *(["bias"] if kw.get("bias", True) else []),
+            *(["batch_norm"] if kw.get("bn") else []), *(["add"] if kw.get("residual") else []),
+            *(["relu"] if kw.get("relu", True) else [])]
+    assert node.attrs["onednn_op"] == "+".join(want)
+    assert sum(n.op == "tvm_op" for n in res.graph.nodes) == 1
+
+
+def _block_onnx():
+    """x → conv+relu = a → conv(a)+a → relu → conv → y: ``a`` is read by two oneDNN kernels
+    (as input and as residual), the second result by the third conv only."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((rng.standard_normal((16, c, 3, 3)) / np.sqrt(9 * c))
+                                     .astype("float32"), f"w{i}") for i, c in enumerate((8, 16, 16))]
+    pads = {"pads": [1, 1, 1, 1]}
+    nodes = [helper.make_node("Conv", ["x", "w0"], ["c0"], **pads),
+             helper.make_node("Relu", ["c0"], ["a"]),
+             helper.make_node("Conv", ["a", "w1"], ["c1"], **pads),
+             helper.make_node("Add", ["c1", "a"], ["s"]),
+             helper.make_node("Relu", ["s"], ["b"]),
+             helper.make_node("Conv", ["b", "w2"], ["y"], **pads)]
+    graph = helper.make_graph(nodes, "block", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, [1, 8, 12, 12])], [helper.make_tensor_value_info(
+            "y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+@needs_onednn
+def test_results_between_onednn_kernels_stay_blocked():
+    res = _check(_block_onnx())
+    first, second, third = _onednn_nodes(res)
+    assert first.attrs["onednn_layouts"].startswith("plain, ")  # the model's input: NCHW
+    blocked = first.attrs["onednn_layouts"].split(", ")[1]
+    # the second kernel reads ``a`` as input and residual in the layout the first one wrote
+    assert second.attrs["onednn_op"] == "conv2d+add+relu"
+    assert second.attrs["onednn_layouts"].split(", ")[0::2] == [blocked, blocked]
+    assert third.attrs["onednn_layouts"].endswith(", plain")  # the model's output: NCHW
+    g = res.graph
+    a = g.entry_id(g.nodes.index(first))
+    assert len(g.shapes[a]) == 1 and blocked != "plain"  # a flat tensor of the blocked size
+
+
+@needs_onednn
+@settings(max_examples=12, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 3), st.sampled_from([1, 3, 5]), st.integers(1, 2),
+       st.integers(0, 2), st.integers(1, 2), st.booleans())
+def test_random_convolutions_equal_the_relax_vm(cpg, groups, k, stride, pad, dilation, relu):
+    _check(conv_onnx(c=4 * cpg * groups // groups * groups, oc=8 * groups, hw=11, k=k,
+                     stride=stride, pad=(pad,) * 4, dilation=dilation, groups=groups,
+                     relu=relu, seed=k + stride))
+
+
+def _dense_onnx(gemm: bool):
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((10, 32) if gemm else (32, 10)).astype("float32")
+    b = rng.standard_normal(10).astype("float32")
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")]
+    nodes = ([helper.make_node("Gemm", ["x", "w", "b"], ["g"], transB=1)] if gemm else
+             [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "b"],
+                                                                             ["g"])])
+    nodes.append(helper.make_node("Relu", ["g"], ["y"]))
+    graph = helper.make_graph(nodes, "dense", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, [2, 32])], [helper.make_tensor_value_info(
+            "y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+@needs_onednn
+@pytest.mark.parametrize("gemm", [False, True])
+def test_dense_with_bias_and_relu_equals_the_relax_vm(gemm):
+    (node,) = _onednn_nodes(_check(_dense_onnx(gemm)))
+    assert (node.func_name, node.attrs["onednn_op"]) == ("hgrt.onednn.dense", "dense+bias+relu")
+
+
+@needs_onednn
+def test_clip_is_a_post_op():
+    x = relax.Var("x", relax.TensorType((1, 4, 6, 6), "float32"))
+    w = relax.Var("w", relax.TensorType((8, 4, 3, 3), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            c = bb.emit(relax.op.nn.conv2d(x, w, padding=(1, 1)))
+            out = bb.emit_output(bb.emit(relax.op.clip(c, 0.0, 6.0)))
+        bb.emit_func_output(out)
+    rng = np.random.default_rng(0)
+    params = {"w": rng.standard_normal((8, 4, 3, 3)).astype("float32")}
+    xv = rng.standard_normal((1, 4, 6, 6)).astype("float32")
+    res = hgrt.build(bb.finalize(), ["cpu"], params=params, kernels="onednn")
+    (node,) = _onednn_nodes(res)
+    assert node.attrs["onednn_op"] == "conv2d+clip"
+    want = run_relax_vm(bb.finalize(), [xv], params)[0]
+    np.testing.assert_allclose(run_hgrt(res, {"x": xv})[0], want, **TOL)
+
+
+@needs_onednn
+def test_report_and_graph_say_who_computes_each_op():
+    res = _check(conv_onnx(residual=True))
+    table = res.print_placement()
+    assert table.splitlines()[0].split()[:4] == ["node", "op", "device", "kernels"]
+    assert {r.kernels for r in res.placement_report} == {"onednn"}
+    graph = json.loads(res.graph_json)
+    (node,) = [n for n in graph["nodes"] if n.get("attrs", {}).get("provider") == "onednn"]
+    assert node["attrs"]["num_inputs"] == "3"  # x, the packed weights, the residual
+    # the packed weights took the conv weight's name; bias and kernel are gone from the params
+    assert sorted(res.params) == ["w"] and res.params["w"].dtype == np.uint8
+
+
+@needs_onednn
+def test_squeezenet_split_over_two_devices_equals_the_relax_vm():
+    model = light_model("squeezenet")
+    res = _check(model, ["cpu:0", "cpu:1"], alternating(model))
+    devices = {res.graph.entry_device(res.graph.entry_id(res.graph.nodes.index(n)))
+               for n in _onednn_nodes(res)}
+    assert len(_onednn_nodes(res)) == 26 and devices == {0, 1}
+
+
+@needs_onednn
+@pytest.mark.parametrize("name", ["squeezenet", "resnet50"])
+def test_light_models_equal_the_relax_vm(name):
+    model = light_model(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = hgrt.build(model, ["cpu"], kernels="auto")
+        inputs = light_input(model)
+        want = run_relax_vm(model, list(inputs.values()))[0]
+    got = run_hgrt(res, inputs)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * float(np.abs(want).max()))
+    convs = {"squeezenet": 26, "resnet50": 53}[name]
+    claimed = [n.attrs["onednn_op"] for n in _onednn_nodes(res)]
+    assert sum(op.startswith("conv2d") for op in claimed) == convs
+    if name == "resnet50":
+        assert "dense+bias" in claimed and claimed.count("conv2d+batch_norm+add+relu") == 16
+
+
+# ---- the choice, and oneDNN missing -----------------------------------------------------------
+
+@pytest.fixture
+def no_onednn(monkeypatch):
+    reason = f"oneDNN not installed: {onednn.INSTALL_HINT}"
+    monkeypatch.setattr(onednn, "unavailable_reason", lambda: reason)
+    monkeypatch.setattr(claim, "_said", set())
+    return reason
+
+
+def test_auto_without_onednn_builds_tvm_kernels_and_says_so_once(no_onednn, caplog):
+    model = conv_onnx()
+    with caplog.at_level(logging.WARNING, logger="hgrt.build"):
+        res = _check(model, kernels="auto")
+        _check(model, kernels="auto")
+    assert not _onednn_nodes(res)
+    assert [r.message for r in caplog.records] == [f"kernels: tvm ({no_onednn})"]
+    assert {r.kernels for r in res.placement_report} == {"tvm"}
+
+
+def test_onednn_without_onednn_is_a_build_error(no_onednn):
+    with pytest.raises(hgrt.BuildError, match=r"kernels='onednn': oneDNN not installed: pip"):
+        hgrt.build(conv_onnx(), ["cpu"], kernels="onednn")
+
+
+def test_unknown_kernels_and_foreign_targets_are_refused():
+    with pytest.raises(hgrt.BuildError, match="choose one of"):
+        hgrt.build(conv_onnx(), ["cpu"], kernels="mkl")
+    if REASON is None:
+        arm = tvm.target.Target({"kind": "llvm", "mtriple": "aarch64-linux-gnu"})
+        with pytest.raises(hgrt.BuildError, match="x86-64 CPU"):
+            hgrt.build(conv_onnx(), [arm], kernels="onednn")
+
+
+def test_tvm_kernels_claim_nothing():
+    res = hgrt.build(conv_onnx(), ["cpu"], kernels="tvm")
+    assert not _onednn_nodes(res)

@@ -1,0 +1,173 @@
+"""The oneDNN shim: packing, the kernels against numpy, its caches, threads and errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tvm
+
+from hgrt.errors import GraphError
+from hgrt.relay_passes.claim_onednn import make_header
+from hgrt.runtime import onednn
+from hgrt.runtime.threads import process_threads, set_thread_count
+
+REASON = onednn.unavailable_reason()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"oneDNN unavailable: {REASON}")
+
+RNG = np.random.default_rng(0)
+
+
+def _t(a: np.ndarray) -> tvm.runtime.Tensor:
+    return tvm.runtime.tensor(np.ascontiguousarray(a), tvm.cpu(0))
+
+
+def _conv1x1(x, w, b, post):
+    """A 1x1 convolution in numpy, with its post-ops (a residual comes as ``post`` "sum")."""
+    y = np.einsum("nchw,oc->nohw", x, w[:, :, 0, 0]) + b.reshape(1, -1, 1, 1)
+    for op, lo, hi in post:
+        y = np.maximum(y, 0) if op == "relu" else np.clip(y, lo, hi) if op == "clip" else y
+    return y
+
+
+def _case(post=(), oc=24, ic=16, hw=7):
+    x = RNG.standard_normal((1, ic, hw, hw)).astype("float32")
+    w = RNG.standard_normal((oc, ic, 1, 1)).astype("float32")
+    b = RNG.standard_normal(oc).astype("float32")
+    h = make_header("conv2d", x.shape, (1, oc, hw, hw), post=list(post))
+    return x, w, b, onednn.pack(h, w, b)
+
+
+def test_shim_says_what_it_runs():
+    assert onednn.version().startswith("3.")
+    assert onednn.isa().startswith(("avx", "sse"))
+    assert onednn.kernel_function("hgrt.onednn.conv2d") is not None
+    assert onednn.kernel_function("no.such.function") is None
+
+
+@pytest.mark.parametrize("post", [(), (("relu", 0, 0),), (("clip", -0.5, 0.25),)])
+def test_conv_equals_numpy(post):
+    x, w, b, blob = _case(post)
+    out = _t(np.zeros((1, 24, 7, 7), "float32"))
+    onednn.kernel_function("hgrt.onednn.conv2d")(_t(x), _t(blob), out)
+    np.testing.assert_allclose(out.numpy(), _conv1x1(x, w, b, post), rtol=1e-4, atol=1e-4)
+    assert onednn.implementation(blob)  # e.g. "brgconv_1x1:avx512_core"
+
+
+def test_residual_is_a_sum_post_op():
+    x, w, b, blob = _case([("sum", 0, 0), ("relu", 0, 0)])
+    r = RNG.standard_normal((1, 24, 7, 7)).astype("float32")
+    out = _t(np.zeros_like(r))
+    onednn.kernel_function("hgrt.onednn.conv2d")(_t(x), _t(blob), _t(r), out)
+    want = np.maximum(_conv1x1(x, w, b, []) + r, 0)
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_dense_equals_numpy():
+    x = RNG.standard_normal((3, 40)).astype("float32")
+    w = RNG.standard_normal((10, 40)).astype("float32")  # (out, in): oneDNN's inner product
+    b = RNG.standard_normal(10).astype("float32")
+    blob = onednn.pack(make_header("dense", x.shape, (3, 10), post=[("relu", 0, 0)]), w, b)
+    out = _t(np.zeros((3, 10), "float32"))
+    onednn.kernel_function("hgrt.onednn.dense")(_t(x), _t(blob), out)
+    np.testing.assert_allclose(out.numpy(), np.maximum(x @ w.T + b, 0), rtol=1e-4, atol=1e-4)
+
+
+def test_new_weights_at_the_same_address_are_used():
+    x, w, b, blob = _case()
+    _, w2, b2, blob2 = _case()  # same shapes and post-ops: only the checksum tells them apart
+    f = onednn.kernel_function("hgrt.onednn.conv2d")
+    packed, out = _t(blob), _t(np.zeros((1, 24, 7, 7), "float32"))
+    f(_t(x), packed, out)
+    packed.copyfrom(blob2)  # what load_params does: new bytes, same address
+    f(_t(x), packed, out)
+    np.testing.assert_allclose(out.numpy(), _conv1x1(x, w2, b2, []), rtol=1e-4, atol=1e-4)
+
+
+def test_a_new_blob_at_the_same_address_gets_its_own_primitive():
+    x, w, b, plain = _case()
+    _, _, _, relu = _case([("relu", 0, 0)])
+    if relu.size != plain.size:
+        pytest.skip("the two packings differ in size on this CPU")
+    f = onednn.kernel_function("hgrt.onednn.conv2d")
+    blob, out = _t(plain), _t(np.zeros((1, 24, 7, 7), "float32"))
+    f(_t(x), blob, out)
+    blob.copyfrom(relu)  # same address, other header: the cached primitive must not be reused
+    f(_t(x), blob, out)
+    assert out.numpy().min() >= 0
+
+
+def test_threads_follow_the_calling_threads_budget():
+    x, w, b, blob = _case([("relu", 0, 0)], oc=64, ic=64, hw=14)
+    f = onednn.kernel_function("hgrt.onednn.conv2d")
+    outs = []
+    try:
+        for n in (1, 2, 1):
+            set_thread_count(n)
+            out = _t(np.zeros((1, 64, 14, 14), "float32"))
+            f(_t(x), _t(blob), out)
+            outs.append(out.numpy())
+    finally:
+        set_thread_count(process_threads())
+    np.testing.assert_array_equal(outs[0], outs[2])  # bitwise at a fixed thread count
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+
+
+def test_errors_say_what_is_wrong():
+    x, w, b, blob = _case()
+    f = onednn.kernel_function("hgrt.onednn.conv2d")
+    out = _t(np.zeros((1, 24, 7, 7), "float32"))
+    with pytest.raises(ValueError, match="load the params"):
+        f(_t(x), _t(np.zeros_like(blob)), out)
+    with pytest.raises(ValueError, match="residual operand is missing"):
+        _, _, _, summed = _case([("sum", 0, 0)])
+        f(_t(x), _t(summed), out)
+    with pytest.raises(ValueError, match="input has 49 elements"):
+        f(_t(x[:, :1]), _t(blob), out)
+    with pytest.raises(TypeError, match="expected"):
+        f(_t(x), _t(blob))
+
+
+def test_without_onednn_a_graph_that_needs_it_is_refused(monkeypatch):
+    monkeypatch.setattr(onednn, "_module", [])  # as in a process that has not loaded it
+    monkeypatch.setattr(onednn, "unavailable_reason",
+                        lambda: f"oneDNN not installed: {onednn.INSTALL_HINT}")
+    with pytest.raises(GraphError, match="kernels='tvm'"):
+        onednn.kernel_function("hgrt.onednn.conv2d")
+
+
+_OTHER_CPU = """
+import sys, numpy as np, tvm
+from hgrt.runtime import onednn
+x, blob, want, blob2, want2 = (np.load(f"{sys.argv[1]}/{k}.npy")
+                               for k in ("x", "blob", "want", "blob2", "want2"))
+t = tvm.runtime.tensor(blob)
+out = tvm.runtime.tensor(np.zeros_like(want))
+f = onednn.kernel_function("hgrt.onednn.conv2d")
+f(tvm.runtime.tensor(x), t, out)
+np.testing.assert_allclose(out.numpy(), want, rtol=1e-4, atol=1e-4)
+np.testing.assert_array_equal(t.numpy(), blob)  # re-packed aside: the params stay as shipped
+t.copyfrom(blob2)  # new weights at the same address: re-packed again
+f(tvm.runtime.tensor(x), t, out)
+np.testing.assert_allclose(out.numpy(), want2, rtol=1e-4, atol=1e-4)
+print(onednn.isa())
+"""
+
+
+@pytest.mark.skipif("avx512" not in onednn.isa(), reason="needs an AVX-512 host to pack for")
+def test_weights_packed_for_another_isa_are_repacked_not_misread(tmp_path):
+    relu = [("relu", 0, 0)]
+    x, w, b, blob = _case(relu, oc=40, ic=24)
+    _, w2, b2, blob2 = _case(relu, oc=40, ic=24)
+    arrays = {"x": x, "blob": blob, "want": _conv1x1(x, w, b, relu), "blob2": blob2,
+              "want2": _conv1x1(x, w2, b2, relu)}
+    for k, v in arrays.items():
+        np.save(tmp_path / f"{k}.npy", v)
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    proc = subprocess.run([sys.executable, "-c", _OTHER_CPU, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["avx2"], proc.stdout
