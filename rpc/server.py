@@ -19,6 +19,7 @@ import platform
 import threading
 import weakref
 from collections.abc import Callable, Sequence
+from functools import partialmethod
 from typing import Any
 
 import numpy as np
@@ -54,7 +55,7 @@ def _remote_call(func: Callable) -> Callable:
         except Exception as e:
             raise RuntimeError(encode_error(e)) from e
 
-    call.__name__ = func.__name__
+    call.__name__ = getattr(func, "__name__", "method")
     return call
 
 
@@ -132,24 +133,20 @@ class RemoteModuleServer:
     def set_input_tensor(self, index: int, tensor) -> None:
         self.live.set_input(int(index), tensor)  # copies: the tensor is the caller's view
 
-    def get_input(self, index: int):
-        return self._returnable("input", int(index), self.live.get_input(int(index)))
+    def _tensor(self, kind: str, index: int):
+        return self._returnable(kind, int(index), getattr(self.live, f"get_{kind}")(int(index)))
 
-    def get_input_bytes(self, index: int) -> bytes:
-        return self.live.get_input(int(index)).numpy().tobytes()
+    def _bytes(self, kind: str, index: int) -> bytes:
+        return getattr(self.live, f"get_{kind}")(int(index)).numpy().tobytes()
 
-    def get_input_into(self, index: int, out) -> None:
-        self.live.get_input(int(index), out)
+    def _into(self, kind: str, index: int, out) -> None:
+        getattr(self.live, f"get_{kind}")(int(index), out)
 
-    # ---- outputs --------------------------------------------------------------------------
-    def get_output(self, index: int):
-        return self._returnable("output", int(index), self.live.get_output(int(index)))
-
-    def get_output_bytes(self, index: int) -> bytes:
-        return self.live.get_output(int(index)).numpy().tobytes()
-
-    def get_output_into(self, index: int, out) -> None:
-        self.live.get_output(int(index), out)
+    # get_input/get_output: the remote tensor; *_bytes: its bytes; *_into: copied into `out`
+    get_input, get_output = partialmethod(_tensor, "input"), partialmethod(_tensor, "output")
+    get_input_bytes = partialmethod(_bytes, "input")
+    get_output_bytes = partialmethod(_bytes, "output")
+    get_input_into, get_output_into = partialmethod(_into, "input"), partialmethod(_into, "output")
 
     # ---- params ---------------------------------------------------------------------------
     def load_params(self, blob: bytes, strict: bool) -> None:

@@ -111,7 +111,7 @@ def zero_copy_view(value: Any, device, shape, dtype: str):
             return None
         try:
             return tvm.runtime.from_dlpack(value)
-        except Exception:  # noqa: BLE001 - numpy refuses read-only arrays: copy them instead
+        except Exception:
             return None
     if isinstance(value, tvm.runtime.Tensor) and value.device == device \
             and tuple(value.shape) == tuple(shape) and str(value.dtype) == dtype \

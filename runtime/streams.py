@@ -104,7 +104,7 @@ class StreamRunner:
                 func(*args)
                 if record is not None:
                     record.append((idx, s, t0, clock()))
-            except Exception as e:  # noqa: BLE001 - every stream stops; run() raises it
+            except Exception as e:
                 with self._lock:
                     self._failed = self._failed or (idx, e)
                 for ev in self.events.values():  # wake every waiter: they see the failure

@@ -64,7 +64,7 @@ def test_threads_get_their_own_outputs_bitwise(mlp):
                 i = (t * 7 + k) % len(xs)
                 if not np.array_equal(mlp(x=xs[i])[0], want[i]):
                     wrong.append((t, k))
-        except Exception as e:  # noqa: BLE001 - reported below
+        except Exception as e:
             errors.append(e)
 
     threads = [threading.Thread(target=caller, args=(t,)) for t in range(4)]
