@@ -38,7 +38,15 @@ def summary(g: Graph) -> dict:
         "num_copies": sum(1 for n in g.nodes if n.func_name == COPY_FUNC),
         "memory": {names[d]: vars(m) for d, m in enumerate(mem) if d < len(names)},
         "streams": _streams(g, names),
+        "providers": _providers(g),
     }
+
+
+def _providers(g: Graph) -> dict[str, int]:
+    """Kernels by provider and the ISA it packed for (``onednn avx512_core: 53``)."""
+    found = Counter(f"{n.attrs['provider']} {n.attrs.get('onednn_isa', '')}".strip()
+                    for n in g.nodes if n.op == "tvm_op" and "provider" in n.attrs)
+    return dict(found)
 
 
 def _streams(g: Graph, names: list[str]) -> dict[str, dict]:
@@ -56,6 +64,7 @@ def _streams(g: Graph, names: list[str]) -> dict[str, dict]:
 def format_summary(s: dict) -> str:
     lines = ["kernels per device:"]
     lines += [f"  {d:<10} {n}" for d, n in s["kernels_per_device"].items()]
+    lines += [f"  of which {p}: {n}" for p, n in s.get("providers", {}).items()]
     lines.append(f"copies: {s['num_copies']}")
     lines += [f"  {k}: {b} bytes per run" for k, b in s["copies"].items()]
     lines.append("streams: " + (", ".join(f"{k} on {v['device']}: {v['steps']} steps, waits "

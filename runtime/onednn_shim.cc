@@ -11,6 +11,7 @@
 // new blob at a reused address never runs a stale primitive. Threads follow the calling
 // thread's TVM pool (runtime.NumThreads), which hgrt's thread budget sets.
 #include <omp.h>
+#include <xmmintrin.h>
 #include <oneapi/dnnl/dnnl.hpp>
 #include <oneapi/dnnl/dnnl_debug.h>
 #include <tvm/ffi/container/tensor.h>
@@ -265,20 +266,22 @@ Header Layout(Header h) {
   return h;
 }
 
-// Weights packed on another CPU (another ISA: oneDNN picks other blocks there) are re-packed
-// once into the layout this CPU's kernels pick, in memory of their own: the params stay as
-// shipped. The header carries a checksum of the packed bytes, so a blob with new weights at the
-// same address (load_params) has another header and is re-packed again, never misread.
+// Weights packed in another layout than the one oneDNN picks here (another ISA; or another
+// thread count: brgconv_1x1 blocks by it) are re-packed once into that layout, in memory of
+// their own: the params stay as shipped. (Forcing the packed layout instead can leave only
+// oneDNN's reference kernel: 5 s for a resnet50 1x1 conv.) The header carries a checksum of
+// the packed bytes, so new weights at the same address (load_params) make another header and
+// are re-packed again, never misread.
 struct Repacked {
   Header layout;  // the blob's header, with this CPU's weight layout and offsets
   std::unique_ptr<char[]> storage;
   char* base = nullptr;  // layout[kWeiOffset] and layout[kBiasOffset] count from here
 };
 
-std::shared_ptr<Repacked> Repack(const char* blob) {
+std::shared_ptr<Repacked> Repack(const char* blob, const Header& layout) {
   const Header& h = *reinterpret_cast<const Header*>(blob);
   auto r = std::make_shared<Repacked>();
-  r->layout = Layout(h);
+  r->layout = layout;
   size_t bytes = static_cast<size_t>(r->layout[kBiasOffset] + 4 * h[kOC]);
   r->storage.reset(new char[bytes + 64]);
   r->base = r->storage.get() + (64 - reinterpret_cast<uintptr_t>(r->storage.get()) % 64) % 64;
@@ -369,22 +372,27 @@ std::shared_ptr<Entry> MakeEntry(const char* blob, std::shared_ptr<Repacked> rep
 }
 
 // The entry of a call site: per (blob address, thread count), remade when the blob's header
-// changed; a re-pack is shared by the thread counts of one blob.
+// changed; a re-pack is shared by the thread counts that pick the same layout. Called with the
+// caller's OpenMP thread count set: oneDNN's choices depend on it. Blobs of freed modules leave
+// entries behind: past a bound both caches start over (entries in use live on, shared).
+constexpr size_t kMaxEntries = 4096, kMaxRepacks = 512;
+
 std::shared_ptr<Entry> GetEntry(const char* blob, int threads) {
   static std::mutex mu;
   static std::map<std::pair<const void*, int>, std::shared_ptr<Entry>> cache;
-  static std::map<const void*, std::shared_ptr<Repacked>> repacks;
+  static std::map<std::pair<const void*, int64_t>, std::shared_ptr<Repacked>> repacks;
   std::lock_guard<std::mutex> lock(mu);
+  if (cache.size() >= kMaxEntries) cache.clear();
+  if (repacks.size() >= kMaxRepacks) repacks.clear();
   auto& slot = cache[{blob, threads}];
   if (slot && std::memcmp(&slot->header, blob, sizeof(Header)) == 0) return slot;
   const Header& h = *reinterpret_cast<const Header*>(blob);
+  Header layout = Layout(h);  // what oneDNN picks here, now
   std::shared_ptr<Repacked> repacked;
-  if (h[kIsa] != static_cast<int64_t>(dnnl::get_effective_cpu_isa())) {
-    auto& r = repacks[blob];
-    Header layout = Layout(h);
-    bool stale = !r || std::memcmp(&r->layout, &layout, sizeof(Header)) != 0;
-    if (layout[kWeiTag] != h[kWeiTag] && stale) r = Repack(blob);
-    if (layout[kWeiTag] != h[kWeiTag]) repacked = r;
+  if (layout[kWeiTag] != h[kWeiTag]) {
+    auto& r = repacks[{blob, layout[kWeiTag]}];
+    if (!r || std::memcmp(&r->layout, &layout, sizeof(Header)) != 0) r = Repack(blob, layout);
+    repacked = r;
   }
   slot = MakeEntry(blob, repacked);
   return slot;
@@ -410,6 +418,28 @@ struct Scratch {
   Buffer src, dst, pad;
 };
 
+// Denormals flushed to zero, as TVM's thread pool does for its kernels: random-weight models
+// make denormals, and without this a resnet50 conv on one thread took 5 s instead of 1 ms.
+// The calling thread's mode is put back after the call; oneDNN's own OpenMP threads keep it.
+constexpr unsigned kFlushDenormals = 0x8040;  // MXCSR: flush-to-zero | denormals-are-zero
+
+class FlushDenormals {
+ public:
+  explicit FlushDenormals(int threads) : saved_(_mm_getcsr()) {
+    _mm_setcsr(saved_ | kFlushDenormals);
+    thread_local int team = 1;  // the OpenMP threads of this caller already flushing
+    if (threads > team) {
+#pragma omp parallel num_threads(threads)
+      _mm_setcsr(_mm_getcsr() | kFlushDenormals);
+      team = threads;
+    }
+  }
+  ~FlushDenormals() { _mm_setcsr(saved_); }
+
+ private:
+  unsigned saved_;
+};
+
 int BudgetThreads() {
   static std::optional<ffi::Function> num_threads = ffi::Function::GetGlobal("runtime.NumThreads");
   int n = num_threads ? (*num_threads)().cast<int>() : omp_get_max_threads();
@@ -425,6 +455,7 @@ void Run(const ffi::TensorView& x, const ffi::TensorView& blob,
   }
   int threads = BudgetThreads();
   if (omp_get_max_threads() != threads) omp_set_num_threads(threads);
+  FlushDenormals flush(threads);
   char* base = static_cast<char*>(DataOf(blob));
   std::shared_ptr<Entry> e = GetEntry(base, threads);
   CheckTensor(x, "input", kF32, static_cast<int64_t>(e->src_user.get_size() / 4));
