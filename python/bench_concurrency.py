@@ -14,6 +14,7 @@ the sequential plan, and the Relax VM on one device for reference.
 from __future__ import annotations
 
 import argparse
+import os
 import warnings
 
 import numpy as np
@@ -74,6 +75,17 @@ def run_time(res, inputs, devices, repeat: int, parallel: bool, threads: dict | 
     return t, m
 
 
+def one_thread_per_kernel(m, repeat: int) -> float:
+    """run(parallel=False) with every kernel on one thread: the work the streams split."""
+    before = os.environ.get("TVM_NUM_THREADS")
+    os.environ["TVM_NUM_THREADS"] = "1"
+    try:
+        return median_time(lambda: m.run(parallel=False), repeat)
+    finally:
+        os.environ["TVM_NUM_THREADS"] = before or str(usable_cores())
+        m.run(parallel=False)  # back to every core on this thread
+
+
 def configs(name: str):
     """(label, model, inputs, devices, placement, streams options) to compare."""
     if name == "synthetic":
@@ -89,14 +101,15 @@ def configs(name: str):
             ("conv rule, two devices", mdl.model, mdl.inputs, ["cpu:0", "cpu:1"], conv, {})]
 
 
-def bench(name: str, repeat: int) -> list[str]:
+def bench(name: str, repeat: int, kernels: str) -> list[str]:
     rows, base = [], None
     cores = usable_cores()
     for label, model, inputs, devices, placement, streams in configs(name):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            res = hgrt.build(model, devices, placement, streams=streams)
-            seq_plan = hgrt.build(model, devices, placement, streams={"single_stream": True})
+            res = hgrt.build(model, devices, placement, streams=streams, kernels=kernels)
+            seq_plan = hgrt.build(model, devices, placement, streams={"single_stream": True},
+                                  kernels=kernels)
         seq, m = run_time(res, inputs, devices, repeat, parallel=False)
         base = base or seq
         if m._streams is None:
@@ -106,9 +119,12 @@ def bench(name: str, repeat: int) -> list[str]:
             per = {hgrt.devices.device_name(m.devices[d]): max(1, cores // len(devices))
                    for d in range(len(devices))}
             con, _ = run_time(res, inputs, devices, repeat, parallel=True, threads=per)
+            seq1 = one_thread_per_kernel(m, repeat)
             mem = sum(res.graph.pool_bytes) / max(1, sum(seq_plan.graph.pool_bytes))
             rows.append(f"| {name} | {label} | {seq * 1e3:.2f} | {con * 1e3:.2f} | "
-                        f"{con / seq:.2f} | {min(seq, con) / base:.2f} | pools {mem:.2f}x "
+                        f"{con / seq:.2f} | {min(seq, con) / base:.2f} | sequential at 1 "
+                        f"thread per kernel {seq1 * 1e3:.2f} ms (streams {con / seq1:.2f}x "
+                        f"that); pools {mem:.2f}x "
                         f"the sequential plan; {len(m._streams.streams)} streams, threads "
                         f"{m._streams.threads} |")
         print(rows[-1], flush=True)
@@ -124,16 +140,19 @@ def main() -> None:
     ap.add_argument("--models", nargs="+",
                     default=["synthetic", "inception_v1", "inception_v2", "densenet121"])
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--kernels", default="tvm", choices=("tvm", "onednn", "auto"),
+                    help="kernel provider (default tvm: its pool threads follow the budget)")
     ap.add_argument("--markdown", help="write the table into this markdown file")
     args = ap.parse_args()
     print(machine())
     head = ["| model | placement | sequential ms | streams at once ms | streams / sequential | "
             "best / one device | notes |", "|---|---|---|---|---|---|---|"]
     print(*head, sep="\n")
-    rows = [r for name in args.models for r in bench(name, args.repeat)]
+    rows = [r for name in args.models for r in bench(name, args.repeat, args.kernels)]
     if args.markdown:
         write_block(args.markdown, "bench_concurrency",
-                    f"python python/bench_concurrency.py --repeat {args.repeat} --models "
+                    f"python python/bench_concurrency.py --repeat {args.repeat} --kernels {args.kernels} "
+                    f"--models "
                     f"{' '.join(args.models)}", "\n".join(head + rows))
 
 

@@ -24,7 +24,11 @@ from hgrt.devices import usable_cores
 from hgrt.errors import InputError
 
 _config_threadpool = tvm.get_global_func("runtime.config_threadpool")
-_AFFINITY_ALL_CORES = 1  # TVM's kBig: on a CPU whose cores are alike, all of them
+# TVM's kSpecifyThreadShareAllCore: the pool's threads may run on every core listed. (kBig
+# pins a 1-thread pool's caller to core 0: two callers or streams then share one core.)
+_SHARE_ALL_CORES = -3
+_CPUS = [str(c) for c in sorted(os.sched_getaffinity(0))] if hasattr(os, "sched_getaffinity") \
+    else [str(c) for c in range(os.cpu_count() or 1)]
 _local = threading.local()
 
 
@@ -44,7 +48,7 @@ def process_threads() -> int:
 def set_thread_count(n: int) -> None:
     """Kernels called from this thread run on ``n`` threads (this thread's TVM pool)."""
     if getattr(_local, "threads", None) != n:
-        _config_threadpool(_AFFINITY_ALL_CORES, int(n))
+        _config_threadpool(_SHARE_ALL_CORES, int(n), _CPUS)
         _local.threads = n
 
 

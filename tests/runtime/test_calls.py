@@ -177,3 +177,23 @@ def test_calls_read_shared_params_and_close_frees_frames(mlp):
     other.close()
     with pytest.raises(hgrt.ClosedError):
         other(x=x)
+
+
+def test_a_callers_thread_share_does_not_pin_it_to_one_core():
+    """TVM's default affinity mode pins a 1-thread pool's caller to core 0, so two callers
+    would share one core; hgrt's setting keeps every usable core."""
+    import os
+
+    from hgrt.runtime.threads import set_thread_count
+
+    cores = os.sched_getaffinity(0)
+    seen = []
+
+    def caller():
+        set_thread_count(1)
+        seen.append(os.sched_getaffinity(0))
+
+    t = threading.Thread(target=caller)
+    t.start()
+    t.join()
+    assert seen == [cores]
