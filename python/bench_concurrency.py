@@ -151,9 +151,8 @@ def main() -> None:
     rows = [r for name in args.models for r in bench(name, args.repeat, args.kernels)]
     if args.markdown:
         write_block(args.markdown, "bench_concurrency",
-                    f"python python/bench_concurrency.py --repeat {args.repeat} --kernels {args.kernels} "
-                    f"--models "
-                    f"{' '.join(args.models)}", "\n".join(head + rows))
+                    f"python python/bench_concurrency.py --repeat {args.repeat} --kernels "
+                    f"{args.kernels} --models {' '.join(args.models)}", "\n".join(head + rows))
 
 
 if __name__ == "__main__":
