@@ -188,6 +188,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     m, _ = _module_for(args)
     report = m.profile(repeat=args.repeat)
     print(report.table(top=args.top))
+    if args.json:
+        print(f"kernel rates per device written to {report.save_rates(args.json)}")
     if args.trace:
         report.save_chrome_trace(args.trace)
         print(f"Chrome trace written to {args.trace} (open in https://ui.perfetto.dev)")
@@ -245,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--repeat", type=int, default=10, help="runs per op (median taken)")
     pr.add_argument("--top", type=int, default=30, help="rows of the table (slowest first)")
     pr.add_argument("--trace", help="write a Chrome trace JSON here")
+    pr.add_argument("--json", help="write each device's measured kernel rates here (for "
+                                   "hgrt.Placement(auto=True, profile=...))")
     pr.set_defaults(func=cmd_profile)
 
     ins = sub.add_parser("inspect", help="nodes per device, copies, memory plan, pictures")

@@ -1,12 +1,13 @@
 """Automatic placement: each op on the device that minimises its estimated time plus the copies
 it causes, within each device's memory budget for weights.
 
-The estimate (no profile needed): a kernel costs max(FLOPs / the device's compute rate, bytes
-moved / its memory bandwidth); a copy costs a fixed latency plus bytes / the link bandwidth.
-Ops are taken in dataflow order; a tie keeps an op where its first input is, so devices of
-equal speed end up with whole regions and few copies, and a budget that runs out moves the
-rest of the model, not every other op. The explanation goes into the placement report:
-"auto: 1.20 ms on cuda:0 vs 9.80 ms on cpu:0".
+With a profile (``hgrt profile DIR --json FILE``: each device's measured FLOP/s and bytes/s)
+the times come from it; without one, an estimate: a kernel costs max(FLOPs / the device's
+compute rate, bytes moved / its memory bandwidth); a copy costs a fixed latency plus bytes /
+the link bandwidth. Ops are taken in dataflow order; a tie keeps an op where its first input
+is, so devices of equal speed end up with whole regions and few copies, and a budget that
+runs out moves the rest of the model, not every other op. The explanation goes into the
+placement report: "auto: 1.20 ms on cuda:0 vs 9.80 ms on cpu:0".
 """
 
 from __future__ import annotations
@@ -60,9 +61,28 @@ def op_cost(call: relax.Call, out_ty, weights: dict[str, np.ndarray]) -> OpCost:
     return OpCost(flops, ins + out, used)
 
 
-def _seconds(cost: OpCost, dev: DeviceSpec) -> float:
+def _seconds(cost: OpCost, dev: DeviceSpec, measured: dict) -> float:
     rate, bandwidth = RATES[dev.is_gpu]
+    got = measured.get(dev.name, {})
+    if cost.flops > 2 * cost.nbytes and "flops_per_s" in got:  # a conv / matmul
+        return cost.flops / got["flops_per_s"]
+    if "bytes_per_s" in got:
+        return cost.nbytes / got["bytes_per_s"]
     return max(cost.flops / rate, cost.nbytes / bandwidth)
+
+
+def read_rates(path: str | None) -> dict:
+    """``{"cpu:0": {"flops_per_s": ..., "bytes_per_s": ...}}`` from ``hgrt profile --json``."""
+    if not path:
+        return {}
+    import json
+
+    try:
+        with open(path) as f:
+            return dict(json.load(f)["rates"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise BuildError(f"auto placement: cannot read the profile {path!r} (write one with "
+                         f"`hgrt profile DIR --json FILE`): {e}") from e
 
 
 def _copy_seconds(nbytes: float) -> float:
@@ -71,10 +91,12 @@ def _copy_seconds(nbytes: float) -> float:
 
 def auto_place(func: relax.Function, devices: list[DeviceSpec], fixed: dict[str, int],
                weights: dict[str, np.ndarray], budgets: dict[int, int],
-               allowed: Callable[[str, DeviceSpec], bool]) -> dict[str, tuple[int, str]]:
+               allowed: Callable[[str, DeviceSpec], bool],
+               measured: dict | None = None) -> dict[str, tuple[int, str]]:
     """binding name -> (device, reason) for every op binding not in ``fixed`` (placed by a
     hint, an override or a rule, which win). ``budgets``: device -> bytes of weights it may
-    hold; ``allowed(op, device)``: whether the device can run the op."""
+    hold; ``allowed(op, device)``: whether the device can run the op; ``measured``: rates per
+    device name from a profile (``read_rates``), which replace the estimates where given."""
     where: dict[str, int] = {p.name: 0 for p in func.params}  # tensors -> device
     used = dict.fromkeys(range(len(devices)), 0)
     on: dict[int, set[str]] = {d: set() for d in range(len(devices))}  # weights per device
@@ -89,7 +111,8 @@ def auto_place(func: relax.Function, devices: list[DeviceSpec], fixed: dict[str,
         if b.var.name in fixed:
             dev = fixed[b.var.name]
         else:
-            dev, why = _choose(b.value, cost, devices, where, used, on, budgets, allowed, op)
+            dev, why = _choose(b.value, cost, devices, where, used, on, budgets, allowed, op,
+                               measured or {})
             out[b.var.name] = (dev, why)
         for w, nbytes in cost.weights.items():
             if w not in on[dev]:
@@ -99,7 +122,7 @@ def auto_place(func: relax.Function, devices: list[DeviceSpec], fixed: dict[str,
     return out
 
 
-def _choose(call, cost: OpCost, devices, where, used, on, budgets, allowed, op):
+def _choose(call, cost: OpCost, devices, where, used, on, budgets, allowed, op, measured):
     inputs = [a for a in call.args if isinstance(a, relax.Var) and a.name in where
               and a.name not in cost.weights]
     home = where[inputs[0].name] if inputs else 0
@@ -109,7 +132,7 @@ def _choose(call, cost: OpCost, devices, where, used, on, budgets, allowed, op):
         if not allowed(op, dev) or used[d] + extra > budgets.get(d, float("inf")):
             continue
         copies = sum(_copy_seconds(_nbytes(a.ty)) for a in inputs if where[a.name] != d)
-        options.append((_seconds(cost, dev) + copies, d != home, d))
+        options.append((_seconds(cost, dev, measured) + copies, d != home, d))
     if not options:
         raise BuildError(f"auto placement: no device can hold the weights of {op} within its "
                          f"budget ({ {devices[d].name: used[d] for d in used} } bytes used)")

@@ -27,7 +27,7 @@ from tvm import relax
 
 from hgrt.devices import DeviceSpec, resolve_device
 from hgrt.errors import BuildError
-from hgrt.relay_passes.auto_place import auto_place
+from hgrt.relay_passes.auto_place import auto_place, read_rates
 from hgrt.relay_passes.context import BuildContext, PlacementRow
 from hgrt.relay_passes.relax_util import (
     HINT_ON_DEVICE,
@@ -60,6 +60,7 @@ class Placement:
     fallback: Any = None
     auto: bool = False  # ops no hint/override/rule places go where they cost least (auto_place)
     budgets: dict[str, int] = field(default_factory=dict)  # auto: weight bytes per device
+    profile: str | None = None  # auto: rates measured by `hgrt profile DIR --json FILE`
 
 
 def op_bindings(mod: tvm.IRModule) -> Iterator[tuple[str, str]]:
@@ -154,7 +155,8 @@ def place_devices(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
         budgets = {resolve_device(k, devs, "budget"): int(v) for k, v in p.budgets.items()}
         explicit |= auto_place(func, devs, {k: d for k, (d, _) in explicit.items()},
                                ctx.weights.values, budgets,
-                               lambda op, dev: _compiles_on(op, dev) is None)
+                               lambda op, dev: _compiles_on(op, dev) is None,
+                               read_rates(p.profile))
     for name, op in op_bindings(mod):
         if name in explicit:
             dev, why = explicit[name]

@@ -13,6 +13,8 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from hgrt.graph import COPY_FUNC, NOP_FUNC, op_label
 
 
@@ -28,6 +30,8 @@ class OpRecord:
     is_copy: bool = False
     copy_bytes: int = 0
     copy_from: str = ""
+    flops: float = 0.0  # of a convolution or matmul kernel (its anchor), else 0
+    nbytes: float = 0.0  # read and written
 
 
 @dataclass
@@ -41,13 +45,23 @@ class ProfileReport:
     def op_sum_us(self) -> float:
         return sum(op.median_us for op in self.ops)
 
-    def by_func(self) -> dict[str, tuple[int, float]]:
-        """func name -> (calls, total median µs)."""
-        out: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    def rates(self) -> dict[str, dict[str, float]]:
+        """Per device what its kernels sustained: FLOP/s of convolutions and matmuls, bytes/s
+        of the others (what automatic placement reads instead of its estimates)."""
+        sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
         for op in self.ops:
-            out[op.func][0] += 1
-            out[op.func][1] += op.median_us
-        return {k: (v[0], v[1]) for k, v in sorted(out.items(), key=lambda kv: -kv[1][1])}
+            if not op.is_copy:
+                acc = sums[op.device]
+                i = 0 if op.flops else 2
+                acc[i] += op.flops or op.nbytes
+                acc[i + 1] += op.median_us * 1e-6
+        return {d: {k: v[i] / v[i + 1] for k, i in (("flops_per_s", 0), ("bytes_per_s", 2))
+                    if v[i + 1] > 0} for d, v in sums.items()}
+
+    def save_rates(self, path: str) -> str:
+        with open(path, "w") as f:
+            json.dump({"rates": self.rates()}, f, indent=1)
+        return path
 
     def by_device(self) -> dict[str, tuple[int, float]]:
         """device -> (steps, total median µs)."""
@@ -113,6 +127,20 @@ class ProfileReport:
         return path
 
 
+def _work(g, node, out: int) -> tuple[float, float]:
+    """FLOPs and bytes of a kernel from its entries' shapes: a convolution's output x its
+    weight's per-channel size, a matmul's output x its reduction length, x2; 0 FLOPs else."""
+    ins = [g.entry_id(i, k) for i, k, _ in node.inputs]
+    elems = float(np.prod(g.shapes[out], dtype=np.float64))
+    nbytes = float(sum(g.entry_bytes(e) for e in ins) + g.entry_bytes(out))
+    label = op_label(node.func_name or "")
+    if "conv" in label and len(ins) > 1 and len(g.shapes[ins[1]]) > 2:  # (not a packed blob)
+        return 2 * elems * float(np.prod(g.shapes[ins[1]][1:], dtype=np.float64)), nbytes
+    if ("matmul" in label or "dense" in label) and ins and g.shapes[ins[0]]:
+        return 2 * elems * g.shapes[ins[0]][-1], nbytes
+    return 0.0, nbytes
+
+
 def profile(module, repeat: int = 10, warmup: int = 1) -> ProfileReport:
     """Time every step of ``module`` (a local GraphModule) ``repeat`` times."""
     g = module.graph
@@ -150,6 +178,7 @@ def profile(module, repeat: int = 10, warmup: int = 1) -> ProfileReport:
         out_eid = g.entry_id(nid)
         rec = OpRecord(nid, node.name, node.func_name, dev_names[g.entry_device(out_eid)],
                        statistics.median(samples[i]))
+        rec.flops, rec.nbytes = _work(g, node, out_eid)
         if node.func_name == COPY_FUNC:
             src = g.entry_id(node.inputs[0][0], node.inputs[0][1])
             rec.is_copy = True

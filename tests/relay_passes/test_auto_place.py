@@ -73,3 +73,26 @@ def test_auto_build_runs_right(squeezenet):
 def test_weights_that_fit_nowhere_are_a_build_error(squeezenet):
     with pytest.raises(hgrt.BuildError, match="no device can hold the weights"):
         placed(squeezenet, ["cpu:0"], hgrt.Placement(auto=True, budgets={"cpu:0": 1000}))
+
+
+def test_a_measured_profile_drives_the_choice(squeezenet, tmp_path):
+    """`hgrt profile --json` measures each device's rates; auto placement then believes them:
+    told that cpu:1 runs convolutions 10x faster, it moves them there."""
+    import json
+
+    from hgrt.cli import main
+
+    art = hgrt.save(str(tmp_path / "sq"), hgrt.build(squeezenet, ["cpu:0"], kernels="tvm"))
+    rates_path = str(tmp_path / "rates.json")
+    assert main(["profile", art, "--random-inputs", "--repeat", "2", "--json", rates_path]) == 0
+    rates = json.load(open(rates_path))["rates"]
+    assert rates["cpu:0"]["flops_per_s"] > 1e8 and rates["cpu:0"]["bytes_per_s"] > 1e6
+    rates["cpu:1"] = {"flops_per_s": rates["cpu:0"]["flops_per_s"] * 10,
+                      "bytes_per_s": rates["cpu:0"]["bytes_per_s"]}
+    json.dump({"rates": rates}, open(rates_path, "w"))
+    report = placed(squeezenet, ["cpu:0", "cpu:1"],
+                    hgrt.Placement(auto=True, profile=rates_path))
+    convs = [r for r in report if r.op == "relax.nn.conv2d"]
+    assert sum(r.device == "cpu:1" for r in convs) > len(convs) // 2
+    with pytest.raises(hgrt.BuildError, match="cannot read the profile"):
+        placed(squeezenet, ["cpu:0"], hgrt.Placement(auto=True, profile=str(tmp_path / "no")))
