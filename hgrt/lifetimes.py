@@ -79,22 +79,21 @@ def live_ranges(g: Graph) -> dict[int, Group]:
 
 class Order:
     """Happens-before between steps: a stream runs its nodes in node order, and a node waits
-    for the nodes its ``waits`` name on other streams. A graph without streams is one stream.
+    for the nodes its ``waits`` name on other streams. A graph without streams runs in node
+    order: ``conflict`` then compares live ranges, and no clocks are kept.
 
     ``clock[n][s]``: the position on stream ``s`` of the last node known to have finished
     before node ``n`` starts (vector clocks)."""
 
     def __init__(self, g: Graph | None = None):
-        self.sequential = g is None or g.streams is None
+        self.sequential = g is not None and g.streams is None
         self.stream: list[int] = []
         self.pos: list[int] = []
         self.clock: list[dict[int, int]] = []
         self._tail: dict[int, int] = {}
         self._last_uses: dict[int, dict[int, int]] = {}
-        if g is not None:
-            streams = g.streams if g.streams is not None else \
-                [0 if runs(node) else -1 for node in g.nodes]
-            for nid, s in enumerate(streams):
+        if g is not None and g.streams is not None:  # sequential: node order, see conflict()
+            for nid, s in enumerate(g.streams):
                 self.add(s, g.waits[nid] if g.waits is not None else ())
 
     def add(self, stream: int, waits=()) -> None:

@@ -224,3 +224,14 @@ def write_block(path: str, name: str, command: str, body: str) -> None:
     with open(path, "w") as f:
         f.write(text)
     print(f"{name} table written to {path}")
+
+
+def table(markdown: str | None, name: str, command: str, head: list[str],
+          rows: Callable[[], list[str]]) -> None:
+    """Print the machine line and the table head, then ``rows()`` (each printed as measured);
+    with ``markdown``, write the table between the ``name`` markers of that file."""
+    print(machine())
+    print(*head, sep="\n")
+    body = rows()
+    if markdown:
+        write_block(markdown, name, command, "\n".join(head + body))

@@ -18,7 +18,7 @@ import os
 import warnings
 
 import numpy as np
-from bench_common import light, machine, median_time, vm_on_hgrt_kernels, write_block
+from bench_common import light, median_time, table, vm_on_hgrt_kernels
 from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 
@@ -144,15 +144,12 @@ def main() -> None:
                     help="kernel provider (default tvm: its pool threads follow the budget)")
     ap.add_argument("--markdown", help="write the table into this markdown file")
     args = ap.parse_args()
-    print(machine())
     head = ["| model | placement | sequential ms | streams at once ms | streams / sequential | "
             "best / one device | notes |", "|---|---|---|---|---|---|---|"]
-    print(*head, sep="\n")
-    rows = [r for name in args.models for r in bench(name, args.repeat, args.kernels)]
-    if args.markdown:
-        write_block(args.markdown, "bench_concurrency",
-                    f"python python/bench_concurrency.py --repeat {args.repeat} --kernels "
-                    f"{args.kernels} --models {' '.join(args.models)}", "\n".join(head + rows))
+    table(args.markdown, "bench_concurrency",
+          f"python python/bench_concurrency.py --repeat {args.repeat} --kernels {args.kernels} "
+          f"--models {' '.join(args.models)}", head,
+          lambda: [r for name in args.models for r in bench(name, args.repeat, args.kernels)])
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import argparse
 import warnings
 
 import numpy as np
-from bench_common import light, machine, median_time, write_block
+from bench_common import light, median_time, table
 
 import hgrt
 from hgrt.devices import runtime_device
@@ -67,15 +67,11 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--markdown", help="write the table into this markdown file")
     args = ap.parse_args()
-    print(machine())
     head = ["| model | placement | copies | run() ms | MiB cpu:0 / cpu:1 |",
             "|---|---|---|---|---|"]
-    print(*head, sep="\n")
-    rows = [r for name in args.models for r in bench(name, args.repeat)]
-    if args.markdown:
-        write_block(args.markdown, "bench_placement", f"python python/bench_placement.py "
-                    f"--repeat {args.repeat} --models {' '.join(args.models)}",
-                    "\n".join(head + rows))
+    table(args.markdown, "bench_placement", f"python python/bench_placement.py --repeat "
+          f"{args.repeat} --models {' '.join(args.models)}", head,
+          lambda: [r for name in args.models for r in bench(name, args.repeat)])
 
 
 if __name__ == "__main__":

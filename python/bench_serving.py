@@ -17,7 +17,7 @@ import threading
 import time
 import warnings
 
-from bench_common import light, machine, ort_feed, ort_session, write_block
+from bench_common import light, ort_feed, ort_session, table
 
 import hgrt
 from hgrt.devices import usable_cores
@@ -86,14 +86,11 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=50, help="inferences per caller")
     ap.add_argument("--markdown", help="write the table into this markdown file")
     args = ap.parse_args()
-    print(machine())
     head = ["| model | callers x threads each | hgrt inf/s | hgrt / 1 caller | "
             "onnxruntime inf/s | hgrt / onnxruntime |", "|---|---|---|---|---|---|"]
-    print(*head, sep="\n")
-    rows = [r for name in args.models for r in bench(name, args.calls)]
-    if args.markdown:
-        write_block(args.markdown, "bench_serving", f"python python/bench_serving.py --calls "
-                    f"{args.calls} --models {' '.join(args.models)}", "\n".join(head + rows))
+    table(args.markdown, "bench_serving", f"python python/bench_serving.py --calls {args.calls} "
+          f"--models {' '.join(args.models)}", head,
+          lambda: [r for name in args.models for r in bench(name, args.calls)])
 
 
 if __name__ == "__main__":

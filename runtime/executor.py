@@ -130,6 +130,15 @@ class GraphModule(GraphModuleAPI):
             err = self.execution_error(step, cause)
             raise ExecutionError(f"{err} (stream {runner.stream_of[step]})") from cause
 
+    def trace_streams(self) -> tuple[StreamRunner, list] | None:
+        """One run of the streams at once, recording (step, stream, start, end) per step; None
+        when ``run()`` does not run streams at once (the profiler's stream tracks)."""
+        if self._streams is None or not self.parallel:
+            return None
+        record: list = []
+        self._run_streams(self._streams, record)
+        return self._streams, record
+
     def configure_streams(self, threads: Mapping[str, int] | None = None,
                           parallel: bool | None = None) -> None:
         """Kernel threads per device for streams (``{"cpu:0": 1, "cpu:1": 1}``; default: the

@@ -91,6 +91,7 @@ class GraphModuleAPI:
         self._input_eids = [graph.entry_id(n) for n in graph.arg_nodes]
         self._output_eids = [graph.entry_id(nid, idx) for nid, idx, _ in graph.heads]
         self.closed = False
+        self._user_inputs = frozenset(self._arg_index) - frozenset(graph.params)
         self._stateful = threading.Lock()  # set_input/run/get_output: one thread at a time
 
     # ---- lifetime -------------------------------------------------------------------------
@@ -198,15 +199,12 @@ class GraphModuleAPI:
 
     def _call_inputs(self, inputs: Mapping) -> list[tuple[int, Any]]:
         """Every user input given once, checked; a call has no state, so none may be missing."""
-        params = set(self.graph.params)
         items = [(self._resolve_input(k), v) for k, v in inputs.items()]
-        for idx, _ in items:
-            name = self.graph.nodes[self.graph.arg_nodes[idx]].name
-            if name in params:
-                raise InputError(f"call: {name!r} is a parameter; load_params sets it for "
-                                 f"every call")
-        missing = sorted(set(self.get_input_info()[0]) -
-                         {self.graph.nodes[self.graph.arg_nodes[i]].name for i, _ in items})
+        given = {self.graph.nodes[self.graph.arg_nodes[i]].name for i, _ in items}
+        for name in given & set(self.graph.params):
+            raise InputError(f"call: {name!r} is a parameter; load_params sets it for every "
+                             f"call")
+        missing = sorted(self._user_inputs - given)
         if missing:
             raise InputError(f"call: no value for inputs {missing}")
         return [(i, self._checked_input(i, v, "input")) for i, v in items]

@@ -194,10 +194,9 @@ def _trace(module, ops: list[OpRecord], last_run: list[tuple[float, float]]) -> 
     streams at once, a track per stream from one real concurrent run (its overlap)."""
     tracks = [str(d) for d in module.devices]
     where = [tracks.index(rec.device) for rec in ops]
-    runner = getattr(module, "_streams", None) if getattr(module, "parallel", False) else None
-    if runner is not None:
-        record: list = []
-        module._run_streams(runner, record)
+    traced = module.trace_streams() if hasattr(module, "trace_streams") else None
+    if traced is not None:
+        runner, record = traced
         tracks = [f"stream {s} ({ops[runner.stream_of.index(s)].device})"
                   for s in range(len(runner.streams))]
         last_run = [(0.0, 0.0)] * len(ops)
