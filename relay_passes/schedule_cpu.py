@@ -32,7 +32,7 @@ import tvm
 from tvm import s_tir, tirx
 from tvm.sym.pattern import detect_linear_equation
 
-from hgrt.devices import vector_bits
+from hgrt.devices import VectorISA, vector_isa
 from hgrt.relay_passes.context import BuildContext
 from hgrt.relay_passes.relax_util import SCHEDULED_ATTR, func_target, is_scheduled, prim_funcs
 
@@ -40,7 +40,7 @@ __all__ = ["ScheduleReport", "default_schedule_trace", "schedule_cpu", "schedule
 
 # a kernel with fewer output elements than this runs serial: a parallel launch costs µs
 MIN_PARALLEL_WORK = 4096
-MAX_TILE_ROWS = 8  # rows of the register tile (× one or two vectors of lanes)
+MAX_TILE_ROWS = 8  # rows of the register tile (× one or more vectors of lanes)
 
 _get_realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
 # a primitive that does not apply raises ScheduleError (a RuntimeError); TVM's own checks too
@@ -210,13 +210,17 @@ def _vector_reads(block: s_tir.SBlock, vvar: tirx.Var) -> list[list[tirx.Expr]] 
     return vec_reads
 
 
-def _register_rows(spatial: list, vi: int, vf: int, lanes: int, vec_reads: list
+def _register_rows(spatial: list, vi: int, vf: int, isa: VectorISA, vec_reads: list
                    ) -> tuple[int | None, int]:
     """(position, rows) of the output axis that the vectorized reads do not depend on (so its
-    loads are reused), split into up to MAX_TILE_ROWS register rows; (None, 1) when none."""
+    loads are reused), split into up to MAX_TILE_ROWS register rows; (None, 1) when none.
+
+    The accumulators (rows × vector registers per row) take three quarters of the ISA's
+    vector registers (24 of AVX-512's 32, 12 of AVX2's 16); the rest hold the loads and the
+    broadcast weight, so nothing spills in the inner loop."""
     ri, rf = None, 1
-    nvec = -(-vf // lanes)  # vector registers per row
-    limit = max(1, min(MAX_TILE_ROWS, 24 // nvec))
+    nvec = -(-vf // isa.lanes())  # vector registers per row
+    limit = max(1, min(MAX_TILE_ROWS, (isa.registers * 3 // 4) // nvec))
     for i, (var, _, ext) in enumerate(spatial):
         if i == vi or ext <= 1 or any(_uses(e, var) for idx in vec_reads for e in idx):
             continue
@@ -250,14 +254,7 @@ def _tile_loops(sch: s_tir.Schedule, spatial: list, reduce_: list, vi: int, vf: 
 def _accumulate_in_tile(sch: s_tir.Schedule, block_rv, fused, rf: int) -> None:
     """Accumulate in a tile-sized buffer; the epilogue (bias, relu) rides on its write-back."""
     wb = sch.cache_write(block_rv, 0, "global")
-    while True:
-        consumers = sch.get_consumers(wb)
-        if len(consumers) != 1 or _is_reduction(sch, consumers[0]):
-            break
-        try:
-            sch.reverse_compute_inline(consumers[0])
-        except _SCHEDULE_ERRORS:
-            break
+    _inline_epilogue(sch, wb)
     sch.reverse_compute_at(wb, fused, preserve_unit_loops=True)
     wb_loops = sch.get_loops(wb)
     if int(sch.get(wb_loops[-1]).extent) > 1:
@@ -270,7 +267,7 @@ def _accumulate_in_tile(sch: s_tir.Schedule, block_rv, fused, rf: int) -> None:
     sch.decompose_reduction(block_rv, sch.get_loops(block_rv)[1])
 
 
-def _schedule_anchor(sch: s_tir.Schedule, block_rv, lanes: int) -> bool:
+def _schedule_anchor(sch: s_tir.Schedule, block_rv, isa: VectorISA) -> bool:
     """Register-tile a reduction whose output's innermost axis can be vectorized."""
     info = _iter_loops(sch, block_rv)
     if info is None or not re.fullmatch(r"S+R+", "".join(k for k, _, _, _ in info)):
@@ -284,10 +281,10 @@ def _schedule_anchor(sch: s_tir.Schedule, block_rv, lanes: int) -> bool:
     vi = nonunit[-1]
     vvar, _, vext = spatial[vi]
     vec_reads = _vector_reads(block, vvar)
-    vf = _vector_factor(vext, lanes)
+    vf = _vector_factor(vext, isa.lanes())
     if vec_reads is None or vf is None:
         return False
-    ri, rf = _register_rows(spatial, vi, vf, lanes, vec_reads)
+    ri, rf = _register_rows(spatial, vi, vf, isa, vec_reads)
     if rf == 1 and not all(_stride(idx[-1], vvar) == 1 for idx in vec_reads):
         return False  # a strided gather with no reuse (a pooling window): LLVM does better
     fused = _tile_loops(sch, spatial, reduce_, vi, vf, ri, rf)
@@ -297,11 +294,104 @@ def _schedule_anchor(sch: s_tir.Schedule, block_rv, lanes: int) -> bool:
     return True
 
 
+# ---------------------------------------------------------------------------------------------
+# convolutions: a vector of output channels × a row of output pixels
+
+
+def _conv_parts(sch: s_tir.Schedule, block_rv) -> tuple[list, int] | None:
+    """``(loops, weight read index)`` of a plain NCHW convolution block (``conv2d_nchw``:
+    n, f, y, x spatial; rc, ry, rx reductions; weights read as ``w[f, rc, ry, rx]``, the data
+    never by ``f``), else None."""
+    block = sch.get(block_rv)
+    info = _iter_loops(sch, block_rv)
+    if (block.name_hint != "conv2d_nchw" or info is None or len(block.reads) != 2
+            or "".join(k for k, _, _, _ in info) != "SSSSRRR"):
+        return None
+    var = [v for _, v, _, _ in info]
+    region = block.writes[0].region
+    if len(region) != 4 or not all(r.min.same_as(v) for r, v in zip(region, var[:4],
+                                                                      strict=True)):
+        return None
+    weight = None
+    for i, r in enumerate(block.reads):
+        idx = [x.min for x in r.region]
+        if len(idx) == 4 and all(e.same_as(v) for e, v in zip(idx, [var[1], *var[4:]],
+                                                                strict=True)):
+            weight = i
+        elif any(_uses(e, var[1]) for e in idx):
+            return None
+    return (info, weight) if weight is not None else None
+
+
+def _pixel_row(width: int, isa: VectorISA) -> int:
+    """Output pixels per register row: the largest divisor of ``width`` that fits the
+    accumulators (one vector register each, three registers left for the weights and the
+    broadcast pixel) and is at least 6; the whole row when it fits; else 8 with a ragged last
+    tile (a predicate on the row, cheaper than no tile)."""
+    cap = min(isa.registers - 3, 14)
+    if width <= cap:
+        return width
+    fits = [d for d in _divisors(width) if 6 <= d <= cap]
+    return max(fits) if fits else 8
+
+
+def _schedule_conv(sch: s_tir.Schedule, block_rv, isa: VectorISA, cores: int) -> bool:
+    """Register-tile a convolution over a vector of output channels (the weights of one channel
+    block repacked so that channels are innermost, once per block) × a row of output pixels
+    (each a broadcast input value): the layout oneDNN and MLAS compute in, without changing
+    the tensors' NCHW layout. False (schedule untouched) when it does not apply."""
+    parts = _conv_parts(sch, block_rv)
+    lanes = isa.lanes()
+    if parts is None:
+        return False
+    info, weight = parts
+    (_, _, n, _), (_, _, f, fe), (_, _, y, _), (_, _, x, xe) = info[:4]
+    if fe % lanes or xe < 4:
+        return False
+    row = _pixel_row(xe, isa)
+    fo, fi = sch.split(f, [None, lanes])
+    xo, xi = sch.split(x, [None, row])
+    sch.reorder(n, fo, y, xo, *[lp for _, _, lp, _ in info[4:]], xi, fi)
+    sch.parallel(sch.fuse(n, fo, y))
+    # the weights repacked once per call, before the convolution: IC·KH·KW·OC moves against
+    # H·W times as many multiply-adds (folded into the weights at build where they are constant)
+    packed = sch.cache_read(block_rv, weight, "global")
+    sch.transform_layout(packed, ("write", 0),
+                         lambda o, i, kh, kw: (o // lanes, i, kh, kw, o % lanes))
+    if cores > 1:
+        sch.parallel(sch.get_loops(packed)[0])
+    wb = sch.cache_write(block_rv, 0, "local")
+    sch.transform_layout(block_rv, ("write", 0), lambda a, o, h, w: (a, h, w, o))
+    _inline_epilogue(sch, wb)
+    sch.reverse_compute_at(wb, xo, preserve_unit_loops=True)
+    loops = sch.get_loops(block_rv)
+    sch.vectorize(loops[-1])
+    sch.unroll(loops[-2])
+    sch.decompose_reduction(block_rv, loops[-5])
+    return True
+
+
+def _inline_epilogue(sch: s_tir.Schedule, wb) -> None:
+    """Fold the elementwise consumers of ``wb`` (bias, relu, a residual add) into it."""
+    while True:
+        consumers = sch.get_consumers(wb)
+        if len(consumers) != 1 or _is_reduction(sch, consumers[0]):
+            return
+        try:
+            sch.reverse_compute_inline(consumers[0])
+        except _SCHEDULE_ERRORS:
+            return
+
+
 def _find_block(sch: s_tir.Schedule, name: str):
     try:
         return sch.get_sblock(name)
     except _SCHEDULE_ERRORS:  # inlined into another block
         return None
+
+
+def _cores(target: tvm.target.Target) -> int:
+    return int(target.attrs.get("num-cores", 1) or 1)
 
 
 class _CannotSchedule(Exception):
@@ -312,13 +402,25 @@ def default_schedule_trace(func: tirx.PrimFunc, target: tvm.target.Target) -> s_
     """The default schedule of one PrimFunc as a schedule trace (what ``hgrt tune`` measures
     and records next to MetaSchedule's candidates), or None when it cannot be scheduled."""
     try:
-        sch, _ = _default_schedule(func, max(2, vector_bits(target) // 32))
+        sch, _ = _default_schedule(func, vector_isa(target), _cores(target))
     except (*_SCHEDULE_ERRORS, _CannotSchedule):
         return None
     return sch.trace
 
 
-def _default_schedule(func: tirx.PrimFunc, lanes: int) -> tuple[s_tir.Schedule, bool]:
+def _try_conv(sch: s_tir.Schedule, name: str, isa: VectorISA, cores: int
+              ) -> s_tir.Schedule | None:
+    """``sch`` with block ``name`` scheduled by ``_schedule_conv`` (on a copy: a primitive
+    that fails half-way leaves the original as it was), or None."""
+    trial = sch.copy()
+    try:
+        return trial if _schedule_conv(trial, trial.get_sblock(name), isa, cores) else None
+    except _SCHEDULE_ERRORS:
+        return None
+
+
+def _default_schedule(func: tirx.PrimFunc, isa: VectorISA, cores: int = 1
+                      ) -> tuple[s_tir.Schedule, bool]:
     sch = s_tir.Schedule(func)
     _inline_producers(sch)
     tiled = False
@@ -328,7 +430,10 @@ def _default_schedule(func: tirx.PrimFunc, lanes: int) -> tuple[s_tir.Schedule, 
         b = _find_block(sch, name)
         if b is None or not _is_reduction(sch, b):
             continue
-        if _schedule_anchor(sch, b, lanes):
+        conv = _try_conv(sch, name, isa, cores)
+        if conv is not None:
+            sch, tiled = conv, True
+        elif _schedule_anchor(sch, b, isa):
             tiled = True
         else:
             _schedule_reduction_plain(sch, sch.get_sblock(name))
@@ -337,7 +442,7 @@ def _default_schedule(func: tirx.PrimFunc, lanes: int) -> tuple[s_tir.Schedule, 
         b = _find_block(sch, name)
         if b is None or name in done or _is_reduction(sch, b):
             continue
-        _schedule_spatial(sch, b, lanes)
+        _schedule_spatial(sch, b, isa.lanes())
     return sch, tiled
 
 
@@ -362,7 +467,7 @@ def schedule_cpu_functions(mod: tvm.IRModule, target: tvm.target.Target | str | 
         if is_scheduled(func):
             continue  # already scheduled (a tuned function from a database, say)
         try:
-            sch, tiled = _default_schedule(func, max(2, vector_bits(ftarget) // 32))
+            sch, tiled = _default_schedule(func, vector_isa(ftarget), _cores(ftarget))
         except (*_SCHEDULE_ERRORS, _CannotSchedule) as e:
             report.skipped[name] = str(e).strip().splitlines()[0][:200] if str(e) else "error"
             continue
