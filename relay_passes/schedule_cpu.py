@@ -34,6 +34,7 @@ from tvm.sym.pattern import detect_linear_equation
 
 from hgrt.devices import VectorISA, vector_isa
 from hgrt.relay_passes.context import BuildContext
+from hgrt.relay_passes.prepack_weights import prepack, weight_params
 from hgrt.relay_passes.relax_util import SCHEDULED_ATTR, func_target, is_scheduled, prim_funcs
 
 __all__ = ["ScheduleReport", "default_schedule_trace", "schedule_cpu", "schedule_cpu_functions"]
@@ -55,10 +56,13 @@ class ScheduleReport:
     scheduled: list[str] = field(default_factory=list)  # all scheduled functions
     skipped: dict[str, str] = field(default_factory=dict)  # name → why it was left as it is
     not_cpu: list[str] = field(default_factory=list)  # another target's, untouched
+    # name → (parameter position, lanes): a weight it reads packed (``prepack_weights``)
+    prepacked: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def summary(self) -> str:
         return (f"default CPU schedule: {len(self.scheduled)} scheduled ({len(self.tiled)} "
-                f"register-tiled), {len(self.skipped)} skipped, {len(self.not_cpu)} not CPU")
+                f"register-tiled, {len(self.prepacked)} with prepacked weights), "
+                f"{len(self.skipped)} skipped, {len(self.not_cpu)} not CPU")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,11 +339,17 @@ def _pixel_row(width: int, isa: VectorISA) -> int:
     return max(fits) if fits else 8
 
 
-def _schedule_conv(sch: s_tir.Schedule, block_rv, isa: VectorISA, cores: int) -> bool:
-    """Register-tile a convolution over a vector of output channels (the weights of one channel
-    block repacked so that channels are innermost, once per block) × a row of output pixels
-    (each a broadcast input value): the layout oneDNN and MLAS compute in, without changing
-    the tensors' NCHW layout. False (schedule untouched) when it does not apply."""
+def _schedule_conv(sch: s_tir.Schedule, block_rv, isa: VectorISA, cores: int,
+                   weights: frozenset[int] = frozenset()) -> tuple[int, int] | bool:
+    """Register-tile a convolution over a vector of output channels (weights read with the
+    channels innermost) × a row of output pixels (each a broadcast input value): the layout
+    oneDNN and MLAS compute in, without changing the tensors' NCHW layout. False (schedule
+    untouched) when it does not apply.
+
+    When the weights are the function's parameter at a position in ``weights`` (a weight of
+    the model at every call), that parameter takes the packed layout and ``(position, lanes)``
+    is returned: ``prepack_weights`` repacks the weight once at build. Otherwise the kernel
+    repacks them before the convolution on every call (True)."""
     parts = _conv_parts(sch, block_rv)
     lanes = isa.lanes()
     if parts is None:
@@ -353,13 +363,19 @@ def _schedule_conv(sch: s_tir.Schedule, block_rv, isa: VectorISA, cores: int) ->
     xo, xi = sch.split(x, [None, row])
     sch.reorder(n, fo, y, xo, *[lp for _, _, lp, _ in info[4:]], xi, fi)
     sch.parallel(sch.fuse(n, fo, y))
-    # the weights repacked once per call, before the convolution: IC·KH·KW·OC moves against
-    # H·W times as many multiply-adds (folded into the weights at build where they are constant)
-    packed = sch.cache_read(block_rv, weight, "global")
-    sch.transform_layout(packed, ("write", 0),
-                         lambda o, i, kh, kw: (o // lanes, i, kh, kw, o % lanes))
-    if cores > 1:
-        sch.parallel(sch.get_loops(packed)[0])
+    func = sch.mod["main"]
+    wbuf = sch.get(block_rv).reads[weight].source
+    position = next((i for i, p in enumerate(func.params) if p.same_as(wbuf)), None)
+    pack = lambda o, i, kh, kw: (o // lanes, i, kh, kw, o % lanes)  # noqa: E731
+    if position in weights:
+        sch.transform_layout(block_rv, ("read", weight), pack)
+        done: tuple[int, int] | bool = (position, lanes)
+    else:  # IC·KH·KW·OC moves a call against H·W times as many multiply-adds
+        packed = sch.cache_read(block_rv, weight, "global")
+        sch.transform_layout(packed, ("write", 0), pack)
+        if cores > 1:
+            sch.parallel(sch.get_loops(packed)[0])
+        done = True
     wb = sch.cache_write(block_rv, 0, "local")
     sch.transform_layout(block_rv, ("write", 0), lambda a, o, h, w: (a, h, w, o))
     _inline_epilogue(sch, wb)
@@ -368,7 +384,7 @@ def _schedule_conv(sch: s_tir.Schedule, block_rv, isa: VectorISA, cores: int) ->
     sch.vectorize(loops[-1])
     sch.unroll(loops[-2])
     sch.decompose_reduction(block_rv, loops[-5])
-    return True
+    return done
 
 
 def _inline_epilogue(sch: s_tir.Schedule, wb) -> None:
@@ -402,26 +418,31 @@ def default_schedule_trace(func: tirx.PrimFunc, target: tvm.target.Target) -> s_
     """The default schedule of one PrimFunc as a schedule trace (what ``hgrt tune`` measures
     and records next to MetaSchedule's candidates), or None when it cannot be scheduled."""
     try:
-        sch, _ = _default_schedule(func, vector_isa(target), _cores(target))
+        sch, _, _ = _default_schedule(func, vector_isa(target), _cores(target))
     except (*_SCHEDULE_ERRORS, _CannotSchedule):
         return None
     return sch.trace
 
 
-def _try_conv(sch: s_tir.Schedule, name: str, isa: VectorISA, cores: int
-              ) -> s_tir.Schedule | None:
+def _try_conv(sch: s_tir.Schedule, name: str, isa: VectorISA, cores: int,
+              weights: frozenset[int]) -> tuple[s_tir.Schedule, tuple[int, int] | bool] | None:
     """``sch`` with block ``name`` scheduled by ``_schedule_conv`` (on a copy: a primitive
-    that fails half-way leaves the original as it was), or None."""
+    that fails half-way leaves the original as it was) and what it did, or None."""
     trial = sch.copy()
     try:
-        return trial if _schedule_conv(trial, trial.get_sblock(name), isa, cores) else None
+        done = _schedule_conv(trial, trial.get_sblock(name), isa, cores, weights)
     except _SCHEDULE_ERRORS:
         return None
+    return (trial, done) if done else None
 
 
-def _default_schedule(func: tirx.PrimFunc, isa: VectorISA, cores: int = 1
-                      ) -> tuple[s_tir.Schedule, bool]:
+def _default_schedule(func: tirx.PrimFunc, isa: VectorISA, cores: int = 1,
+                      weights: frozenset[int] = frozenset()
+                      ) -> tuple[s_tir.Schedule, bool, tuple[int, int] | None]:
+    """The default schedule of ``func``, whether a register tile was used, and the weight
+    parameter that takes a packed layout (``_schedule_conv``), if any."""
     sch = s_tir.Schedule(func)
+    prepacked = None
     _inline_producers(sch)
     tiled = False
     done: set[str] = set()
@@ -430,9 +451,13 @@ def _default_schedule(func: tirx.PrimFunc, isa: VectorISA, cores: int = 1
         b = _find_block(sch, name)
         if b is None or not _is_reduction(sch, b):
             continue
-        conv = _try_conv(sch, name, isa, cores)
+        conv = _try_conv(sch, name, isa, cores, weights)
         if conv is not None:
-            sch, tiled = conv, True
+            (sch, how), tiled = conv, True
+            if isinstance(how, tuple) and prepacked is None:
+                prepacked = how
+            elif isinstance(how, tuple):  # one packed parameter per function: undo
+                return _default_schedule(func, isa, cores, frozenset())
         elif _schedule_anchor(sch, b, isa):
             tiled = True
         else:
@@ -443,13 +468,16 @@ def _default_schedule(func: tirx.PrimFunc, isa: VectorISA, cores: int = 1
         if b is None or name in done or _is_reduction(sch, b):
             continue
         _schedule_spatial(sch, b, isa.lanes())
-    return sch, tiled
+    return sch, tiled, prepacked
 
 
-def schedule_cpu_functions(mod: tvm.IRModule, target: tvm.target.Target | str | None = None
+def schedule_cpu_functions(mod: tvm.IRModule, target: tvm.target.Target | str | None = None,
+                           weights: dict[str, set[int]] | None = None
                            ) -> tuple[tvm.IRModule, ScheduleReport]:
     """Give every CPU PrimFunc of ``mod`` a cheap default schedule (parallel + vectorized);
-    the report says which functions it scheduled, tiled, skipped.
+    the report says which functions it scheduled, tiled, skipped, and which take a weight in
+    a packed layout: only at positions ``weights[name]`` (a weight at every call; the caller
+    must then pass it packed, ``prepack_weights.prepack``).
 
     A PrimFunc is scheduled when its ``target`` attr is an llvm target, or when it has none and
     ``target`` is one; functions already marked ``tirx.is_scheduled`` and those that cannot be
@@ -467,7 +495,8 @@ def schedule_cpu_functions(mod: tvm.IRModule, target: tvm.target.Target | str | 
         if is_scheduled(func):
             continue  # already scheduled (a tuned function from a database, say)
         try:
-            sch, tiled = _default_schedule(func, vector_isa(ftarget), _cores(ftarget))
+            sch, tiled, packed = _default_schedule(func, vector_isa(ftarget), _cores(ftarget),
+                                                   frozenset((weights or {}).get(name, ())))
         except (*_SCHEDULE_ERRORS, _CannotSchedule) as e:
             report.skipped[name] = str(e).strip().splitlines()[0][:200] if str(e) else "error"
             continue
@@ -477,6 +506,8 @@ def schedule_cpu_functions(mod: tvm.IRModule, target: tvm.target.Target | str | 
         report.scheduled.append(name)
         if tiled:
             report.tiled.append(name)
+        if packed is not None:
+            report.prepacked[name] = packed
     return (mod if new is None else new), report
 
 
@@ -485,6 +516,7 @@ def schedule_cpu(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     ``HGRT_DEFAULT_SCHEDULE=0``). Writes ``ctx.lowered.cpu_schedule``."""
     if os.environ.get("HGRT_DEFAULT_SCHEDULE", "1") == "0":
         return mod
-    mod, ctx.lowered.cpu_schedule = schedule_cpu_functions(mod)
-    ctx.log(ctx.lowered.cpu_schedule.summary())
-    return mod
+    mod, report = schedule_cpu_functions(mod, weights=weight_params(mod, ctx))
+    ctx.lowered.cpu_schedule = report
+    ctx.log(report.summary())
+    return prepack(mod, ctx, report.prepacked)

@@ -77,7 +77,7 @@ def test_weights_that_fit_nowhere_are_a_build_error(squeezenet):
 
 def test_a_measured_profile_drives_the_choice(squeezenet, tmp_path):
     """`hgrt profile --json` measures each device's rates; auto placement then believes them:
-    told that cpu:1 runs convolutions 10x faster, it moves them there."""
+    told that cpu:1 runs convolutions 100x faster, it moves most of them there."""
     import json
 
     from hgrt.cli import main
@@ -87,8 +87,9 @@ def test_a_measured_profile_drives_the_choice(squeezenet, tmp_path):
     assert main(["profile", art, "--random-inputs", "--repeat", "2", "--json", rates_path]) == 0
     rates = json.load(open(rates_path))["rates"]
     assert rates["cpu:0"]["flops_per_s"] > 1e8 and rates["cpu:0"]["bytes_per_s"] > 1e6
-    rates["cpu:1"] = {"flops_per_s": rates["cpu:0"]["flops_per_s"] * 10,
-                      "bytes_per_s": rates["cpu:0"]["bytes_per_s"]}
+    # a slow cpu:0 and a cpu:1 100x faster at convolutions: copies (µs) then cost little
+    rates["cpu:0"]["flops_per_s"] = 1e8
+    rates["cpu:1"] = {"flops_per_s": 1e10, "bytes_per_s": rates["cpu:0"]["bytes_per_s"]}
     json.dump({"rates": rates}, open(rates_path, "w"))
     report = placed(squeezenet, ["cpu:0", "cpu:1"],
                     hgrt.Placement(auto=True, profile=rates_path))

@@ -1,0 +1,102 @@
+"""Convolutions over a vector of output channels: true to each x86 ISA, weights prepacked at
+build, same numbers as the Relax VM."""
+
+import warnings
+
+import numpy as np
+import pytest
+import tvm
+from onnx import TensorProto, helper, numpy_helper
+from tvm import relax
+
+import hgrt
+from hgrt.devices import vector_isa
+from hgrt.relay_passes.prepack_weights import pack_output_channels
+from hgrt.relay_passes.schedule_cpu import schedule_cpu_functions
+from hgrt.testing import run_hgrt, run_lowered_vm, run_relax_vm
+
+AVX2 = {"kind": "llvm", "mcpu": "haswell", "num-cores": 2}
+AVX512 = {"kind": "llvm", "mcpu": "skylake-avx512", "num-cores": 2}
+
+
+def _runs_here(target: dict) -> bool:
+    from hgrt.devices import cpu_flags
+
+    need = {"avx2", "fma"} if vector_isa(tvm.target.Target(target)).name == "avx2" else {"avx512f"}
+    return need <= cpu_flags()
+
+
+def convs(width: int, stride: int = 1):
+    """x (1, 8, width, width) -> 3x3 conv (16) -> relu -> 1x1 conv (32) + residual-free bias
+    -> relu: a 3x3 with padding (a separate pad block) and a 1x1 (the pad inlined)."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal(s).astype("float32"), n) for n, s in (
+        ("w1", (16, 8, 3, 3)), ("b1", (16,)), ("w2", (32, 16, 1, 1)), ("b2", (32,)))]
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1],
+                              strides=[stride, stride]),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"]),
+             helper.make_node("Relu", ["c2"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "convs", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                       [1, 8, width, width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    x = rng.standard_normal((1, 8, width, width)).astype("float32")
+    return model, x
+
+
+@pytest.mark.parametrize("target", [AVX2, AVX512], ids=["avx2", "avx512"])
+@pytest.mark.parametrize("width, stride", [(13, 1), (19, 1), (28, 2)])
+def test_convs_equal_the_vm_with_prepacked_weights(target, width, stride):
+    if not _runs_here(target):
+        pytest.skip(f"this CPU cannot run {target['mcpu']} code")
+    lanes = vector_isa(tvm.target.Target(target)).lanes()
+    model, x = convs(width, stride)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = hgrt.build(model, ["cpu"], kernels="tvm", target={"cpu": target})
+    # both weights stored packed, output channels innermost; the NCHW originals gone
+    packed = {k: v.shape for k, v in res.params.items() if k.endswith(f"_oc{lanes}")}
+    assert sorted(packed.values()) == sorted([(16 // lanes, 8, 3, 3, lanes),
+                                              (32 // lanes, 16, 1, 1, lanes)])
+    assert not any(v.ndim == 4 and v.shape[0] in (16, 32) for v in res.params.values())
+    got = run_hgrt(res, {"x": x})[0]
+    np.testing.assert_allclose(got, run_relax_vm(model, [x])[0], rtol=1e-4, atol=1e-4)
+
+
+def test_packing_puts_output_channels_innermost():
+    w = np.arange(32 * 3 * 2 * 2, dtype="float32").reshape(32, 3, 2, 2)
+    p = pack_output_channels(w, 8)
+    assert p.shape == (4, 3, 2, 2, 8)
+    for o, i, kh, kw in [(0, 0, 0, 0), (13, 2, 1, 0), (31, 1, 1, 1)]:
+        assert p[o // 8, i, kh, kw, o % 8] == w[o, i, kh, kw]
+
+
+def test_a_weight_that_is_not_constant_is_repacked_by_the_kernel():
+    """A conv whose weight is an input of the model: the kernel keeps the NCHW parameter and
+    packs it itself on each call (no prepacked parameter); same numbers as unscheduled."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 8, 13, 13), "float32"))
+    w = relax.Var("w", relax.TensorType((16, 8, 3, 3), "float32"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            y = bb.emit_output(relax.op.nn.relu(relax.op.nn.conv2d(x, w, padding=1)))
+        bb.emit_func_output(y)
+    from hgrt.relay_passes.lower import lowering_passes
+
+    mod = bb.get()
+    with tvm.transform.PassContext(opt_level=3):
+        for p in lowering_passes():
+            mod = p(mod)
+    target = tvm.target.Target(AVX2 if _runs_here(AVX2) else {"kind": "llvm"})
+    new, report = schedule_cpu_functions(mod, target, weights={})
+    assert report.prepacked == {} and report.tiled
+    rng = np.random.default_rng(1)
+    args = [rng.standard_normal((1, 8, 13, 13)).astype("float32"),
+            rng.standard_normal((16, 8, 3, 3)).astype("float32")]
+    conv = next(f for gv, f in new.functions_items() if "conv" in gv.name_hint)
+    if vector_isa(target).name == "avx2":
+        assert "w_global" in conv.script()  # the kernel's own packed copy
+    np.testing.assert_allclose(run_lowered_vm(new, args, target)[0],
+                               run_lowered_vm(mod, args, "llvm")[0], rtol=1e-5, atol=1e-5)
