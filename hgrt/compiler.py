@@ -109,7 +109,8 @@ def build(model: Any, devices: Any, placement: Placement | None = None,
     tuned kernels that ``hgrt tune`` found slower inside the model (``tuning_verdicts=False``
     applies them anyway).
     ``streams``: ``{"per_device": n}`` streams per device for independent branches (default
-    1), ``{"single_stream": True}`` for none (everything in node order).
+    1; fewer where they would grow a device's pool over 1.10x the sequential plan's, unless
+    ``"memory_slack": None``), ``{"single_stream": True}`` for none (everything in node order).
     ``kernels``: who computes convolutions and dense layers on x86-64 CPUs: ``"onednn"``
     (the ``onednn`` extra; a BuildError without it), ``"tvm"``, or ``"auto"``: oneDNN where it
     is installed and runs the op (the placement report's ``kernels`` column says who got it).

@@ -9,6 +9,16 @@ stream only when no earlier wait already orders them (vector clocks), so events 
 ``single_stream=True`` puts every step on one stream: the graph then runs as one without
 streams, in node order.
 
+Streams cost memory: bytes of branches that overlap cannot share the pool. Extra streams on a
+device are kept only while its activation pool (planned by ``plan_memory`` under the streams'
+happens-before order) stays within ``1 + memory_slack`` (default 0.10) of the sequential plan's;
+past it the device gets one stream fewer, down to one (``memory_slack=None``: no cap). The
+planner is not the lever: it reaches the bound (two chains of matmuls overlapping keep two
+tensors each live, plus the input: 5 of 4 in the sequential plan, 1.25x, and any overlap
+beyond the nodes reading the input needs as much), so only fewer streams stay within 10%.
+Events that let only those nodes overlap were not chosen: a stream gets a share of the
+device's cores, so mostly serialized streams would run each kernel on fewer threads.
+
     graph = assign_streams(graph, ctx)   # graph.streams / graph.waits, in the JSON's hgrt section
 """
 
@@ -18,6 +28,9 @@ import dataclasses
 
 from hgrt.graph import Graph
 from hgrt.lifetimes import Order, runs
+from hgrt.relay_passes.plan_memory import pool_bytes
+
+MEMORY_SLACK = 0.10  # extra streams may grow a device's pool by this much over sequential
 
 
 def _producers(g: Graph, nid: int, roots: list[int]) -> list[int]:
@@ -31,16 +44,33 @@ def _producers(g: Graph, nid: int, roots: list[int]) -> list[int]:
 
 
 def assign_streams(graph: Graph, ctx: object = None, *, per_device: int = 1,
-                   single_stream: bool = False) -> Graph:
+                   single_stream: bool = False,
+                   memory_slack: float | None = MEMORY_SLACK) -> Graph:
     """``graph`` with ``streams`` (per node) and ``waits`` (per node: nodes of other streams
-    it waits for). Options from ``ctx.streams`` (``{"per_device": n, "single_stream": b}``)
-    when the build context has them."""
+    it waits for). Options from ``ctx.streams`` (``{"per_device": n, "single_stream": b,
+    "memory_slack": f}``) when the build context has them; ``memory_slack=None``: open the
+    streams whatever they cost in memory."""
     opts = getattr(ctx, "streams", None) or {}
     per_device = opts.get("per_device", per_device)
     single_stream = opts.get("single_stream", single_stream)
+    memory_slack = opts.get("memory_slack", memory_slack)
     if single_stream:  # one stream over all devices: the sequential run, no section needed
         return dataclasses.replace(graph, streams=None, waits=None)
-    g, roots = graph, graph.alias_roots()
+    roots = graph.alias_roots()
+    caps: dict[int, int] = {}  # device -> streams it may have, where fewer than per_device
+    streams = _streams(graph, roots, per_device, caps)
+    while memory_slack is not None:
+        over = _over_budget(graph, roots, streams, memory_slack, ctx)
+        if not over:
+            break
+        caps.update(over)
+        streams = _streams(graph, roots, per_device, caps)
+    return dataclasses.replace(graph, streams=streams, waits=_waits(graph, streams, roots))
+
+
+def _streams(g: Graph, roots: list[int], per_device: int, caps: dict[int, int]) -> list[int]:
+    """Per node its stream (-1: it does not run), at most ``caps.get(device, per_device)``
+    streams on a device."""
     streams = [-1] * len(g.nodes)
     device_of: list[int] = []  # stream -> device
     continued: set[int] = set()  # producers whose stream a consumer already continued
@@ -55,13 +85,36 @@ def assign_streams(graph: Graph, ctx: object = None, *, per_device: int = 1,
         if reuse is not None:
             continued.add(reuse)
             s = streams[reuse]
-        elif len(mine) < per_device:
+        elif len(mine) < caps.get(dev, per_device):
             s = len(device_of)
             device_of.append(dev)
         else:
             s = min(mine, key=lambda m: tail[m])  # the one whose last node came earliest
         streams[nid], tail[s] = s, nid
-    return dataclasses.replace(graph, streams=streams, waits=_waits(g, streams, roots))
+    return streams
+
+
+def _over_budget(g: Graph, roots: list[int], streams: list[int], slack: float,
+                 ctx: object) -> dict[int, int]:
+    """Devices with more than one stream whose activation pool exceeds ``1 + slack`` times
+    the sequential plan's, each with one stream fewer than it has."""
+    count: dict[int, set[int]] = {}
+    for nid, s in enumerate(streams):
+        if s >= 0:
+            count.setdefault(g.entry_device(g.entry_id(nid)), set()).add(s)
+    several = {d: len(ss) for d, ss in count.items() if len(ss) > 1}
+    if not several:
+        return {}
+    sequential = pool_bytes(dataclasses.replace(g, streams=None, waits=None))
+    concurrent = pool_bytes(dataclasses.replace(g, streams=streams,
+                                                waits=_waits(g, streams, roots)))
+    over = {d: n - 1 for d, n in several.items() if concurrent[d] > (1 + slack) * sequential[d]}
+    for d, n in over.items():
+        if ctx is not None and hasattr(ctx, "log"):
+            ctx.log(f"streams: device {d} gets {n} stream(s), not {n + 1}: {n + 1} would need "
+                    f"{concurrent[d]} B of pool, {concurrent[d] / max(1, sequential[d]):.2f}x the "
+                    f"sequential plan's {sequential[d]} B (memory_slack {slack})")
+    return over
 
 
 def _waits(g: Graph, streams: list[int], roots: list[int]) -> list[list[int]]:

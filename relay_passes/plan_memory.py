@@ -69,17 +69,10 @@ def _greedy_offsets(items: list[tuple], live: Order) -> tuple[dict[int, int], in
     return min(plans, key=lambda plan: plan[1])
 
 
-def plan_memory(graph: Graph, ctx: object = None) -> Graph:
-    """Return ``graph`` with storage ids, per-device pool sizes and offsets; verified.
-
-    Per device two pools: the weights (parameters, live always, one after another) and the
-    activations (everything else, reused by lifetime), so that a call frame or a second module
-    allocates activations only."""
-    g = dataclasses.replace(graph, storage_ids=_assign_storage(graph))
+def _layout(g: Graph, n_dev: int) -> tuple[list[int], list[int], list[int]]:
+    """Offsets per storage, activation pool and weight pool bytes per device of ``g`` (which
+    has its storage ids), under the happens-before order of its streams."""
     owner = storage_devices(g, PlanError)
-    n_dev = max(owner.values(), default=0) + 1
-    if g.device_index is not None and ctx is not None and hasattr(ctx, "devices"):
-        n_dev = max(n_dev, len(ctx.devices))
     weights = g.weight_storages
     live = Order(g)
     items: list[list[tuple]] = [[] for _ in range(n_dev)]
@@ -98,6 +91,32 @@ def plan_memory(graph: Graph, ctx: object = None) -> Graph:
         dev_offsets, pools[dev] = _greedy_offsets(items[dev], live)
         for s, o in dev_offsets.items():
             offsets[s] = o
+    return offsets, pools, weight_pools
+
+
+def _with_storage(graph: Graph, ctx: object = None) -> tuple[Graph, int]:
+    g = dataclasses.replace(graph, storage_ids=_assign_storage(graph))
+    n_dev = max(storage_devices(g, PlanError).values(), default=0) + 1
+    if g.device_index is not None and ctx is not None and hasattr(ctx, "devices"):
+        n_dev = max(n_dev, len(ctx.devices))
+    return g, n_dev
+
+
+def pool_bytes(graph: Graph) -> list[int]:
+    """The activation pool bytes per device that ``plan_memory`` gives ``graph`` (with its
+    streams and waits, if any), without writing the plan: what stream assignment weighs."""
+    g, n_dev = _with_storage(graph)
+    return _layout(g, n_dev)[1]
+
+
+def plan_memory(graph: Graph, ctx: object = None) -> Graph:
+    """Return ``graph`` with storage ids, per-device pool sizes and offsets; verified.
+
+    Per device two pools: the weights (parameters, live always, one after another) and the
+    activations (everything else, reused by lifetime), so that a call frame or a second module
+    allocates activations only."""
+    g, n_dev = _with_storage(graph, ctx)
+    offsets, pools, weight_pools = _layout(g, n_dev)
     g = dataclasses.replace(g, pool_bytes=pools, storage_offset=offsets,
                             weight_pool_bytes=weight_pools)
     verify_memory(g)
