@@ -5,6 +5,7 @@
         --tuning-db tuning/ -o out/
     hgrt compile model.onnx --device cpu:0 --device cpu:1 --target cpu=raspberry-pi/4b-aarch64 \
         -o out/       # for a board: cross-linked with aarch64-linux-gnu-g++ (or --cc)
+    hgrt compile model.onnx --device cpu --target 'cpu=llvm -mcpu=haswell' -o out/  # AVX2
     hgrt run out/ --input x=x.npy [--device cpu:0 --device cpu:1] [--save-output y.npz]
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 import time
 
@@ -66,20 +68,47 @@ def _placement(args: argparse.Namespace):
     )
 
 
-def _targets(items: list[str] | None) -> dict[str, str] | None:
-    """``--target cpu=raspberry-pi/4b-aarch64`` (KIND or DEVICE = a tag or JSON target), or a
-    target alone for the devices of its kind: ``{kind: target}`` as ``hgrt.build`` takes it."""
+def parse_targets(items: list[str] | None) -> dict[str, str] | None:
+    """``--target`` values as ``hgrt.build(target=)`` takes them: ``KIND=TARGET`` or
+    ``DEVICE=TARGET`` (``cpu=raspberry-pi/4b-aarch64``, ``cpu:1={"kind": "llvm", ...}``,
+    ``cpu=llvm -mcpu=haswell``), or a target alone for the devices of its kind. TARGET is a
+    tag, a JSON target or a classic option string (``hgrt.devices.as_target``). The benchmarks
+    (``python/bench_*.py --target``) parse theirs here too.
+
+    >>> parse_targets(["cpu=llvm -mcpu=haswell"])
+    {'cpu': 'llvm -mcpu=haswell'}
+    """
     from hgrt.devices import as_target, kind_of, split_device
 
     out = {}
     for item in items or []:
         key, sep, value = item.partition("=")
-        if sep and not key.strip().startswith("{"):
+        # a KEY= prefix names a device ("cpu", "cuda:1"); "llvm -mcpu=haswell" or JSON do not
+        if sep and re.fullmatch(r"\s*[A-Za-z_]+(:\w*)?\s*", key):
             split_device(key)  # a DeviceError naming the known kinds
+            as_target(value, f"--target {key.strip()}")  # a bad target fails here, by name
             out[key.strip()] = value.strip()
         else:
             out[kind_of(as_target(item, "--target")).name] = item
     return out or None
+
+
+def isa_lines(result) -> list[str]:
+    """Per CPU device of a ``BuildResult``, the target and vector ISA its kernels were built
+    for: ``cpu:0: llvm mcpu=haswell, vector ISA avx2 (256-bit, 16 registers)``."""
+    from hgrt.devices import as_target, is_cpu, vector_isa
+
+    lines = []
+    for name, spec in result.targets.items():
+        if not is_cpu(name):
+            continue
+        t = as_target(spec)
+        what = " ".join([t.kind.name] + [f"{k}={t.attrs[k]}" for k in ("mtriple", "mcpu")
+                                         if k in t.attrs and str(t.attrs[k])])
+        isa = vector_isa(t)
+        lines.append(f"{name}: {what}, vector ISA {isa.name} ({isa.bits}-bit, "
+                     f"{isa.registers} registers)")
+    return lines
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
@@ -88,9 +117,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     result = hgrt.build(args.model, devices=args.device, placement=_placement(args),
                         input_shapes=_input_shapes(args.input_shape) or None,
-                        tuning_db=args.tuning_db, target=_targets(args.target),
+                        tuning_db=args.tuning_db, target=parse_targets(args.target),
                         kernels=args.kernels, verbose=True)
     hgrt.save(args.output, result, cc=args.cc)
+    for line in isa_lines(result):
+        print(line)
     print(f"compiled {args.model} for {args.device} in {time.perf_counter() - t0:.1f} s "
           f"-> {args.output}/ (graph.json, lib.so, params.bin)")
     return 0
@@ -216,9 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(c)
     c.add_argument("--tuning-db", help="a MetaSchedule database written by `hgrt tune`")
     c.add_argument("--target", action="append", metavar="KIND=TARGET",
-                   help="build the devices of KIND (or one DEVICE) for another machine: a TVM "
-                        "target tag or JSON target, e.g. cpu=raspberry-pi/4b-aarch64 (repeat "
-                        "for cpu and cuda; default: this host)")
+                   help="build the devices of KIND (or one DEVICE) for another machine or CPU: "
+                        "a TVM target tag, JSON target or option string, e.g. "
+                        "cpu=raspberry-pi/4b-aarch64 or 'cpu=llvm -mcpu=haswell' (repeat for "
+                        "cpu and cuda; default: this host)")
     c.add_argument("--cc", help="the compiler that links lib.so (default: this host's, or the "
                                 "cross compiler of the target's triple, aarch64-linux-gnu-g++)")
     c.add_argument("--kernels", choices=("auto", "tvm", "onednn"), default="auto",

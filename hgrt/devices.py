@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import re
+import shlex
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -147,10 +148,71 @@ class DeviceSpec:
         return relax.VDevice(self.target, self.device_id, "global")
 
 
+def _option_value(kind: str, key: str, value: str | None, types: dict[str, str],
+                  where: str) -> Any:
+    """One ``-key[=value]`` of a classic option string, typed by ``kind``'s option schema."""
+    if key not in types or key in ("kind", "tag"):
+        known = [f"-{k}" for k in types if k not in ("kind", "tag")]
+        raise DeviceError(f"{where}: {kind} option {did_you_mean(f'-{key}', known, limit=40)}")
+    typ = types[key]
+    if value is None:  # a bare -flag: true, for a boolean option only
+        if typ == "bool":
+            return True
+        raise DeviceError(f"{where}: -{key} needs a value (-{key}=...)")
+    if typ == "bool":
+        if value.lower() not in ("true", "false", "1", "0"):
+            raise DeviceError(f"{where}: -{key}={value}: expected true or false")
+        return value.lower() in ("true", "1")
+    if typ == "int":
+        try:
+            return int(value)
+        except ValueError:
+            raise DeviceError(f"{where}: -{key}={value}: expected an integer") from None
+    if typ.startswith("Array"):
+        return [v for v in value.split(",") if v]
+    return value
+
+
+def _target_from_options(spec: str, what: str = "target") -> dict:
+    """A classic TVM option string (``"llvm -mcpu=haswell -num-cores=2 -mattr=+avx2,+fma"``;
+    TVM 0.27's ``Target`` takes none) -> the dict target it means: the kind (or a tag) first,
+    then ``-key=value`` options typed by the kind's option schema (``-mattr`` a list,
+    ``-num-cores`` an int, a bare ``-flag`` true). A malformed or unknown option is a
+    DeviceError naming it.
+
+    >>> _target_from_options("llvm -mcpu=haswell -mattr=+avx2,+fma")
+    {'kind': 'llvm', 'mcpu': 'haswell', 'mattr': ['+avx2', '+fma']}
+    """
+    try:
+        head, *options = shlex.split(spec)
+    except ValueError as e:
+        raise DeviceError(f"{what} {spec!r}: {e}") from e
+    if "/" in head:  # a tag with options: the tag's target, the options on top
+        out = json.loads(str(as_target(head, what)))
+        out.pop("tag", None)
+    else:
+        out = {"kind": head}
+    try:
+        types = tvm.target.TargetKind.options_from_name(out["kind"])
+    except Exception:
+        known = sorted({k.target_kind for k in KINDS.values()})
+        raise DeviceError(f"{what} {spec!r}: target kind "
+                          f"{did_you_mean(out['kind'], known)}") from None
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not key.startswith("-") or key.strip("-") == "" or (sep and not value):
+            raise DeviceError(f"{what} {spec!r}: {option!r} is not an option; expected "
+                              f"-key=value (e.g. -mcpu=haswell) or a bare -flag")
+        out[key.lstrip("-")] = _option_value(out["kind"], key.lstrip("-"),
+                                             value if sep else None, types, f"{what} {spec!r}")
+    return out
+
+
 def as_target(spec: Any, what: str = "target") -> tvm.target.Target:
     """A TVM target from a ``Target``, a dict, a JSON string, one of TVM's target tags
-    (``"raspberry-pi/4b-aarch64"``, ``"nvidia/jetson-orin-nano"``; ``tvm.target.list_tags()``)
-    or a bare kind (``"llvm"``). TVM 0.27 refuses option strings (``"llvm -mtriple=..."``)."""
+    (``"raspberry-pi/4b-aarch64"``, ``"nvidia/jetson-orin-nano"``; ``tvm.target.list_tags()``),
+    a bare kind (``"llvm"``) or a classic option string (``"llvm -mcpu=haswell"``, which TVM
+    0.27 refuses; ``_target_from_options`` translates it)."""
     if isinstance(spec, tvm.target.Target):
         return spec
     if isinstance(spec, str) and spec.strip().startswith("{"):
@@ -158,18 +220,17 @@ def as_target(spec: Any, what: str = "target") -> tvm.target.Target:
             spec = json.loads(spec)
         except ValueError as e:
             raise DeviceError(f"{what} {spec!r} is not valid JSON: {e}") from e
-    if isinstance(spec, str) and re.search(r"\s-", spec.strip()):
-        raise DeviceError(f"{what} {spec!r}: TVM 0.27 takes no options in a target string; "
-                          f"give a tag ('raspberry-pi/4b-aarch64') or a JSON target "
-                          f"('{{\"kind\": \"llvm\", \"mtriple\": \"aarch64-linux-gnu\"}}')")
+    given = spec
+    if isinstance(spec, str) and re.search(r"\s", spec.strip()):  # tags have no spaces
+        spec = _target_from_options(spec.strip(), what)
     if not isinstance(spec, (str, dict)):
-        raise DeviceError(f"{what}: expected a tvm Target, a dict, JSON or a tag, got "
-                          f"{type(spec).__name__}")
+        raise DeviceError(f"{what}: expected a tvm Target, a dict, JSON, a tag or an option "
+                          f"string, got {type(spec).__name__}")
     try:
         return tvm.target.Target(spec)
     except Exception as e:
         if isinstance(spec, dict):
-            raise DeviceError(f"{what} {spec!r}: {str(e).splitlines()[0]}") from e
+            raise DeviceError(f"{what} {given!r}: {str(e).splitlines()[0]}") from e
         known = sorted(tvm.target.list_tags()) + sorted({k.target_kind for k in KINDS.values()})
         raise DeviceError(f"{what} {did_you_mean(spec.strip(), known)}") from e
 
@@ -397,24 +458,66 @@ def cpu_flags() -> set[str]:
         return set()
 
 
-def vector_bits(target: tvm.target.Target) -> int:
-    """LLVM's vector width for ``target``, 128 when LLVM cannot say. (TVM 0.27 answers 512 for
-    every x86 target; only use it for a target whose ISA is known to the host.)"""
-    from tvm.target.codegen import llvm_get_vector_width
+@dataclass(frozen=True)
+class VectorISA:
+    """What a CPU target's kernels can use: its widest vector ISA, the vector width and the
+    number of vector registers (what a register tile must fit in)."""
 
-    try:
-        bits = int(llvm_get_vector_width(target))
-    except Exception:
-        bits = 128
-    return bits if bits > 0 else 128
+    name: str  # "avx512", "avx2", "avx", "sse", "neon", "scalar"
+    bits: int
+    registers: int
+
+    def lanes(self, dtype_bits: int = 32) -> int:
+        return max(1, self.bits // dtype_bits)
+
+
+def vector_isa(target: tvm.target.Target) -> VectorISA:
+    """The vector ISA that code built for ``target`` runs with, from LLVM's features of its
+    ``mcpu``/``mattr`` (TVM 0.27's ``llvm_get_vector_width`` answers 512 for every x86 target,
+    so it is not asked). An x86 target without ``mcpu`` is generic x86-64: SSE2."""
+    from tvm.target.codegen import target_has_features
+
+    triple = target_triple(target) if "mtriple" in target.attrs else platform.machine()
+    arch = machine_arch(triple)
+    if arch == "aarch64":
+        return VectorISA("neon", 128, 32)
+    if arch != "x86_64":
+        return VectorISA("scalar", 128, 16)
+
+    def has(*features: str) -> bool:
+        try:
+            return bool(target_has_features(list(features), target))
+        except Exception:  # an mcpu LLVM does not know
+            return False
+
+    if has("avx512f"):
+        return VectorISA("avx512", 512, 32)
+    if has("avx2", "fma"):
+        return VectorISA("avx2", 256, 16)
+    if has("avx"):
+        return VectorISA("avx", 256, 16)
+    return VectorISA("sse", 128, 16)
+
+
+def vector_bits(target: tvm.target.Target) -> int:
+    """The vector width of ``target`` in bits (``vector_isa``)."""
+    return vector_isa(target).bits
+
+
+# an LLVM CPU name per vector ISA the host's flags show, for hosts LLVM cannot name (or names a
+# CPU with features the host hides, as a VM may do with AVX-512): the oldest CPU that has them
+_CPU_BY_FLAGS = (({"avx512f", "avx512bw", "avx512vl", "avx512dq"}, "skylake-avx512"),
+                 ({"avx2", "fma", "bmi2"}, "haswell"), ({"avx"}, "sandybridge"),
+                 ({"sse4_2"}, "nehalem"))
 
 
 def host_target(num_cores: int | None = None) -> tvm.target.Target:
     """An llvm target for this machine: its CPU (vector features) and its core count.
 
-    ``mcpu`` is LLVM's name for the host CPU (``llvm_get_system_cpu``), kept only when
-    /proc/cpuinfo agrees on the vector features that name implies (a VM may hide AVX-512 from
-    a CPU that has it); ``num-cores`` defaults to the cores this process may run on.
+    ``mcpu`` is LLVM's name for the host CPU (``llvm_get_system_cpu``), kept when /proc/cpuinfo
+    has every vector ISA that name implies (a VM may hide AVX-512 from a CPU that has it);
+    otherwise the oldest CPU with the ISA the flags show (``haswell`` for AVX2 + FMA), so a
+    build is never silently generic x86-64. ``num-cores``: the cores this process may run on.
 
     >>> host_target(2)  # doctest: +SKIP
     {"kind":"llvm","mcpu":"znver4","num-cores":2,...}
@@ -423,9 +526,12 @@ def host_target(num_cores: int | None = None) -> tvm.target.Target:
 
     spec: dict = {"kind": "llvm", "num-cores": int(num_cores or usable_cores())}
     cpu = llvm_get_system_cpu()
+    flags = cpu_flags()
     if cpu and cpu != "generic":
-        flags = cpu_flags()
-        wants_512 = vector_bits(tvm.target.Target({"kind": "llvm", "mcpu": cpu})) >= 512
-        if not flags or not wants_512 or "avx512f" in flags:
+        isa = vector_isa(tvm.target.Target({"kind": "llvm", "mcpu": cpu}))
+        needs = {"avx512": "avx512f", "avx2": "avx2", "avx": "avx"}.get(isa.name)
+        if not flags or needs is None or needs in flags:
             spec["mcpu"] = cpu
+    if "mcpu" not in spec and machine_arch(platform.machine()) == "x86_64":
+        spec["mcpu"] = next((name for need, name in _CPU_BY_FLAGS if need <= flags), "x86-64")
     return tvm.target.Target(spec)

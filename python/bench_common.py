@@ -135,19 +135,23 @@ def hgrt_outputs(m) -> list[np.ndarray]:
     return [m.get_output(i).numpy() for i in range(m.get_num_outputs())]
 
 
-def vm_on_hgrt_kernels(model, inputs: dict[str, np.ndarray], tuning_db: str | None = None
-                       ) -> Callable[[], list[np.ndarray]]:
-    """The Relax VM running the very kernels ``hgrt.build(model, ["cpu"])`` compiles (same
-    fusion, same schedules), so a latency ratio compares the runtimes and nothing else."""
+def vm_on_hgrt_kernels(model, inputs: dict[str, np.ndarray], tuning_db: str | None = None,
+                       target: dict | None = None) -> Callable[[], list[np.ndarray]]:
+    """The Relax VM running the very kernels ``hgrt.build(model, ["cpu"], target=target)``
+    compiles (same fusion, same schedules, same CPU target), so a latency ratio compares the
+    runtimes and nothing else."""
     import tvm
     from tvm import relax
 
     from hgrt.compiler import lower_model
+    from hgrt.devices import parse_devices
 
+    devices = parse_devices(["cpu"], targets=target)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        mod, weights = lower_model(model, ["cpu"], schedule=True, tuning_db=tuning_db)
-        ex = tvm.compile(mod, relax_pipeline=relax.pipeline.default_build_pipeline())
+        mod, weights = lower_model(model, devices, schedule=True, tuning_db=tuning_db)
+        ex = tvm.compile(mod, target=devices[0].target,
+                         relax_pipeline=relax.pipeline.default_build_pipeline())
     dev = tvm.cpu()
     vm = relax.VirtualMachine(ex, dev)
     main = mod["main"]
@@ -163,6 +167,45 @@ def vm_on_hgrt_kernels(model, inputs: dict[str, np.ndarray], tuning_db: str | No
 
     call.run = lambda: f(*args)  # timed: no copy back
     return call
+
+
+def parse_target_args(items: list[str] | None) -> dict | None:
+    """``--target KIND=TARGET`` values as ``hgrt compile`` reads them (``hgrt.cli``), or exit
+    with the error."""
+    from hgrt.cli import parse_targets
+    from hgrt.errors import HgrtError
+
+    try:
+        return parse_targets(items)
+    except HgrtError as e:
+        raise SystemExit(f"--target: {e}") from None
+
+
+def built_isa(result, device: str = "cpu:0") -> str:
+    """The vector ISA (``avx2``, ``avx512``…) that a ``BuildResult``'s kernels on ``device``
+    were built for: the target actually built, not the host's."""
+    from hgrt.devices import as_target, vector_isa
+
+    return vector_isa(as_target(result.targets[device])).name
+
+
+# hgrt's x86 vector ISA names, narrowest first -> oneDNN's ONEDNN_MAX_CPU_ISA values
+_ONEDNN_ISA = {"sse": "SSE41", "avx": "AVX", "avx2": "AVX2", "avx512": "AVX512_CORE"}
+
+
+def cap_onednn_isa(target: dict | None) -> None:
+    """Cap oneDNN (``ONEDNN_MAX_CPU_ISA``, unless set) to the vector ISA of the CPU target the
+    TVM kernels are built for when it is narrower than the host's, so both kernel providers of
+    a row run one ISA; call before oneDNN is loaded. onnxruntime cannot be capped."""
+    from hgrt.devices import host_target, parse_devices, vector_isa
+
+    if not target:
+        return
+    order = list(_ONEDNN_ISA)
+    isa = vector_isa(parse_devices(["cpu"], targets=target)[0].target).name
+    host = vector_isa(host_target()).name
+    if isa in order and host in order and order.index(isa) < order.index(host):
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", _ONEDNN_ISA[isa])
 
 
 def _flatten(out) -> list[np.ndarray]:

@@ -20,6 +20,12 @@ capped: its figure stays the host's ISA). The table's notes name the ISA each si
 
     python python/bench_kernels.py --skip-unscheduled --kernels tvm onednn
 
+``--target`` builds for another CPU than the host, spelled as ``hgrt compile --target`` takes
+it; the ``ISA`` column is the vector ISA of the target built (``hgrt.devices.vector_isa``), and
+oneDNN is capped to it (unless ``ONEDNN_MAX_CPU_ISA`` is set):
+
+    python python/bench_kernels.py --skip-unscheduled --target 'cpu=llvm -mcpu=haswell'
+
 Every variant runs through ``hgrt.create`` on cpu:0 (the Relax VM on the same kernels is
 ``bench_models.py``'s business). The hgrt builds are timed interleaved call by call, onnxruntime
 after them on its own (``time_onnxruntime`` says why). ``--skip-unscheduled`` saves a minute.
@@ -43,23 +49,27 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--skip-unscheduled", action="store_true")
     p.add_argument("--kernels", nargs="+", choices=["tvm", "onednn"], default=None,
                    help="kernel providers to time (default: tvm, and onednn where installed)")
+    p.add_argument("--target", action="append", metavar="KIND=TARGET",
+                   help="build for this CPU target instead of the host's, as `hgrt compile "
+                        "--target` takes it: 'cpu=llvm -mcpu=haswell' (oneDNN is capped to "
+                        "its ISA; onnxruntime still runs the host's)")
     p.add_argument("--markdown", help="also write the table (command, machine) into this file")
     return p.parse_args()
 
 
-def _build(model, **kwargs):
+def _build(model, target, **kwargs):
     import hgrt
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         t = time.perf_counter()
-        res = hgrt.build(model, ["cpu"], **kwargs)
+        res = hgrt.build(model, ["cpu"], target=target, **kwargs)
         return res, time.perf_counter() - t
 
 
 def _providers(asked: list[str] | None) -> list[str]:
-    """The kernel providers to time; oneDNN's ISA said once (the TVM kernels' is the
-    machine line's, onnxruntime's the host's)."""
+    """The kernel providers to time; oneDNN's ISA said once (the TVM kernels' is the table's
+    ISA column, onnxruntime's the host's)."""
     from hgrt.runtime import onednn
 
     reason = onednn.unavailable_reason()
@@ -79,89 +89,114 @@ def _claimed(res) -> str:
     return f"{sum(r.kernels == 'onednn' for r in rows)} of {len(rows)} ops on oneDNN"
 
 
-def _variants(entry, skip_unscheduled: bool, kernels: list[str], db: str | None
-              ) -> tuple[dict, list[str]]:
-    """The builds of one model to time, as GraphModules by variant name, and notes."""
-    from bench_common import hgrt_runner
+def _variants(entry, skip_unscheduled: bool, kernels: list[str], db: str | None,
+              target: dict | None) -> tuple[dict, list[str], str]:
+    """The builds of one model to time, as GraphModules by variant name, notes, and the
+    vector ISA the TVM kernels were built for."""
+    from bench_common import built_isa, hgrt_runner
 
     runners, notes = {}, []
     if not skip_unscheduled:
         os.environ["HGRT_DEFAULT_SCHEDULE"] = "0"
         try:
-            res, _ = _build(entry.model, kernels="tvm")
+            res, _ = _build(entry.model, target, kernels="tvm")
         finally:
             del os.environ["HGRT_DEFAULT_SCHEDULE"]
         runners["unscheduled"] = hgrt_runner(res, entry.inputs)
-    res, secs = _build(entry.model, kernels="tvm")
+    res, secs = _build(entry.model, target, kernels="tvm")
     runners["default"] = hgrt_runner(res, entry.inputs)
+    isa = built_isa(res)
     notes.append(f"default build {secs:.1f} s")
     if "onednn" in kernels:
-        res, secs = _build(entry.model, kernels="onednn")
+        res, secs = _build(entry.model, target, kernels="onednn")
         runners["onednn"] = hgrt_runner(res, entry.inputs)
         notes.append(f"oneDNN build {secs:.1f} s, {_claimed(res)}")
     if db is not None:
-        res, secs = _build(entry.model, tuning_db=db, kernels="tvm")
+        res, secs = _build(entry.model, target, tuning_db=db, kernels="tvm")
         runners["tuned"] = hgrt_runner(res, entry.inputs)
         t = res.tuning
         n = len(t.tuned) + len(t.fallback)
         notes.append(f"tuned build {secs:.1f} s: {len(t.tuned)} of {n} kernels from the "
                      f"database, {len(t.default_faster)} kept the default schedule (faster "
                      f"in the model), {len(t.fallback) - len(t.default_faster)} untuned")
-    return runners, notes
+    return runners, notes, isa
+
+
+def _table(rows: list[tuple[str, str, dict]]) -> tuple[list[str], list[list[str]]]:
+    """The header and rows of the latency table: per model, the ISA of the TVM kernels, each
+    variant's milliseconds and the ratios."""
+    header = ["model", "ISA", "unscheduled ms", "default ms", "tuned ms", "oneDNN ms",
+              "onnxruntime ms", "unscheduled/default", "default/ORT", "tuned/ORT", "oneDNN/ORT"]
+    table = []
+    for name, isa, t in rows:
+        def ratio(a, b, r=t):
+            return f"{r[a] / r[b]:.2f}" if a in r and b in r else "-"
+        table.append([name, isa] + [f"{t[c] * 1e3:.2f}" if c in t else "-" for c in
+                                    ("unscheduled", "default", "tuned", "onednn", "onnxruntime")]
+                     + [ratio("unscheduled", "default"), ratio("default", "onnxruntime"),
+                        ratio("tuned", "onnxruntime"), ratio("onednn", "onnxruntime")])
+    return header, table
+
+
+def _time(runners: dict, repeat: int) -> dict[str, float]:
+    """Median seconds per run() of each build: the TVM builds interleaved, oneDNN and the
+    unscheduled build apart."""
+    from bench_common import median_time, timed_interleaved
+
+    # oneDNN apart: its OpenMP threads and TVM's pool slow each other down when their
+    # runs alternate call by call (measured 1.5-1.7x on both), which no user sees
+    times = timed_interleaved({k: m.run for k, m in runners.items()
+                               if k not in ("unscheduled", "onednn")}, repeat)
+    if "onednn" in runners:
+        times["onednn"] = median_time(runners["onednn"].run, repeat)
+    if "unscheduled" in runners:  # seconds per run: a few runs are enough
+        times["unscheduled"] = median_time(runners["unscheduled"].run, 3)
+    return times
 
 
 def main() -> None:
     args = _parse()
     from bench_common import (
+        cap_onednn_isa,
         hgrt_outputs,
         light,
         machine,
         max_diff,
-        median_time,
+        parse_target_args,
         time_onnxruntime,
-        timed_interleaved,
     )
 
+    from hgrt.devices import host_target, vector_isa
+
+    target = parse_target_args(args.target)
     dbs = dict(item.split("=", 1) for item in args.db)
+    cap_onednn_isa(target)  # before oneDNN loads: both providers of a row run one ISA
     kernels = _providers(args.kernels)
     print(machine())
-    rows, notes_all = [], []
+    rows, notes_all = [], [f"ISA: the TVM kernels' (the target built); onnxruntime runs the "
+                           f"host's ({vector_isa(host_target()).name})"]
     for name in args.models:
         entry = light(name)
-        runners, notes = _variants(entry, args.skip_unscheduled, kernels, dbs.get(name))
+        runners, notes, isa = _variants(entry, args.skip_unscheduled, kernels, dbs.get(name),
+                                        target)
         outs = {k: hgrt_outputs(m) for k, m in runners.items()}
         ref = outs["default"]
         for k, o in outs.items():
             if k != "default":
                 notes.append(f"{k} max rel. diff vs default {max_diff(o, ref):.1e}")
-        # oneDNN apart: its OpenMP threads and TVM's pool slow each other down when their
-        # runs alternate call by call (measured 1.5-1.7x on both), which no user sees
-        times = timed_interleaved({k: m.run for k, m in runners.items()
-                                   if k not in ("unscheduled", "onednn")}, args.repeat)
-        if "onednn" in runners:
-            times["onednn"] = median_time(runners["onednn"].run, args.repeat)
-        if "unscheduled" in runners:  # seconds per run: a few runs are enough
-            times["unscheduled"] = median_time(runners["unscheduled"].run, 3)
+        times = _time(runners, args.repeat)
         ort = time_onnxruntime(entry.model, entry.inputs, args.repeat)
         if ort is not None:
             times["onnxruntime"] = ort[0]
             notes.append(f"onnxruntime max rel. diff vs default {max_diff(ort[1], ref):.1e}")
         print(f"{name}: " + "; ".join(notes), flush=True)
         notes_all.append(f"{name}: " + "; ".join(notes))
-        rows.append((name, times))
+        rows.append((name, isa, times))
 
-    header = ["model", "unscheduled ms", "default ms", "tuned ms", "oneDNN ms", "onnxruntime ms",
-              "unscheduled/default", "default/ORT", "tuned/ORT", "oneDNN/ORT"]
-    table = []
-    for name, t in rows:
-        def ratio(a, b, r=t):
-            return f"{r[a] / r[b]:.2f}" if a in r and b in r else "-"
-        table.append([name] + [f"{t[c] * 1e3:.2f}" if c in t else "-" for c in
-                               ("unscheduled", "default", "tuned", "onednn", "onnxruntime")]
-                     + [ratio("unscheduled", "default"), ratio("default", "onnxruntime"),
-                        ratio("tuned", "onnxruntime"), ratio("onednn", "onnxruntime")])
+    header, table = _table(rows)
     print(f"\nrun() latency, median of {args.repeat}, TVM_NUM_THREADS="
-          f"{os.environ.get('TVM_NUM_THREADS')}, onnxruntime intra-op threads the same")
+          f"{os.environ.get('TVM_NUM_THREADS')}, onnxruntime intra-op threads the same; "
+          f"{notes_all[0]}")
     widths = [max(len(r[i]) for r in [header, *table]) for i in range(len(header))]
     for r in [header, *table]:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))

@@ -5,6 +5,7 @@ hgrt's own kernels (so the ratio is the runtime's) and next to onnxruntime's CPU
     python python/bench_models.py --models squeezenet resnet50 --tuning-db tuning/
     python python/bench_models.py --markdown BENCHMARKS.md   # also write the table there
     python python/bench_models.py --kernels onednn --models squeezenet resnet50  # oneDNN's
+    python python/bench_models.py --target 'cpu=llvm -mcpu=haswell'   # an AVX2 build
 
 For each model, in one process: ``hgrt.build(model, ["cpu"])`` (build time), run() latency
 (median of ``--repeat``), the same model split over cpu:0 + cpu:1 (convolutions and matmuls on
@@ -37,6 +38,11 @@ def _parse() -> argparse.Namespace:
                    help="hgrt's kernel provider (default tvm: the VM runs the same kernels, so "
                         "hgrt/VM is the runtime's ratio; onednn: hgrt/ORT is the issue-17 check, "
                         "ONEDNN_MAX_CPU_ISA=AVX2 for the AVX2 case)")
+    p.add_argument("--target", action="append", metavar="KIND=TARGET",
+                   help="build for this CPU target instead of the host's (hgrt, split and the "
+                        "VM alike), as `hgrt compile --target` takes it: 'cpu=llvm "
+                        "-mcpu=haswell' (oneDNN is capped to its ISA; onnxruntime still runs "
+                        "the host's)")
     return p.parse_args()
 
 
@@ -46,8 +52,10 @@ def _ms(s: float) -> str:
         else f"{ms:.0f}"
 
 
-def bench_one(entry, repeat: int, tuning_db: str | None, kernels: str = "tvm") -> dict:
+def bench_one(entry, repeat: int, tuning_db: str | None, kernels: str = "tvm",
+              target: dict | None = None) -> dict:
     from bench_common import (
+        built_isa,
         hgrt_outputs,
         hgrt_runner,
         max_diff,
@@ -63,13 +71,18 @@ def bench_one(entry, repeat: int, tuning_db: str | None, kernels: str = "tvm") -
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         t = time.perf_counter()
-        single = hgrt.build(entry.model, ["cpu"], tuning_db=tuning_db, kernels=kernels)
+        single = hgrt.build(entry.model, ["cpu"], tuning_db=tuning_db, kernels=kernels,
+                            target=target)
         row["build_s"] = time.perf_counter() - t
         split = hgrt.build(entry.model, ["cpu:0", "cpu:1"],
                            hgrt.Placement(rules=SPLIT_RULES, fallback="cpu:0"),
-                           tuning_db=tuning_db, kernels=kernels)
-        vm_call = vm_on_hgrt_kernels(entry.model, entry.inputs, tuning_db)
+                           tuning_db=tuning_db, kernels=kernels, target=target)
+        vm_call = vm_on_hgrt_kernels(entry.model, entry.inputs, tuning_db, target)
         vm_bytes = vm_planned_bytes(entry.model)
+    row["isa"] = built_isa(single)
+    # who computes the heavy ops: oneDNN when it claimed any ("auto" / "onednn"), else TVM
+    row["kernels"] = "onednn" if any(r.kernels == "onednn" for r in single.placement_report) \
+        else "tvm"
     m = hgrt_runner(single, entry.inputs)
     ms = hgrt_runner(split, entry.inputs)
     ref = vm_call()
@@ -97,8 +110,8 @@ def split_graph_nodes(result) -> list[str]:
     return [n.func_name for n in result.graph.nodes if n.op == "tvm_op"]
 
 
-HEADER = ("model", "build s", "hgrt ms", "VM ms", "hgrt/VM", "split ms", "copies", "ORT ms",
-          "hgrt/ORT", "in kernels", "MB hgrt", "MB VM", "mem/VM")
+HEADER = ("model", "ISA", "kernels", "build s", "hgrt ms", "VM ms", "hgrt/VM", "split ms",
+          "copies", "ORT ms", "hgrt/ORT", "in kernels", "MB hgrt", "MB VM", "mem/VM")
 
 
 def format_rows(rows: list[dict]) -> list[tuple[str, ...]]:
@@ -106,7 +119,7 @@ def format_rows(rows: list[dict]) -> list[tuple[str, ...]]:
     for r in rows:
         ort = r.get("ort")
         out.append((
-            r["model"], f"{r['build_s']:.1f}", _ms(r["hgrt"]), _ms(r["vm"]),
+            r["model"], r["isa"], r["kernels"], f"{r['build_s']:.1f}", _ms(r["hgrt"]), _ms(r["vm"]),
             f"{r['hgrt'] / r['vm']:.2f}", _ms(r["split"]), str(r["copies"]),
             _ms(ort) if ort else "-", f"{r['hgrt'] / ort:.2f}" if ort else "-",
             f"{r['kernel_share'] * 100:.0f}%", f"{r['mem'] / 2**20:.2f}",
@@ -129,11 +142,23 @@ def markdown_table(rows: list[tuple[str, ...]]) -> str:
 
 def main() -> None:
     args = _parse()
-    from bench_common import PYTORCH_CASES, light, machine, pytorch_case, write_block
+    from bench_common import (
+        PYTORCH_CASES,
+        cap_onednn_isa,
+        light,
+        machine,
+        parse_target_args,
+        pytorch_case,
+        write_block,
+    )
 
+    from hgrt.devices import host_target, vector_isa
+
+    target = parse_target_args(args.target)
     if args.kernels != "tvm":
         from hgrt.runtime import onednn
 
+        cap_onednn_isa(target)  # before oneDNN loads: one ISA per row
         onednn.prepare_process()  # before TVM's first pool
         print(f"hgrt kernels: {args.kernels}; oneDNN {onednn.unavailable_reason() or onednn.isa()}"
               f" (the VM: TVM kernels; onnxruntime: the host's ISA)")
@@ -141,18 +166,22 @@ def main() -> None:
     rows = []
     for name in args.models:
         entry = pytorch_case(name) if name in PYTORCH_CASES else light(name)
-        r = bench_one(entry, args.repeat, args.tuning_db, args.kernels)
+        r = bench_one(entry, args.repeat, args.tuning_db, args.kernels, target)
         rows.append(r)
         print(f"{name}: hgrt {_ms(r['hgrt'])} ms, VM {_ms(r['vm'])} ms, split "
               f"{_ms(r['split'])} ms, ORT {_ms(r['ort']) if 'ort' in r else '-'} ms; max rel. diff "
               f"vs VM {r['diff_vm']:.1e}, ORT vs VM {r.get('diff_ort', float('nan')):.1e}",
               flush=True)
     table = format_rows(rows)
+    note = (f"ISA: the vector ISA of the target hgrt and the VM built for; kernels: who computed "
+            f"the convolutions and dense layers; onnxruntime runs the host's ISA "
+            f"({vector_isa(host_target()).name})")
     print()
     print(text_table(table))
+    print(note)
     if args.markdown:
         write_block(args.markdown, "bench_models", "python python/bench_models.py "
-                    + " ".join(sys.argv[1:]), markdown_table(table))
+                    + " ".join(sys.argv[1:]), markdown_table(table) + f"\n\n- {note}")
 
 
 if __name__ == "__main__":

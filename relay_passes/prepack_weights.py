@@ -13,6 +13,7 @@ original leaves ``main`` (and the graph's params) when nothing else reads it.
 from __future__ import annotations
 
 import numpy as np
+import tvm
 from tvm import relax
 
 from hgrt.relay_passes.context import BuildContext
@@ -62,6 +63,12 @@ def prepack(mod, ctx: BuildContext, packed: dict[str, tuple[int, int]]):
     func = mod["main"]
     n_in = int(func.attrs["num_input"])
     new_params: dict[tuple[relax.Var, int], relax.Var] = {}
+    # the packed kernels under new GlobalVars (an old one keeps the type of its unpacked
+    # signature): added to a module without them by a BlockBuilder, which types them
+    bb = relax.BlockBuilder(tvm.IRModule(
+        {gv: f for gv, f in mod.functions_items() if gv.name_hint not in packed},
+        attrs=mod.attrs, global_infos=mod.global_infos))
+    fresh = {name: bb.add_func(mod[name], name) for name in packed}
     remap: dict[relax.Var, relax.Call] = {}
     for b, name, args in _calls(func):
         if name not in packed:
@@ -71,7 +78,7 @@ def prepack(mod, ctx: BuildContext, packed: dict[str, tuple[int, int]]):
         if key not in new_params:
             new_params[key] = _packed_param(args[pos], lanes, ctx, {p.name for p in func.params})
         args[pos] = new_params[key]
-        remap[b.var] = relax.op.call_tir(b.value.args[0], relax.Tuple(args), b.var.ty)
+        remap[b.var] = relax.op.call_tir(fresh[name], relax.Tuple(args), b.var.ty)
     blocks = [type(block)([relax.VarBinding(b.var, remap[b.var]) if b.var in remap else b
                            for b in block.bindings]) for block in func.body.blocks]
     body = relax.SeqExpr(blocks, func.body.body)
@@ -83,10 +90,11 @@ def prepack(mod, ctx: BuildContext, packed: dict[str, tuple[int, int]]):
             params.append(p)
         else:  # read only by repacking kernels: the packed copy replaces it
             w.source.pop(w.graph_names.pop(p.name, p.name), None)
-    new = mod.clone()
-    new.update_func(new.get_global_var("main"), relax.Function(
-        params + list(new_params.values()), body, func.ret_ty, func.is_pure, func.attrs))
-    return new
+    main = relax.Function(params + list(new_params.values()), body, func.ret_ty, func.is_pure,
+                          func.attrs)
+    new = bb.get()
+    new.update_func(new.get_global_var("main"), main)
+    return relax.transform.Normalize()(new)  # the new calls get their types
 
 
 def _packed_param(p: relax.Var, lanes: int, ctx: BuildContext, taken: set[str]) -> relax.Var:

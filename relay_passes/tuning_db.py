@@ -1,7 +1,9 @@
 """apply_tuning: the schedules ``hgrt tune`` wrote to a database, put back into a fused module.
 
 A record applies to a kernel when both its structural hash and its target (kind, mcpu, mattr,
-arch; not the core count) agree: a database tuned for another CPU is ignored with a warning.
+arch; not the core count) agree. A database tuned for another CPU is an error when the user named
+it (``build(tuning_db=)``, ``--tuning-db``), and ignored with a warning by ``apply_database``
+called without ``explicit``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import tvm
 import tvm_ffi
 from tvm import relax, tirx
 
+from hgrt.devices import kind_of
 from hgrt.errors import BuildError
 from hgrt.relay_passes.context import BuildContext
 from hgrt.relay_passes.relax_util import func_target, is_scheduled, prim_funcs
@@ -143,44 +146,80 @@ class ApplyReport:
 
 
 def _short(target: tvm.target.Target) -> str:
+    """A target as its ``target_key`` sees it, in TVM's option spelling (``as_target`` reads
+    it back): ``llvm -mcpu=haswell``."""
     a = target.attrs
+    mattr = ",".join(sorted(str(x) for x in a["mattr"])) if "mattr" in a else ""
     return f"{target.kind.name}" + (f" -mcpu={a['mcpu']}" if "mcpu" in a else "") + (
-        f" -arch={a['arch']}" if "arch" in a else "")
+        f" -mattr={mattr}" if mattr else "") + (f" -arch={a['arch']}" if "arch" in a else "")
+
+
+def _records_by_target(db_dir: str, targets: list[tvm.target.Target], report: ApplyReport):
+    """The records of ``db_dir`` in one in-memory database per target of ``targets`` (by
+    ``target_key``), and the targets of the records that fit none of them."""
+    from tvm.s_tir import meta_schedule as ms
+
+    per_target = {target_key(t): ms.database.MemoryDatabase(module_equality="structural")
+                  for t in targets}
+    found: dict[tuple, int] = {key: 0 for key in per_target}
+    others: dict[tuple, tvm.target.Target] = {}
+    for rec in open_database(db_dir).get_all_tuning_records():
+        key = target_key(rec.target)
+        db = per_target.get(key)
+        if db is None:
+            report.ignored_records += 1
+            others.setdefault(key, rec.target)
+            continue
+        found[key] += 1
+        db.commit_tuning_record(ms.database.TuningRecord(
+            rec.trace, db.commit_workload(rec.workload.mod), rec.run_secs, rec.target,
+            rec.args_info))
+    return per_target, found, list(others.values())
+
+
+def _check_targets(db_dir: str, targets: list[tvm.target.Target], found: dict[tuple, int],
+                   others: list[tvm.target.Target], ignored: int, explicit: bool) -> None:
+    """A build target without a record in the database, which has records for another target
+    of that kind, means the database was tuned for another CPU (or GPU): a BuildError when the
+    user named the database (``explicit``), else a warning, as records of targets the build
+    does not use are."""
+    missed = [t for t in targets if not found[target_key(t)]
+              and any(o.kind.name == t.kind.name for o in others)]
+    if missed and explicit:
+        t = missed[0]
+        theirs = sorted({_short(o) for o in others if o.kind.name == t.kind.name})
+        kind = kind_of(t).name
+        raise BuildError(
+            f"tuning database {db_dir!r} was tuned for {theirs}, but this build is for "
+            f"{_short(t)!r}: none of its schedules apply. Build for the database's target "
+            f"(target={{{kind!r}: {theirs[0]!r}}}; on the command line --target "
+            f"'{kind}={theirs[0]}') or tune for this one (`hgrt tune`)")
+    if others:
+        warnings.warn(f"tuning database {db_dir!r}: {ignored} records for other targets "
+                      f"({sorted({_short(o) for o in others})}) ignored; building for "
+                      f"{sorted(_short(t) for t in targets)}", stacklevel=3)
 
 
 def apply_database(mod: tvm.IRModule, db_dir: str, *, log: Callable[[str], None] | None = None,
-                   use_verdicts: bool = True) -> tuple[tvm.IRModule, ApplyReport]:
+                   use_verdicts: bool = True, explicit: bool = False
+                   ) -> tuple[tvm.IRModule, ApplyReport]:
     """Give every kernel of the fused ``mod`` that ``db_dir`` has a record for its tuned
     schedule (marked ``tirx.is_scheduled``); returns the module and who was tuned / fell back.
 
     ``relax.transform.MetaScheduleApplyDatabase`` runs once per target of the module over that
     target's kernels. A kernel whose tuned schedule ran slower inside the model than the
     default one (``hgrt.tune.verify_in_model``) keeps the default; ``use_verdicts=False``
-    applies every record regardless.
+    applies every record regardless. A database tuned for another target of a kind the module
+    builds for (another ``mcpu``) is a BuildError when ``explicit`` (the user named it: every
+    ``build(tuning_db=)``), else ignored with a warning.
     """
-    from tvm.s_tir import meta_schedule as ms
-
     if not os.path.exists(os.path.join(db_dir, RECORDS_FILE)):
         raise BuildError(f"tuning database {db_dir!r} does not exist (no {RECORDS_FILE}): "
                          f"run `hgrt tune` first")
     report = ApplyReport(db_dir=db_dir)
     targets = module_targets(mod)
-    per_target = {target_key(t): ms.database.MemoryDatabase(module_equality="structural")
-                  for t in targets}
-    other_targets: set[str] = set()
-    for rec in open_database(db_dir).get_all_tuning_records():
-        db = per_target.get(target_key(rec.target))
-        if db is None:
-            report.ignored_records += 1
-            other_targets.add(_short(rec.target))
-            continue
-        db.commit_tuning_record(ms.database.TuningRecord(
-            rec.trace, db.commit_workload(rec.workload.mod), rec.run_secs, rec.target,
-            rec.args_info))
-    if report.ignored_records:
-        warnings.warn(f"tuning database {db_dir!r}: {report.ignored_records} records for other "
-                      f"targets ({sorted(other_targets)}) ignored; building for "
-                      f"{sorted(_short(t) for t in targets)}", stacklevel=2)
+    per_target, found, others = _records_by_target(db_dir, targets, report)
+    _check_targets(db_dir, targets, found, others, report.ignored_records, explicit)
     default_wins = TuningProgress(db_dir).default_wins() if use_verdicts else set()
     new = mod.clone()
     for target in targets:
@@ -209,5 +248,6 @@ def apply_tuning(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     if not ctx.options.tuning_db:
         return mod
     mod, ctx.lowered.tuning = apply_database(mod, ctx.options.tuning_db, log=ctx.log,
-                                             use_verdicts=ctx.options.tuning_verdicts)
+                                             use_verdicts=ctx.options.tuning_verdicts,
+                                             explicit=True)
     return mod

@@ -236,8 +236,8 @@ def stats(remote: tvm.rpc.RPCSession) -> dict:
 
 
 def _target_hint(info: dict) -> str:
-    """How to build for the server's machine: a JSON target (TVM 0.27 refuses option strings
-    such as 'llvm -mtriple=...'), or one of TVM's target tags."""
+    """How to build for the server's machine: a JSON target (what TVM 0.27 itself takes; hgrt
+    also translates option strings such as 'llvm -mtriple=...'), or one of TVM's target tags."""
     machine, system = info["machine"], str(info.get("system", "Linux")).lower()
     arch = machine_arch(machine)
     triple = f"{machine}-linux-{'gnueabihf' if arch == 'arm' else 'gnu'}" \
