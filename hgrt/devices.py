@@ -499,11 +499,6 @@ def vector_isa(target: tvm.target.Target) -> VectorISA:
     return VectorISA("sse", 128, 16)
 
 
-def vector_bits(target: tvm.target.Target) -> int:
-    """The vector width of ``target`` in bits (``vector_isa``)."""
-    return vector_isa(target).bits
-
-
 # an LLVM CPU name per vector ISA the host's flags show, for hosts LLVM cannot name (or names a
 # CPU with features the host hides, as a VM may do with AVX-512): the oldest CPU that has them
 _CPU_BY_FLAGS = (({"avx512f", "avx512bw", "avx512vl", "avx512dq"}, "skylake-avx512"),

@@ -59,8 +59,11 @@ def assign_streams(graph: Graph, ctx: object = None, *, per_device: int = 1,
     roots = graph.alias_roots()
     caps: dict[int, int] = {}  # device -> streams it may have, where fewer than per_device
     streams = _streams(graph, roots, per_device, caps)
-    while memory_slack is not None:
-        over = _over_budget(graph, roots, streams, memory_slack, ctx)
+    sequential: list[int] | None = None  # the sequential plan's pools, planned once
+    while memory_slack is not None and _several(graph, streams):
+        if sequential is None:
+            sequential = pool_bytes(dataclasses.replace(graph, streams=None, waits=None))
+        over = _over_budget(graph, roots, streams, sequential, memory_slack, ctx)
         if not over:
             break
         caps.update(over)
@@ -94,18 +97,20 @@ def _streams(g: Graph, roots: list[int], per_device: int, caps: dict[int, int]) 
     return streams
 
 
-def _over_budget(g: Graph, roots: list[int], streams: list[int], slack: float,
-                 ctx: object) -> dict[int, int]:
-    """Devices with more than one stream whose activation pool exceeds ``1 + slack`` times
-    the sequential plan's, each with one stream fewer than it has."""
+def _several(g: Graph, streams: list[int]) -> dict[int, int]:
+    """Devices with more than one stream, and how many they have."""
     count: dict[int, set[int]] = {}
     for nid, s in enumerate(streams):
         if s >= 0:
             count.setdefault(g.entry_device(g.entry_id(nid)), set()).add(s)
-    several = {d: len(ss) for d, ss in count.items() if len(ss) > 1}
-    if not several:
-        return {}
-    sequential = pool_bytes(dataclasses.replace(g, streams=None, waits=None))
+    return {d: len(ss) for d, ss in count.items() if len(ss) > 1}
+
+
+def _over_budget(g: Graph, roots: list[int], streams: list[int], sequential: list[int],
+                 slack: float, ctx: object) -> dict[int, int]:
+    """Devices with more than one stream whose activation pool exceeds ``1 + slack`` times
+    the sequential plan's (``sequential``), each with one stream fewer than it has."""
+    several = _several(g, streams)
     concurrent = pool_bytes(dataclasses.replace(g, streams=streams,
                                                 waits=_waits(g, streams, roots)))
     over = {d: n - 1 for d, n in several.items() if concurrent[d] > (1 + slack) * sequential[d]}
