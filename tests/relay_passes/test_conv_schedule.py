@@ -1,6 +1,7 @@
 """Convolutions over a vector of output channels: true to each x86 ISA, weights prepacked at
 build, same numbers as the Relax VM."""
 
+import sys
 import warnings
 
 import numpy as np
@@ -47,7 +48,7 @@ def convs(width: int, stride: int = 1):
 
 
 @pytest.mark.parametrize("target", [AVX2, AVX512], ids=["avx2", "avx512"])
-@pytest.mark.parametrize("width, stride", [(13, 1), (19, 1), (28, 2)])
+@pytest.mark.parametrize("width, stride", [(13, 1), (19, 1), (20, 1), (28, 2)])
 def test_convs_equal_the_vm_with_prepacked_weights(target, width, stride):
     if not _runs_here(target):
         pytest.skip(f"this CPU cannot run {target['mcpu']} code")
@@ -63,6 +64,22 @@ def test_convs_equal_the_vm_with_prepacked_weights(target, width, stride):
     assert not any(v.ndim == 4 and v.shape[0] in (16, 32) for v in res.params.values())
     got = run_hgrt(res, {"x": x})[0]
     np.testing.assert_allclose(got, run_relax_vm(model, [x])[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("target, blocks, width, tile", [
+    (AVX2, 4, 20, (2, 5)),  # two vectors x a row dividing the width, 2*5+3 of 16 registers
+    (AVX2, 4, 14, (1, 7)),  # no divisor in 4..6: one vector x the whole row
+    (AVX2, 3, 20, (1, 10)),  # odd channel blocks cannot pair
+    (AVX512, 2, 14, (2, 7)),  # 32 registers: rows up to 7
+    (AVX512, 2, 13, (1, 13)),
+    (AVX512, 2, 56, (2, 7)),
+])
+def test_the_register_tile_fits_the_isa(target, blocks, width, tile):
+    conv_tile = sys.modules["hgrt.relay_passes.schedule_cpu"]._conv_tile
+    isa = vector_isa(tvm.target.Target(target))
+    vectors, row = conv_tile(blocks, width, isa)
+    assert (vectors, row) == tile
+    assert vectors * row + vectors + 1 <= isa.registers  # accumulators, weights, a broadcast
 
 
 def test_packing_puts_output_channels_innermost():
