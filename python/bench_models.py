@@ -180,7 +180,10 @@ def main() -> None:
     print(text_table(table))
     print(note)
     if args.markdown:
-        write_block(args.markdown, "bench_models", "python python/bench_models.py "
+        # one block per build kind: the host build with TVM kernels, else named after it
+        block = "bench_models" + ("_target" if target else "") + (
+            f"_{args.kernels}" if args.kernels != "tvm" else "")
+        write_block(args.markdown, block, "python python/bench_models.py "
                     + " ".join(sys.argv[1:]), markdown_table(table) + f"\n\n- {note}")
 
 

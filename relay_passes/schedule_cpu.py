@@ -302,29 +302,49 @@ def _schedule_anchor(sch: s_tir.Schedule, block_rv, isa: VectorISA) -> bool:
 # convolutions: a vector of output channels × a row of output pixels
 
 
-def _conv_parts(sch: s_tir.Schedule, block_rv) -> tuple[list, int] | None:
-    """``(loops, weight read index)`` of a plain NCHW convolution block (``conv2d_nchw``:
-    n, f, y, x spatial; rc, ry, rx reductions; weights read as ``w[f, rc, ry, rx]``, the data
-    never by ``f``), else None."""
+def _group_index(expr: tirx.Expr, f: tirx.Var, rc: tirx.Var) -> int | None:
+    """``per_group`` when ``expr`` is a grouped convolution's input channel
+    ``f // per_group * in_per_group + rc``, else None."""
+    if not (isinstance(expr, tirx.Add) and expr.b.same_as(rc) and isinstance(expr.a, tirx.Mul)):
+        return None
+    div, _ = expr.a.a, expr.a.b
+    if (isinstance(div, tirx.FloorDiv) and div.a.same_as(f) and isinstance(div.b, tirx.IntImm)
+            and isinstance(expr.a.b, tirx.IntImm)):
+        return int(div.b.value)
+    return None
+
+
+def _conv_parts(sch: s_tir.Schedule, block_rv) -> tuple[list, int, int | None] | None:
+    """``(loops, weight read index, output channels per group)`` of a plain NCHW convolution
+    block (``conv2d_nchw``: n, f, y, x spatial; rc, ry, rx reductions; weights read as
+    ``w[f, rc, ry, rx]``, the data never by ``f``; None per group) or a grouped one
+    (``group_conv2d_nchw``: the data's channel ``f // per_group * in_per_group + rc``), else
+    None."""
     block = sch.get(block_rv)
     info = _iter_loops(sch, block_rv)
-    if (block.name_hint != "conv2d_nchw" or info is None or len(block.reads) != 2
-            or "".join(k for k, _, _, _ in info) != "SSSSRRR"):
+    if (block.name_hint not in ("conv2d_nchw", "group_conv2d_nchw") or info is None
+            or len(block.reads) != 2 or "".join(k for k, _, _, _ in info) != "SSSSRRR"):
         return None
     var = [v for _, v, _, _ in info]
     region = block.writes[0].region
     if len(region) != 4 or not all(r.min.same_as(v) for r, v in zip(region, var[:4],
                                                                       strict=True)):
         return None
-    weight = None
+    weight, per_group = None, None
     for i, r in enumerate(block.reads):
         idx = [x.min for x in r.region]
         if len(idx) == 4 and all(e.same_as(v) for e, v in zip(idx, [var[1], *var[4:]],
                                                                 strict=True)):
             weight = i
+        elif block.name_hint == "group_conv2d_nchw" and len(idx) == 4:
+            per_group = _group_index(idx[1], var[1], var[4])
+            if per_group is None or any(_uses(e, var[1]) for j, e in enumerate(idx) if j != 1):
+                return None
         elif any(_uses(e, var[1]) for e in idx):
             return None
-    return (info, weight) if weight is not None else None
+    if weight is None or block.name_hint == "group_conv2d_nchw" and per_group is None:
+        return None
+    return info, weight, per_group
 
 
 def _pixel_row(width: int, isa: VectorISA) -> int:
@@ -368,15 +388,21 @@ def _schedule_conv(sch: s_tir.Schedule, block_rv, isa: VectorISA, cores: int,
     lanes = isa.lanes()
     if parts is None:
         return False
-    info, weight = parts
+    info, weight, per_group = parts
     (_, _, n, _), (_, _, f, fe), (_, _, y, _), (_, _, x, xe) = info[:4]
-    if fe % lanes or xe < 4:
+    group = per_group or fe  # a tile never straddles two groups: their inputs differ
+    if group % lanes or xe < 4:
         return False
-    vecs, row = _conv_tile(fe // lanes, xe, isa)
-    fo, fv, fi = sch.split(f, [None, vecs, lanes])
+    vecs, row = _conv_tile(group // lanes, xe, isa)
+    if per_group:
+        g, fo, fv, fi = sch.split(f, [fe // group, None, vecs, lanes])
+        outer = [n, g, fo, y]
+    else:
+        fo, fv, fi = sch.split(f, [None, vecs, lanes])
+        outer = [n, fo, y]
     xo, xi = sch.split(x, [None, row])
-    sch.reorder(n, fo, y, xo, *[lp for _, _, lp, _ in info[4:]], xi, fv, fi)
-    sch.parallel(sch.fuse(n, fo, y))
+    sch.reorder(*outer, xo, *[lp for _, _, lp, _ in info[4:]], xi, fv, fi)
+    sch.parallel(sch.fuse(*outer))
     func = sch.mod["main"]
     wbuf = sch.get(block_rv).reads[weight].source
     position = next((i for i, p in enumerate(func.params) if p.same_as(wbuf)), None)

@@ -66,6 +66,34 @@ def test_convs_equal_the_vm_with_prepacked_weights(target, width, stride):
     np.testing.assert_allclose(got, run_relax_vm(model, [x])[0], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("target", [AVX2, AVX512], ids=["avx2", "avx512"])
+@pytest.mark.parametrize("groups", [2, 4])
+def test_grouped_convs_are_tiled_within_a_group(target, groups):
+    """A grouped conv (alexnet's, 32 output channels per group at groups=2) gets the same
+    tile, never across two groups (their inputs differ); packed weights, VM's numbers."""
+    if not _runs_here(target):
+        pytest.skip(f"this CPU cannot run {target['mcpu']} code")
+    lanes = vector_isa(tvm.target.Target(target)).lanes()
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((64, 16 // groups, 3, 3)).astype("float32")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1], group=groups),
+         helper.make_node("Relu", ["c"], ["y"])], "gconv",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 20, 20])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    x = rng.standard_normal((1, 16, 20, 20)).astype("float32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = hgrt.build(model, ["cpu"], kernels="tvm", target={"cpu": target})
+    packed = [v.shape for k, v in res.params.items() if k.endswith(f"_oc{lanes}")]
+    tiled = (64 // groups) % lanes == 0
+    assert packed == ([(64 // lanes, 16 // groups, 3, 3, lanes)] if tiled else [])
+    np.testing.assert_allclose(run_hgrt(res, {"x": x})[0], run_relax_vm(model, [x])[0],
+                               rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("target, blocks, width, tile", [
     (AVX2, 4, 20, (2, 5)),  # two vectors x a row dividing the width, 2*5+3 of 16 registers
     (AVX2, 4, 14, (1, 7)),  # no divisor in 4..6: one vector x the whole row
