@@ -78,7 +78,6 @@ def _providers(asked: list[str] | None) -> list[str]:
     if "onednn" in asked:
         if reason:
             sys.exit(f"--kernels onednn: {reason}")
-        onednn.prepare_process()  # before TVM's first pool: no spinning against oneDNN
         print(f"oneDNN {onednn.version()}, ISA {onednn.isa()} (ONEDNN_MAX_CPU_ISA="
               f"{os.environ.get('ONEDNN_MAX_CPU_ISA', '-')}); onnxruntime runs the host's ISA")
     return asked

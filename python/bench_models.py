@@ -159,7 +159,6 @@ def main() -> None:
         from hgrt.runtime import onednn
 
         cap_onednn_isa(target)  # before oneDNN loads: one ISA per row
-        onednn.prepare_process()  # before TVM's first pool
         print(f"hgrt kernels: {args.kernels}; oneDNN {onednn.unavailable_reason() or onednn.isa()}"
               f" (the VM: TVM kernels; onnxruntime: the host's ISA)")
     print(machine())

@@ -89,6 +89,8 @@ class _Graph:
                         for p in func.params[n_in:]}
         self.users: dict[relax.Var, list[relax.VarBinding]] = {}
         self.claimed: set[relax.Var] = set()
+        # tensors copied in from another device: a chain never waits for one (see _add)
+        self.copied = {b.var for b in bindings(func) if op_name(b.value) == "relax.to_vdevice"}
         for b in bindings(func):
             for v in relax.analysis.free_vars(b.value):
                 self.users.setdefault(v, []).append(b)
@@ -182,7 +184,9 @@ def _add(g: _Graph, c: Chain, b: relax.VarBinding) -> bool:
         c.bias, c.label = c.bias + bias, [*c.label, "bias"]
         c.read.append(other)
     elif (isinstance(other, relax.Var) and _shape(other) == _shape(c.end) and c.residual is None
-          and len(c.post) < MAX_POST_OPS):
+          and len(c.post) < MAX_POST_OPS and other not in g.copied):
+        # (a residual copied from another device would make this kernel wait for that
+        # device: the add of two devices' work stays a TVM kernel of its own, lower.py)
         c.residual, c.label = other, [*c.label, "add"]
         c.post.append(("sum", 0.0, 0.0))
     else:

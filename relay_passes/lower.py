@@ -48,11 +48,62 @@ def lowering_passes() -> list[tvm.transform.Pass]:
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
+        keep_device_joins_apart,
         relax.transform.FuseOps(),
         relax.transform.FuseTIR(),
         relax.transform.DeadCodeElimination(["main"]),
         relax.transform.RewriteDataflowReshape(),  # reshape kernels → views (graph "__nop")
     ]
+
+
+OPAQUE = 8  # TVM's kOpaque: FuseOps fuses nothing into or after such a call
+ELEMWISE_MAX = 1  # kElemWise, kBroadcast: what FuseOps would fold into the kernel before
+
+
+@tvm.transform.module_pass(opt_level=0, name="hgrt.KeepDeviceJoinsApart")
+def keep_device_joins_apart(mod: tvm.IRModule, _ctx=None) -> tvm.IRModule:
+    """An elementwise op reading a tensor copied from another device stays a kernel of its own:
+    fused into the kernel that makes its other operand (the last matmul of one branch), it
+    would make that kernel wait for the other device, and the two devices could not overlap.
+    Each such call gets a private copy of its PrimFunc marked opaque (the PrimFunc may be
+    shared with calls that should still fuse)."""
+    main = mod["main"]
+    copied = {b.var for b in bindings(main) if op_name(b.value) == TO_VDEVICE}
+    computed = {b.var for b in bindings(main) if op_name(b.value) == CALL_TIR}
+    funcs = prim_funcs(mod)
+    joins: dict[relax.Var, relax.Call] = {}
+    for b in bindings(main):
+        call = b.value
+        if op_name(call) != CALL_TIR or not isinstance(call.args[0], tvm.ir.GlobalVar):
+            continue
+        func = funcs.get(call.args[0].name_hint)
+        args = [a for a in call.args[1].fields if isinstance(a, relax.Var)]
+        if (func is None or not any(a in copied for a in args)
+                or not any(a in computed for a in args)  # else nothing to fuse into
+                or int(func.attrs.get("op_pattern", OPAQUE)) > ELEMWISE_MAX):
+            continue
+        joins[b.var] = call
+    if not joins:
+        return mod
+    bb = relax.BlockBuilder(mod)
+    replaced = {}
+    for var, call in joins.items():
+        func = funcs[call.args[0].name_hint].with_attr("op_pattern", OPAQUE)
+        gv = bb.add_func(func, f"{call.args[0].name_hint}_join")
+        replaced[var] = relax.Call(call.op, [gv, *call.args[1:]], call.attrs, call.ty_args)
+
+    @relax.expr_functor.mutator
+    class _Swap(relax.PyExprMutator):
+        def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+            if binding.var in replaced:
+                value = self.builder_.normalize(replaced[binding.var])
+                self.builder_.emit_normalized(relax.VarBinding(binding.var, value))
+            else:
+                super().visit_var_binding_(binding)
+
+    out = bb.get()
+    out["main"] = _Swap(out).visit_expr(main)
+    return out
 
 
 def legalize_and_fuse(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:

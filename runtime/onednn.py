@@ -12,10 +12,8 @@ packs weights at build (``relay_passes/claim_onednn.py`` builds the header).
 'avx512_core'
 
 Threads: a kernel runs on as many OpenMP threads as the calling thread's TVM pool has (hgrt's
-one thread budget, ``runtime/threads.py``). TVM's pool spins after a parallel kernel and
-slows oneDNN's threads (1.45x measured), so loading the shim sets
-``TVM_THREAD_POOL_SPIN_COUNT=0`` unless the user chose a value; pools started before keep
-spinning, which is why ``prepare_process`` exists for scripts that know early.
+one thread budget, ``runtime/threads.py``, which also keeps TVM's idle pool workers from
+spinning long against oneDNN's threads: ``threads.SPIN_COUNT``).
 """
 
 from __future__ import annotations
@@ -37,7 +35,7 @@ import tvm_ffi
 from hgrt.errors import GraphError
 
 __all__ = ["FUNCTIONS", "INSTALL_HINT", "implementation", "isa", "kernel_function",
-           "layout_name", "load", "pack", "prepare_process", "unavailable_reason", "version"]
+           "layout_name", "load", "pack", "unavailable_reason", "version"]
 
 INSTALL_HINT = "pip install -e '.[onednn]'"
 PREFIX = "hgrt.onednn."
@@ -125,18 +123,11 @@ def load() -> tvm_ffi.Module:
             reason = unavailable_reason()
             if reason is not None:
                 raise GraphError(f"{reason}; or rebuild the model with kernels='tvm'")
-            os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
             try:
                 _module.append(_build_and_load())
             except Exception as e:
                 raise GraphError(f"could not build the oneDNN kernels: {e}") from e
     return _module[0]
-
-
-def prepare_process() -> None:
-    """Call before TVM's first parallel kernel in a process that will run oneDNN kernels: TVM's
-    thread pools then do not spin against oneDNN's threads."""
-    os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
 
 
 def kernel_function(name: str):

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hgrt.graph import COPY_FUNC, NOP_FUNC, op_label
+from hgrt.runtime.threads import restore_thread_count
 
 
 @dataclass
@@ -148,6 +149,7 @@ def profile(module, repeat: int = 10, warmup: int = 1) -> ProfileReport:
     sync = module.sync
     for _ in range(warmup):
         module.run()
+    restore_thread_count()  # steps below run on this thread: every core, as a plain run()
     samples: list[list[float]] = [[] for _ in steps]
     last_run: list[tuple[float, float]] = []
     clock = time.perf_counter

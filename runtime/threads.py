@@ -23,6 +23,17 @@ import tvm
 from hgrt.devices import usable_cores
 from hgrt.errors import InputError
 
+# How long an idle worker of a TVM pool spins (yielding) before it sleeps; TVM reads it once,
+# when the process's first pool starts, and defaults to 300000 yields (a fraction of a second
+# of a core). A freshly started pool's workers spin that long at once: a stream's pool stole a
+# core from the other stream for the first ~0.3 s (two branches measured 8.9 ms at once vs
+# 4.3 ms), and oneDNN's OpenMP threads run 1.45x slower beside a spinning pool. 10000 yields
+# keeps a chain of short kernels as fast as TVM's default (squeezenet 4.49 vs 4.40-4.54 ms,
+# 2 vCPUs AVX-512) where 0 made it 25 % slower (5.55 ms). Set when hgrt is imported, before
+# TVM's first parallel kernel; a value the user set wins.
+SPIN_COUNT = 10000
+os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", str(SPIN_COUNT))
+
 _config_threadpool = tvm.get_global_func("runtime.config_threadpool")
 # TVM's kSpecifyThreadShareAllCore: the pool's threads may run on every core listed. (kBig
 # pins a 1-thread pool's caller to core 0: two callers or streams then share one core.)
@@ -34,7 +45,8 @@ _local = threading.local()
 
 def use_all_cores() -> None:
     """Before TVM's first parallel kernel: give its pools every usable core, unless the user
-    set ``TVM_NUM_THREADS``."""
+    set ``TVM_NUM_THREADS``. (A pool started earlier is resized by ``restore_thread_count``
+    at the next run.)"""
     os.environ.setdefault("TVM_NUM_THREADS", str(usable_cores()))
 
 
@@ -53,8 +65,11 @@ def set_thread_count(n: int) -> None:
 
 
 def restore_thread_count() -> None:
-    """Back to ``process_threads()`` on this thread, if hgrt changed its pool before."""
-    if getattr(_local, "threads", None) is not None and _local.threads != process_threads():
+    """This thread's pool at ``process_threads()``: set once per thread, and again after hgrt
+    changed it. (Not only after a change: a pool TVM started before ``use_all_cores`` -- a
+    parallel kernel run while building, say -- keeps TVM's own default, one thread on a 2-vCPU
+    VM, and plain runs were measured at half speed on it.)"""
+    if getattr(_local, "threads", None) != process_threads():
         set_thread_count(process_threads())
 
 

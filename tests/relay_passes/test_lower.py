@@ -101,3 +101,68 @@ def test_gpu_unsupported_op_falls_back():
     assert rows["relax.exp"].device == "cuda:0"
     assert rows["relax.nonzero"].device == "cpu:0"
     assert rows["relax.nonzero"].reason.startswith("fallback (cuda:0:")
+
+
+def _two_branches():
+    """x -> (matmul, relu) x2 per branch; the branches joined by an add (the join)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    nodes, inits = [], []
+    for br in "ab":
+        prev = "x"
+        for i in range(2):
+            inits.append(numpy_helper.from_array(
+                (rng.standard_normal((32, 32)) / 6).astype("float32"), f"{br}w{i}"))
+            nodes += [helper.make_node("MatMul", [prev, f"{br}w{i}"], [f"{br}m{i}"]),
+                      helper.make_node("Relu", [f"{br}m{i}"], [f"{br}{i}"])]
+            prev = f"{br}{i}"
+    nodes.append(helper.make_node("Add", ["a1", "b1"], ["y"]))
+    graph = helper.make_graph(
+        nodes, "two", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 32])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8, 32])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    return model, rng.standard_normal((8, 32)).astype("float32")
+
+
+@pytest.mark.parametrize("kernels", ["tvm", "onednn"])
+def test_the_join_of_two_devices_is_a_kernel_of_its_own(kernels):
+    """The add of branch a (cpu:0) and branch b (copied from cpu:1) is not fused into branch
+    a's last kernel (nor taken as a oneDNN residual): that kernel would wait for cpu:1 and the
+    devices could not overlap. Same numbers as the VM."""
+    from hgrt.runtime import onednn
+    from hgrt.testing import run_relax_vm
+
+    if kernels == "onednn" and onednn.unavailable_reason():
+        pytest.skip(onednn.unavailable_reason())
+    model, x = _two_branches()
+    from hgrt.frontend import import_model
+    from hgrt.relay_passes.relax_util import bindings, op_name
+
+    mod, _ = import_model(model, None, None)
+    on_b = []
+    for b in bindings(mod["main"]):  # every op that depends on a "bw" weight, not the add
+        names = {v.name for v in relax_free_vars(b.value)}
+        if op_name(b.value) != "relax.add" and (names & {"bw0", "bw1"} or names & set(on_b)):
+            on_b.append(b.var.name)
+    split = hgrt.Placement(overrides=dict.fromkeys(on_b, "cpu:1"))
+    res = hgrt.build(model, ["cpu:0", "cpu:1"], split, kernels=kernels)
+    g = res.graph
+    copies = {nid for nid, n in enumerate(g.nodes) if n.op == "tvm_op"
+              and n.func_name == COPY_FUNC}
+    assert copies
+    readers = [nid for nid, n in enumerate(g.nodes) if n.op == "tvm_op"
+               and any(s in copies for s, _, _ in n.inputs) and nid not in copies]
+    # whatever reads the copy back from cpu:1 is the lone add, not a matmul with it fused in
+    back = [nid for nid in readers if g.device_index[g.entry_id(nid)] == 0]
+    assert back and all("matmul" not in g.nodes[nid].func_name
+                        and "dense" not in g.nodes[nid].func_name for nid in back), \
+        [g.nodes[nid].func_name for nid in back]
+    got = run_hgrt(res, {"x": x})[0]
+    np.testing.assert_allclose(got, run_relax_vm(model, [x])[0], rtol=1e-5, atol=1e-5)
+
+
+def relax_free_vars(expr):
+    from tvm import relax
+
+    return relax.analysis.free_vars(expr)

@@ -134,6 +134,29 @@ def test_threads_per_device_are_set_and_checked():
         m.configure_streams(threads={"cuda:0": 1})
 
 
+def test_a_plain_run_uses_every_core_even_on_a_pool_started_small(rng):
+    """A thread whose TVM pool started with fewer threads (TVM's default, or a stream's share)
+    runs a plain run() on process_threads() all the same (it ran on one thread before)."""
+    import threading
+
+    from hgrt.runtime import threads
+
+    m = module(planned(branchy(), single_stream=True))
+    m.set_input(x=rng.standard_normal(N).astype("float32"))
+    num_threads = tvm.get_global_func("runtime.NumThreads")
+    seen = []
+
+    def caller():
+        tvm.get_global_func("runtime.config_threadpool")(-3, 1, threads._CPUS)  # not hgrt's
+        m.run()
+        seen.append(num_threads())
+
+    t = threading.Thread(target=caller)
+    t.start()
+    t.join()
+    assert seen == [threads.process_threads()]
+
+
 def test_a_chain_across_devices_runs_sequentially():
     """Streams that cannot overlap would only add hand-offs: run() stays sequential."""
     g = GraphBuilder()
