@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import time
 import warnings
@@ -204,8 +205,10 @@ def main() -> None:
 
         md = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
                        + ["| " + " | ".join(r) + " |" for r in table])
-        write_block(args.markdown, "bench_kernels", "python python/bench_kernels.py "
-                    + " ".join(sys.argv[1:]), md + "\n\n" + "\n".join(
+        # one block per build: the host's, else the --target one
+        write_block(args.markdown, "bench_kernels" + ("_target" if target else ""),
+                    "python python/bench_kernels.py "
+                    + shlex.join(sys.argv[1:]), md + "\n\n" + "\n".join(
                         f"- {n}" for n in notes_all))
 
 

@@ -17,6 +17,7 @@ the share of run() spent inside kernels (the rest is the runtime: dispatch, copi
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 import warnings
@@ -183,7 +184,7 @@ def main() -> None:
         block = "bench_models" + ("_target" if target else "") + (
             f"_{args.kernels}" if args.kernels != "tvm" else "")
         write_block(args.markdown, block, "python python/bench_models.py "
-                    + " ".join(sys.argv[1:]), markdown_table(table) + f"\n\n- {note}")
+                    + shlex.join(sys.argv[1:]), markdown_table(table) + f"\n\n- {note}")
 
 
 if __name__ == "__main__":
