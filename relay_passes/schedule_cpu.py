@@ -465,6 +465,44 @@ def default_schedule_trace(func: tirx.PrimFunc, target: tvm.target.Target) -> s_
     return sch.trace
 
 
+def _schedule_window(sch: s_tir.Schedule, block_rv) -> bool:
+    """A padded pooling window (TOPI's ``pool_max`` / ``pool_sum`` reading a padded copy of
+    its input): the pad inlined into the window's reads (no padded copy written and read back),
+    the window loops outside the output row, output rows in parallel. Measured on resnet50's
+    3x3/2 max pool (64x112x112, pad 1): 0.65 ms with the padded copy, 0.30 ms this way (AVX-512,
+    2 threads). Unpadded and stride-1 pools keep the plain schedule (measured 2x-6x slower
+    with the window loops outside the row)."""
+    block = sch.get(block_rv)
+    pads = [p for p in sch.get_producers(block_rv) if _contains_if(sch.get(p))]
+    if block.name_hint not in ("pool_max", "pool_sum") or len(pads) != 1:
+        return False
+    info = _iter_loops(sch, block_rv)
+    if info is None or not re.fullmatch(r"S+R+", "".join(k for k, _, _, _ in info)):
+        return False
+    last = [v for k, v, _, _ in info if k == "S"][-1]
+    strides = [_stride(r.region[-1].min, last) for r in block.reads]
+    if max((st or 0) for st in strides) < 2:
+        return False  # stride 1 (inception's 3x3/1 pools): 0.06 -> 0.38 ms this way
+    sch.compute_inline(pads[0])
+    info = _iter_loops(sch, block_rv)
+    spatial = [lp for k, _, lp, _ in info if k == "S"]
+    reduce_ = [lp for k, _, lp, _ in info if k == "R"]
+    sch.reorder(*spatial[:-1], *reduce_, spatial[-1])
+    outer = sch.fuse(*spatial[:-1]) if len(spatial) > 2 else spatial[0]
+    sch.parallel(outer)
+    sch.decompose_reduction(block_rv, reduce_[0])
+    return True
+
+
+def _try_window(sch: s_tir.Schedule, name: str) -> s_tir.Schedule | None:
+    """``sch`` with block ``name`` scheduled by ``_schedule_window`` (on a copy), or None."""
+    trial = sch.copy()
+    try:
+        return trial if _schedule_window(trial, trial.get_sblock(name)) else None
+    except (*_SCHEDULE_ERRORS, _CannotSchedule):
+        return None
+
+
 def _try_conv(sch: s_tir.Schedule, name: str, isa: VectorISA, cores: int,
               weights: frozenset[int]) -> tuple[s_tir.Schedule, tuple[int, int] | bool] | None:
     """``sch`` with block ``name`` scheduled by ``_schedule_conv`` (on a copy: a primitive
@@ -499,6 +537,8 @@ def _default_schedule(func: tirx.PrimFunc, isa: VectorISA, cores: int = 1,
                 prepacked = how
             elif isinstance(how, tuple):  # one packed parameter per function: undo
                 return _default_schedule(func, isa, cores, frozenset())
+        elif (window := _try_window(sch, name)) is not None:
+            sch = window
         elif _schedule_anchor(sch, b, isa):
             tiled = True
         else:
