@@ -39,7 +39,7 @@ from tvm import relax
 from hgrt.errors import BuildError
 from hgrt.relay_passes.context import BuildContext
 from hgrt.relay_passes.insert_copies import _identifier
-from hgrt.relay_passes.relax_util import bindings, op_name
+from hgrt.relay_passes.relax_util import bindings, copied_in, op_name
 
 KERNELS = ("auto", "tvm", "onednn")
 MAGIC, HEADER_VERSION, HEADER_INT64 = 0x4C4E4E4454524748, 1, 64
@@ -90,7 +90,7 @@ class _Graph:
         self.users: dict[relax.Var, list[relax.VarBinding]] = {}
         self.claimed: set[relax.Var] = set()
         # tensors copied in from another device: a chain never waits for one (see _add)
-        self.copied = {b.var for b in bindings(func) if op_name(b.value) == "relax.to_vdevice"}
+        self.copied = copied_in(func)
         for b in bindings(func):
             for v in relax.analysis.free_vars(b.value):
                 self.users.setdefault(v, []).append(b)

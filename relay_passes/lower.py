@@ -26,6 +26,7 @@ from hgrt.relay_passes.relax_util import (
     TO_VDEVICE,
     alone,
     bindings,
+    copied_in,
     func_target,
     is_scheduled,
     op_name,
@@ -68,7 +69,7 @@ def keep_device_joins_apart(mod: tvm.IRModule, _ctx=None) -> tvm.IRModule:
     Each such call gets a private copy of its PrimFunc marked opaque (the PrimFunc may be
     shared with calls that should still fuse)."""
     main = mod["main"]
-    copied = {b.var for b in bindings(main) if op_name(b.value) == TO_VDEVICE}
+    copied = copied_in(main)
     computed = {b.var for b in bindings(main) if op_name(b.value) == CALL_TIR}
     funcs = prim_funcs(mod)
     joins: dict[relax.Var, relax.Call] = {}

@@ -23,6 +23,11 @@ def bindings(func: relax.Function) -> Iterator[relax.VarBinding]:
         yield from block.bindings
 
 
+def copied_in(func: relax.Function) -> set[relax.Var]:
+    """The variables of ``func`` bound to a copy from another device (``R.to_vdevice``)."""
+    return {b.var for b in bindings(func) if op_name(b.value) == TO_VDEVICE}
+
+
 def op_name(expr: relax.Expr) -> str | None:
     """``"relax.add"`` for a call of a Relax op; None for anything else."""
     if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):

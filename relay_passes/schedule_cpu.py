@@ -305,11 +305,11 @@ def _schedule_anchor(sch: s_tir.Schedule, block_rv, isa: VectorISA) -> bool:
 def _group_index(expr: tirx.Expr, f: tirx.Var, rc: tirx.Var) -> int | None:
     """``per_group`` when ``expr`` is a grouped convolution's input channel
     ``f // per_group * in_per_group + rc``, else None."""
-    if not (isinstance(expr, tirx.Add) and expr.b.same_as(rc) and isinstance(expr.a, tirx.Mul)):
-        return None
-    div, _ = expr.a.a, expr.a.b
-    if (isinstance(div, tirx.FloorDiv) and div.a.same_as(f) and isinstance(div.b, tirx.IntImm)
+    if not (isinstance(expr, tirx.Add) and expr.b.same_as(rc) and isinstance(expr.a, tirx.Mul)
             and isinstance(expr.a.b, tirx.IntImm)):
+        return None
+    div = expr.a.a
+    if isinstance(div, tirx.FloorDiv) and div.a.same_as(f) and isinstance(div.b, tirx.IntImm):
         return int(div.b.value)
     return None
 
@@ -494,23 +494,14 @@ def _schedule_window(sch: s_tir.Schedule, block_rv) -> bool:
     return True
 
 
-def _try_window(sch: s_tir.Schedule, name: str) -> s_tir.Schedule | None:
-    """``sch`` with block ``name`` scheduled by ``_schedule_window`` (on a copy), or None."""
+def _on_copy(sch: s_tir.Schedule, name: str, schedule, *args
+             ) -> tuple[s_tir.Schedule, object] | None:
+    """``(copy of sch, what schedule returned)`` after ``schedule(copy, block name, *args)``;
+    None when it returned a falsy value or a primitive failed half-way (``sch`` untouched)."""
     trial = sch.copy()
     try:
-        return trial if _schedule_window(trial, trial.get_sblock(name)) else None
+        done = schedule(trial, trial.get_sblock(name), *args)
     except (*_SCHEDULE_ERRORS, _CannotSchedule):
-        return None
-
-
-def _try_conv(sch: s_tir.Schedule, name: str, isa: VectorISA, cores: int,
-              weights: frozenset[int]) -> tuple[s_tir.Schedule, tuple[int, int] | bool] | None:
-    """``sch`` with block ``name`` scheduled by ``_schedule_conv`` (on a copy: a primitive
-    that fails half-way leaves the original as it was) and what it did, or None."""
-    trial = sch.copy()
-    try:
-        done = _schedule_conv(trial, trial.get_sblock(name), isa, cores, weights)
-    except _SCHEDULE_ERRORS:
         return None
     return (trial, done) if done else None
 
@@ -530,15 +521,15 @@ def _default_schedule(func: tirx.PrimFunc, isa: VectorISA, cores: int = 1,
         b = _find_block(sch, name)
         if b is None or not _is_reduction(sch, b):
             continue
-        conv = _try_conv(sch, name, isa, cores, weights)
+        conv = _on_copy(sch, name, _schedule_conv, isa, cores, weights)
         if conv is not None:
             (sch, how), tiled = conv, True
             if isinstance(how, tuple) and prepacked is None:
                 prepacked = how
             elif isinstance(how, tuple):  # one packed parameter per function: undo
                 return _default_schedule(func, isa, cores, frozenset())
-        elif (window := _try_window(sch, name)) is not None:
-            sch = window
+        elif (window := _on_copy(sch, name, _schedule_window)) is not None:
+            sch = window[0]
         elif _schedule_anchor(sch, b, isa):
             tiled = True
         else:
