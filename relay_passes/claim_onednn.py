@@ -12,13 +12,13 @@ on a CPU device, W a weight, each intermediate read once, becomes one
 ``R.call_dps_packed("hgrt.onednn.conv2d", (x, packed[, residual]), out)`` bound to the chain's
 last variable. ``packed`` is a new weight (a uint8 blob): a header (``HEADER_SLOTS``), W with
 batch norms folded in, packed once in the layout oneDNN picks on this machine, then the bias.
-The residual add and the activation are oneDNN post-ops (``sum``, ``eltwise``). Weights the
-chains read are dropped when nothing else reads them. A chain result that only other chains
-read stays in the blocked layout oneDNN picks (a flat float32 tensor of that layout's size):
-kernels reorder to and from NCHW only where a TVM kernel, a copy or an output is on the other
-side. The ExternFunc's attrs become graph node attrs (``provider``, ``onednn_op``,
-``onednn_isa``, ``onednn_impl``, ``onednn_layouts``), and the placement report's rows of
-claimed ops say ``kernels: onednn``.
+The residual add and the activation are oneDNN post-ops (``sum``, ``eltwise``); per-channel
+multiplies and adds (batch norms, scale layers) are folded into W and the bias. Weights the
+chains read are dropped when nothing else reads them. Activations stay NHWC between oneDNN
+kernels and through the TVM ops between them where ``channels_last`` says so; a
+``permute_dims`` node turns them back to NCHW before any other reader. The ExternFunc's attrs
+become graph node attrs (``provider``, ``onednn_op``, ``onednn_isa``, ``onednn_impl``,
+``onednn_layouts``), and the placement report's rows of claimed ops say ``kernels: onednn``.
 
 Reads ``ctx.options.kernels`` and ``ctx.options.onednn`` (the runtime side, handed down by the
 caller: ``unavailable_reason()``, ``pack()``, ``isa()``, ``implementation()``,
@@ -37,19 +37,20 @@ import tvm
 from tvm import relax
 
 from hgrt.errors import BuildError
+from hgrt.relay_passes import channels_last
 from hgrt.relay_passes.context import BuildContext
 from hgrt.relay_passes.insert_copies import _identifier
 from hgrt.relay_passes.relax_util import bindings, copied_in, op_name
 
 KERNELS = ("auto", "tvm", "onednn")
-MAGIC, HEADER_VERSION, HEADER_INT64 = 0x4C4E4E4454524748, 1, 64
+MAGIC, HEADER_VERSION, HEADER_INT64 = 0x4C4E4E4454524748, 2, 64
 MAX_POST_OPS = 3
 # the blob header, int64 slots; runtime/onednn_shim.cc `enum Slot` names the same positions
 HEADER_SLOTS = ("magic", "version", "kind", "n", "ic", "ih", "iw", "oc", "oh", "ow", "kh", "kw",
                 "sh", "sw", "pad_t", "pad_l", "pad_b", "pad_r", "dil_h", "dil_w", "groups",
                 *(f"post{k}{s}" for k in range(MAX_POST_OPS) for s in ("", "_alpha", "_beta")),
                 "wei_tag", "wei_offset", "wei_bytes", "bias_offset", "isa", "dnnl_version",
-                "src_tag", "dst_tag", "res_tag", "dst_bytes",  # activation layouts: 0 NCHW
+                "src_tag", "dst_tag", "res_tag", "dst_bytes",  # activations: 0 NCHW, or NHWC
                 "checksum")  # of the packed bytes
 SLOT = {name: i for i, name in enumerate(HEADER_SLOTS)}
 KIND = {"conv2d": 1, "dense": 2}
@@ -71,6 +72,7 @@ class Chain:
     members: list[relax.Var] = field(default_factory=list)  # root first, end last
     read: list[relax.Expr] = field(default_factory=list)  # weights the chain absorbed
     residual: relax.Var | None = None
+    residual_at: relax.Var | None = None  # the member that reads the residual
     post: list[tuple[str, float, float]] = field(default_factory=list)
     label: list[str] = field(default_factory=list)
 
@@ -187,11 +189,29 @@ def _add(g: _Graph, c: Chain, b: relax.VarBinding) -> bool:
           and len(c.post) < MAX_POST_OPS and other not in g.copied):
         # (a residual copied from another device would make this kernel wait for that
         # device: the add of two devices' work stays a TVM kernel of its own, lower.py)
-        c.residual, c.label = other, [*c.label, "add"]
+        c.residual, c.residual_at, c.label = other, b.var, [*c.label, "add"]
         c.post.append(("sum", 0.0, 0.0))
     else:
         return False
     c.members.append(b.var)
+    return True
+
+
+def _multiply(g: _Graph, c: Chain, b: relax.VarBinding) -> bool:
+    """A per-channel weight times the chain's result: into the weights and the bias."""
+    lhs, rhs = b.value.args
+    other = rhs if lhs.same_as(c.end) else lhs
+    value = g.value(other)
+    if value is None or c.post or c.residual is not None or _shape(b.var) != _shape(c.end):
+        return False
+    scale = _per_channel(value, _shape(c.end))
+    if scale is None:
+        return False
+    c.weight = (c.weight * scale.reshape((-1,) + (1,) * (c.weight.ndim - 1))).astype("float32")
+    c.bias = (c.bias * scale).astype("float32")
+    c.members.append(b.var)
+    c.read.append(other)
+    c.label.append("scale")
     return True
 
 
@@ -247,8 +267,8 @@ def _activation(g: _Graph, c: Chain, b: relax.VarBinding) -> bool:
 ROOTS: dict[str, Callable[[_Graph, relax.VarBinding], Chain | None]] = {
     "relax.nn.conv2d": _conv2d, "relax.matmul": _dense}
 STEPS: dict[str, Callable[[_Graph, Chain, relax.VarBinding], bool]] = {
-    "relax.add": _add, "relax.nn.batch_norm": _batch_norm, "relax.nn.relu": _activation,
-    "relax.clip": _activation}
+    "relax.add": _add, "relax.multiply": _multiply, "relax.nn.batch_norm": _batch_norm,
+    "relax.nn.relu": _activation, "relax.clip": _activation}
 
 
 # ---- the pass ------------------------------------------------------------------------------
@@ -344,73 +364,70 @@ def header(chain: Chain) -> np.ndarray:
                        a.strides, a.padding, a.dilation, int(a.groups), chain.post)
 
 
-def _blob_param(chain: Chain, blob: np.ndarray, g: _Graph, taken: set[str]) -> relax.Var:
-    """A new weight holding ``blob``, on the chain's device, recorded in ``ctx.weights``. It
-    takes the name of the weight it replaces when only this chain read that weight (so
-    ``set_input``/``load_params`` of that name meet a parameter of another shape, not an
-    unknown name), else that name + ``.onednn``."""
+def _new_weight(g: _Graph, pname: str, value: np.ndarray, vdevice: Any, taken: set[str],
+                takes_over: bool) -> relax.Var:
+    """A new weight holding ``value``, recorded in ``ctx.weights``. It takes the graph name
+    ``pname`` of the weight it replaces when ``takes_over`` (so ``set_input``/``load_params``
+    of that name meet a parameter of another shape, not an unknown name), else ``pname`` +
+    ``.onednn``."""
     w = g.ctx.weights
-    first = chain.read[0]
-    members = set(chain.members)
-    pname = g.weights.get(first, chain.end.name) if isinstance(first, relax.Var) \
-        else chain.end.name
-    only_here = pname in w.source and all(u is not None and u.var in members
-                                          for u in g.users.get(first, [None]))
-    if not only_here:  # a name of its own
+    if not (takes_over and pname in w.source):  # a name of its own
         pname += ".onednn"
         while pname in w.source:
             pname += "_"
     rname = _identifier(pname, {**w.graph_names, **dict.fromkeys(taken)})
+    taken.add(rname)
     w.graph_names[rname] = pname
     w.source[pname] = key = f"{pname} (oneDNN)"  # a value of its own, not the model's weight
-    w.values[key] = blob
+    w.values[key] = value
+    return relax.Var(rname, relax.TensorType(value.shape, str(value.dtype), vdevice))
+
+
+def _blob_param(chain: Chain, blob: np.ndarray, g: _Graph, taken: set[str]) -> relax.Var:
+    """The weight holding ``chain``'s packed blob, named after the first weight it read."""
+    first = chain.read[0]
+    members = set(chain.members)
+    pname = g.weights.get(first, chain.end.name) if isinstance(first, relax.Var) \
+        else chain.end.name
+    only_here = all(u is not None and u.var in members for u in g.users.get(first, [None]))
     vdevice = getattr(first.ty, "vdevice", None) or chain.x.ty.vdevice
-    return relax.Var(rname, relax.TensorType((blob.size,), "uint8", vdevice))
-
-
-def _blocked_results(g: _Graph, chains: list[Chain]) -> set[relax.Var]:
-    """Chain results that only other chains read (as input or residual, on the same device):
-    they stay in the layout oneDNN picks, with no reorder to NCHW and back between kernels."""
-    members = {v for c in chains for v in c.members}
-    return {c.end for c in chains if g.users.get(c.end) and all(
-        u is not None and u.var in members for u in g.users[c.end])}
+    return _new_weight(g, pname, blob, vdevice, taken, only_here)
 
 
 class _Emitter:
-    """Packs the chains in dataflow order and makes their calls; a blocked result becomes a
-    new variable (a flat float32 tensor of the blocked layout's size) that its readers get."""
+    """Packs the chains in dataflow order and makes their calls. Tensors the plan keeps NHWC
+    (``channels_last``) are read and written so: the kernel's result is a new variable of
+    shape N, H, W, C."""
 
     def __init__(self, g: _Graph, chains: list[Chain], runtime: Any) -> None:
         self.g, self.runtime = g, runtime
-        self.blocked = _blocked_results(g, chains)
+        self.taken = {p.name for p in g.func.params}
+        convs = [c for c in chains if c.kind == "conv2d"]
+        readers = {c.root.var for c in convs} | {c.residual_at for c in convs
+                                                 if c.residual_at is not None}
+        self.plan = channels_last.Plan(g, {c.end for c in convs}, readers, self._weight)
+        self.nhwc = runtime.nhwc_tag()
         self.isa = runtime.isa()
-        self.tags: dict[relax.Var, int] = {}  # blocked result -> its layout
-        self.out: dict[relax.Var, relax.Var] = {}  # blocked result -> its new variable
         self.calls: dict[relax.Var, tuple[relax.Var, relax.Call]] = {}
         self.blobs: list[relax.Var] = []
-        self.taken = {p.name for p in g.func.params}
 
-    def pack(self, chain: Chain) -> np.ndarray:
-        h = header(chain)
-        h[SLOT["src_tag"]] = self.tags.get(chain.x, 0)
-        h[SLOT["res_tag"]] = self.tags.get(chain.residual, 0)
-        h[SLOT["dst_tag"]] = -1 if chain.end in self.blocked else 0
-        blob = self.runtime.pack(h, chain.weight, chain.bias)
-        packed = blob[:HEADER_INT64 * 8].view("int64")
-        if packed[SLOT["dst_tag"]] > 0:
-            end = chain.end
-            self.tags[end] = int(packed[SLOT["dst_tag"]])
-            ty = relax.TensorType((int(packed[SLOT["dst_bytes"]]) // 4,), "float32",
-                                  end.ty.vdevice)
-            self.out[end] = type(end)(end.name, ty)
-        return blob
+    def _weight(self, old: relax.Expr, value: np.ndarray) -> relax.Var:
+        name = self.g.weights.get(old, "w") if isinstance(old, relax.Var) else "w"
+        var = _new_weight(self.g, f"{name}.nhwc", value, old.ty.vdevice, self.taken, False)
+        self.blobs.append(var)
+        return var
+
+    def _tag(self, v: relax.Var | None) -> int:
+        return self.nhwc if v in self.plan.nhwc else 0
 
     def emit(self, chain: Chain) -> None:
-        blob = self.pack(chain)
+        h = header(chain)
+        for slot, v in (("src_tag", chain.x), ("res_tag", chain.residual), ("dst_tag", chain.end)):
+            h[SLOT[slot]] = self._tag(v)
+        blob = self.runtime.pack(h, chain.weight, chain.bias)
         param = _blob_param(chain, blob, self.g, self.taken)
         self.blobs.append(param)
-        self.taken.add(param.name)
-        layouts = [self.runtime.layout_name(self.tags.get(v, 0))
+        layouts = [self.runtime.layout_name(self._tag(v))
                    for v in (chain.x, chain.end, chain.residual) if v is not None]
         attrs = {"provider": "onednn", "onednn_op": "+".join(chain.label),
                  "onednn_isa": self.isa, "onednn_impl": self.runtime.implementation(blob),
@@ -418,34 +435,34 @@ class _Emitter:
         func = relax.ExternFunc(FUNC_NAME[chain.kind])
         for key, value in attrs.items():
             func = func.with_attr(key, value)
-        args = [self.out.get(v, v) for v in (chain.x, param, chain.residual) if v is not None]
-        var = self.out.get(chain.end, chain.end)
-        self.calls[chain.end] = (var, relax.op.call_dps_packed(func, relax.Tuple(args), var.ty))
+        args = [v for v in (chain.x, param, chain.residual) if v is not None]
+        end = chain.end
+        var = type(end)(end.name, channels_last.nhwc_type(end)) if end in self.plan.nhwc else end
+        self.calls[end] = (var, relax.op.call_dps_packed(func, relax.Tuple(args), var.ty))
 
 
-def _rewrite(func: relax.Function, calls: dict[relax.Var, tuple[relax.Var, relax.Call]],
-             drop: set[relax.Var], blobs: list[relax.Var], ctx: BuildContext) -> relax.Function:
+def _rewrite(func: relax.Function, emitter: _Emitter, drop: set[relax.Var],
+             ctx: BuildContext) -> relax.Function:
     """``func`` with each chain's last binding bound to its call, the rest of it dropped, the
-    blobs appended to the params and the weights nothing reads any more removed."""
-    blocks = []
-    for block in func.body.blocks:
-        kept = [relax.VarBinding(*calls[b.var]) if b.var in calls else b
-                for b in block.bindings if b.var not in drop]
-        blocks.append(type(block)(kept))
+    NHWC forms of the plan, the new weights appended to the params and the weights nothing
+    reads any more removed."""
+    taken = {b.var.name for b in bindings(func)} | emitter.taken
+    rewriter = channels_last.Rewriter(emitter.plan, emitter.calls, taken)
+    blocks = [rewriter.block(block, drop) for block in func.body.blocks]
     body = relax.SeqExpr(blocks, func.body.body)
     used = set(relax.analysis.free_vars(body))
     n_in = int(func.attrs["num_input"])
     params = list(func.params[:n_in])
     w = ctx.weights
-    blob_names = {w.graph_names[b.name] for b in blobs}
+    new_names = {w.graph_names[b.name] for b in emitter.blobs}
     for p in func.params[n_in:]:
         if p in used:
             params.append(p)
             continue
         pname = w.graph_names.pop(p.name, p.name)  # read only by claimed chains: gone
-        if pname not in blob_names:  # (else a blob took over its name)
+        if pname not in new_names:  # (else a new weight took over its name)
             w.source.pop(pname, None)
-    return relax.Function(params + blobs, body, func.ret_ty, func.is_pure, func.attrs)
+    return relax.Function(params + emitter.blobs, body, func.ret_ty, func.is_pure, func.attrs)
 
 
 def claim_onednn(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
@@ -467,9 +484,8 @@ def claim_onednn(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     for row in ctx.placed.report:
         if row.node in members:
             row.kernels = "onednn"
-    ctx.log(f"oneDNN ({emitter.isa}) claims {len(chains)} ops, {len(emitter.out)} results kept "
-            f"blocked: " + ", ".join(sorted({"+".join(c.label) for c in chains})))
+    ctx.log(f"oneDNN ({emitter.isa}) claims {len(chains)} ops, {len(emitter.plan.nhwc)} "
+            f"tensors NHWC: " + ", ".join(sorted({"+".join(c.label) for c in chains})))
     new = mod.clone()
-    new.update_func(new.get_global_var("main"),
-                    _rewrite(func, emitter.calls, drop, emitter.blobs, ctx))
+    new.update_func(new.get_global_var("main"), _rewrite(func, emitter, drop, ctx))
     return new

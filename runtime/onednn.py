@@ -35,11 +35,11 @@ import tvm_ffi
 from hgrt.errors import GraphError
 
 __all__ = ["FUNCTIONS", "INSTALL_HINT", "implementation", "isa", "kernel_function",
-           "layout_name", "load", "pack", "unavailable_reason", "version"]
+           "layout_name", "load", "nhwc_tag", "pack", "unavailable_reason", "version"]
 
 INSTALL_HINT = "pip install -e '.[onednn]'"
 PREFIX = "hgrt.onednn."
-FUNCTIONS = (PREFIX + "conv2d", PREFIX + "dense")  # the kernels graph nodes call
+FUNCTIONS = (PREFIX + "conv2d", PREFIX + "dense", PREFIX + "concat")  # what graph nodes call
 SOURCE = Path(__file__).with_name("onednn_shim.cc")
 _WHEELS = ("onednn-cpu-gomp", "onednn-devel-cpu-gomp")  # libdnnl.so + libgomp; headers
 _lock = threading.Lock()
@@ -163,6 +163,11 @@ def implementation(blob: np.ndarray) -> str:
 def layout_name(tag: int) -> str:
     """oneDNN's name of a layout tag (``nChw16c``); 0 is plain (``nchw``, or ``ab`` for 2-D)."""
     return str(_call("layout_name", int(tag))) if tag > 0 else "plain"
+
+
+def nhwc_tag() -> int:
+    """oneDNN's layout tag of NHWC activations (what a header's ``src_tag`` etc. hold)."""
+    return int(_call("nhwc_tag"))
 
 
 def isa() -> str:

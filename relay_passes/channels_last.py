@@ -1,0 +1,298 @@
+"""channels_last: oneDNN kernels hand each other NHWC tensors, and so do the TVM ops between them.
+
+oneDNN's fp32 convolutions run fastest on channels-last activations (its brgemm kernels pick
+NHWC themselves on AVX2 and AVX-512), while a model's ops read and write NCHW. A reorder around
+every convolution cost more than the convolutions' own gap to onnxruntime (squeezenet: 26
+convolutions 2.2 ms alone, 3.8 ms with their reorders, AVX-512, 2 threads), and squeezenet,
+inception and densenet put a concat or a pool between most convolutions. So
+``claim_onednn`` asks this module which tensors of ``main`` are NHWC:
+
+- the result of a claimed convolution whose readers take NHWC;
+- the result of an op that has an NHWC form, when its tensor inputs are NHWC: concat on
+  channels, max/avg pooling, batch norm, arithmetic with a per-channel weight or of two NHWC
+  tensors, unary element-wise ops, dropout; a mean over H and W reads NHWC and gives its plain
+  result (the same bytes when H = W = 1).
+
+Where an NHWC tensor meets another reader (a TVM op without an NHWC form, a copy to another
+device, the function's result) one ``permute_dims`` turns it back to NCHW: a node of its own,
+so the profiler shows the reorder and the memory planner sizes it. A tensor that no reader takes
+NHWC stays NCHW (its kernel writes NCHW). Tensors leaving a dataflow block stay NCHW.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from tvm import relax
+
+from hgrt.relay_passes.relax_util import op_name
+
+TO_NCHW = (0, 3, 1, 2)
+UNARY = frozenset({"relax.nn.relu", "relax.clip", "relax.sigmoid", "relax.tanh",
+                   "relax.nn.silu", "relax.nn.gelu", "relax.exp", "relax.sqrt", "relax.abs",
+                   "relax.negative"})
+BINARY = frozenset({"relax.add", "relax.multiply", "relax.subtract", "relax.divide",
+                    "relax.maximum", "relax.minimum"})
+POOLS = frozenset({"relax.nn.max_pool2d", "relax.nn.avg_pool2d"})
+
+Builder = Callable[["Rewriter"], relax.Expr]
+# NHWC concat on channels: oneDNN's primitive (TVM's concat picks an operand per element)
+CONCAT = relax.ExternFunc("hgrt.onednn.concat").with_attr("provider", "onednn") \
+    .with_attr("onednn_op", "concat").with_attr("onednn_layouts", "acdb")
+
+
+def _dims(expr: relax.Expr) -> tuple[int, ...] | None:
+    ty = getattr(expr, "ty", None)
+    if not isinstance(ty, relax.TensorType) or ty.shape is None or ty.dtype != "float32":
+        return None
+    try:
+        return tuple(int(d) for d in ty.shape.values)
+    except TypeError:  # a symbolic dimension
+        return None
+
+
+def nhwc_type(var: relax.Var) -> relax.TensorType:
+    n, c, h, w = _dims(var)
+    return relax.TensorType((n, h, w, c), "float32", var.ty.vdevice)
+
+
+class Plan:
+    """Which variables of ``main`` hold NHWC tensors (``nhwc``), and how each TVM op that makes
+    or reads one is rewritten (``forms``: binding variable -> builder of its new value)."""
+
+    def __init__(self, g: Any, chain_ends: set[relax.Var], nhwc_readers: set[relax.Var],
+                 new_weight: Callable[[relax.Expr, np.ndarray], relax.Var]) -> None:
+        """``g``: claim_onednn's graph of ``main`` (users, weights, values); ``chain_ends``:
+        results of claimed convolutions; ``nhwc_readers``: bindings of claimed chains that can
+        read an NHWC input or residual; ``new_weight(old, value)``: a new weight param."""
+        self.g, self.new_weight = g, new_weight
+        self.nhwc: set[relax.Var] = set()
+        self.forms: dict[relax.Var, tuple[Builder, bool]] = {}  # var -> (builder, makes NHWC)
+        self.tuples: set[relax.Var] = set()  # tuple results (batch norm, dropout) with item 0 NHWC
+        order = []
+        for block in g.func.body.blocks:
+            for b in block.bindings:
+                order.append(b)
+                self._forward(b, chain_ends)
+        takes = set(nhwc_readers)
+        for b in reversed(order):  # readers first: a tensor no reader takes NHWC stays NCHW
+            v = b.var
+            if v in self.nhwc and not any(u is not None and u.var in takes
+                                          for u in g.users.get(v, [None])):
+                self.nhwc.discard(v)
+                self.forms.pop(v, None)
+            if v in self.tuples and self._item0(v) not in self.nhwc:  # all its items as were
+                self.tuples.discard(v)
+                for u in [v, *(u.var for u in g.users.get(v, []) if u is not None)]:
+                    self.forms.pop(u, None)
+            if v in self.forms:
+                takes.add(v)
+
+    def _item0(self, tup: relax.Var) -> relax.Var | None:
+        items = [u.var for u in self.g.users.get(tup, []) if u is not None
+                 and isinstance(u.value, relax.TupleGetItem) and u.value.index == 0]
+        return items[0] if len(items) == 1 else None
+
+    def _forward(self, b: relax.VarBinding, chain_ends: set[relax.Var]) -> None:
+        v, value = b.var, b.value
+        fits = isinstance(v, relax.DataflowVar)
+        if v in chain_ends:
+            if fits and _dims(v) is not None and len(_dims(v)) == 4:
+                self.nhwc.add(v)
+            return
+        if isinstance(value, relax.TupleGetItem):
+            tup = value.tuple_value
+            index = value.index
+            if tup in self.tuples and (index != 0 or fits):  # item 0 NHWC, the others as they were
+                self.forms[v] = (lambda rw, t=tup, i=index: rw.item(t, i), index == 0)
+                if index == 0:
+                    self.nhwc.add(v)
+            return
+        if not fits or not isinstance(value, relax.Call):
+            return
+        form = self._form(value, b)
+        if form is None:
+            return
+        builder, makes = form
+        self.forms[v] = form
+        if makes == "tuple":
+            self.tuples.add(v)
+        elif makes:
+            self.nhwc.add(v)
+
+    def _form(self, call: relax.Call, b: relax.VarBinding) -> tuple[Builder, Any] | None:
+        name = op_name(call)
+        args = list(call.args)
+        x = args[0] if args else None
+        if name == "relax.concat":
+            fields = list(getattr(x, "fields", []))
+            axis = int(call.attrs.axis)
+            if not fields or any(f not in self.nhwc for f in fields) or axis not in (1, -3):
+                return None
+            return (lambda rw: relax.op.call_dps_packed(
+                CONCAT, relax.Tuple([rw.new[f] for f in fields]), nhwc_type(b.var))), True
+        if x not in self.nhwc:
+            return self._binary(call, args) if name in BINARY else None
+        a = call.attrs
+        if name in POOLS and str(a.layout) == "NCHW" and str(a.out_layout or "NCHW") == "NCHW":
+            op = relax.op.nn.max_pool2d if name.endswith("max_pool2d") else relax.op.nn.avg_pool2d
+            kw = dict(pool_size=[int(v) for v in a.pool_size], strides=[int(v) for v in a.strides],
+                      padding=[int(v) for v in a.padding], dilation=[int(v) for v in a.dilation],
+                      ceil_mode=bool(a.ceil_mode), count_include_pad=bool(a.count_include_pad))
+            return (lambda rw: op(rw.new[x], layout="NHWC", out_layout="NHWC", **kw)), True
+        if name in UNARY:
+            return (lambda rw: relax.Call(call.op, [rw.new[x], *args[1:]], call.attrs)), True
+        if name in BINARY:
+            return self._binary(call, args)
+        if name == "relax.nn.batch_norm" and int(a.axis) in (1, -3):
+            return (lambda rw: relax.op.nn.batch_norm(
+                rw.new[x], *args[1:], axis=3, epsilon=float(a.epsilon), center=bool(a.center),
+                scale=bool(a.scale), momentum=float(a.momentum),
+                training=bool(getattr(a, "training", False)))), "tuple"
+        if name == "relax.nn.dropout" and all(  # inference: item 0 is x itself, no kernel
+                u is not None and isinstance(u.value, relax.TupleGetItem)
+                and (u.value.index == 0 or not self.g.users.get(u.var))
+                for u in self.g.users.get(b.var, [])):
+            return (lambda rw: rw.new[x]), "tuple"
+        if name == "relax.mean":
+            return self._mean(call, x)
+        return None
+
+    def _binary(self, call: relax.Call, args: list[relax.Expr]) -> tuple[Builder, bool] | None:
+        """``a op b`` of two NHWC tensors of one shape, or of one and a per-channel weight (or a
+        scalar): the weight becomes a new one of shape (C,)."""
+        ours = [a for a in args if a in self.nhwc]
+        if not ours or len(args) != 2:
+            return None
+        if len(ours) == 2:
+            if _dims(args[0]) != _dims(args[1]):
+                return None
+            return (lambda rw: relax.Call(call.op, [rw.new[a] for a in args], call.attrs)), True
+        other = args[1] if args[0] in self.nhwc else args[0]
+        value = self.g.value(other)
+        channels = _dims(ours[0])[1]
+        if value is None:
+            return None
+        if value.size != 1:
+            shape = (1,) * (4 - value.ndim) + value.shape if value.ndim <= 4 else None
+            if shape is None or shape[1] != channels or any(
+                    s != 1 for i, s in enumerate(shape) if i != 1):
+                return None
+        per_channel = value.size != 1
+
+        def build(rw: Rewriter) -> relax.Expr:
+            o = rw.weight(other, value.reshape(channels)) if per_channel else other
+            operands = [rw.new[a] if a in self.nhwc else o for a in args]
+            return relax.Call(call.op, operands, call.attrs)
+        return build, True
+
+    def _mean(self, call: relax.Call, x: relax.Var) -> tuple[Builder, bool] | None:
+        axes = sorted(int(v) % 4 for v in call.attrs.axis) if call.attrs.axis is not None else []
+        if axes != [2, 3]:
+            return None
+        keep = bool(call.attrs.keepdims)
+        shape = _dims(x)[:2] + ((1, 1) if keep else ())
+
+        def build(rw: Rewriter) -> relax.Expr:
+            m = relax.op.mean(rw.new[x], axis=[1, 2], keepdims=keep)  # N,1,1,C | N,C
+            return relax.op.reshape(rw.emit(m, "mean_nhwc"), shape) if keep else m
+        return build, False
+
+
+class Rewriter:
+    """Rewrites the bindings of ``main`` by a Plan: NHWC forms, chains' calls, and a
+    ``permute_dims`` to NCHW before the first other reader of an NHWC tensor."""
+
+    def __init__(self, plan: Plan, calls: dict[relax.Var, tuple[relax.Var, relax.Call]],
+                 taken: set[str]) -> None:
+        self.plan, self.calls, self.taken = plan, calls, taken
+        self.new: dict[relax.Var, relax.Var] = {}  # NHWC variable (or tuple) of an old one
+        self.plain: dict[relax.Var, relax.Var] = {}  # its NCHW copy, made at the first reader
+        self.weights: dict[tuple[relax.Expr, int], relax.Var] = {}
+        self.out: list[relax.Binding] = []
+        self.dataflow = True
+        self._bb = relax.BlockBuilder()
+
+    def _name(self, base: str) -> str:
+        name, k = base, 1
+        while name in self.taken:
+            name, k = f"{base}_{k}", k + 1
+        self.taken.add(name)
+        return name
+
+    def emit(self, expr: relax.Expr, base: str) -> relax.Var:
+        """Bind ``expr`` (its type inferred) to a new variable, before the current binding."""
+        expr = self._bb.normalize(expr)
+        cls = relax.DataflowVar if self.dataflow else relax.Var
+        var = cls(self._name(base), expr.ty)
+        self.out.append(relax.VarBinding(var, expr))
+        return var
+
+    def weight(self, old: relax.Expr, value: np.ndarray) -> relax.Var:
+        key = (old, value.size)
+        if key not in self.weights:
+            self.weights[key] = self.plan.new_weight(old, value)
+        return self.weights[key]
+
+    def item(self, tup: relax.Var, index: int) -> relax.Expr | None:
+        """Item ``index`` of the rewritten tuple ``tup`` (a dropout's item 0 is its input)."""
+        new = self.new[tup]
+        if isinstance(new.ty, relax.TupleType):
+            return relax.TupleGetItem(new, index)
+        return new if index == 0 else None  # a dropout's unused mask: not made
+
+    def _read(self, expr: relax.Expr) -> relax.Expr:
+        """``expr`` with each NHWC variable it reads replaced by its NCHW copy."""
+        if isinstance(expr, relax.Var):
+            if expr not in self.plan.nhwc:
+                return expr
+            if expr not in self.plain:
+                self.plain[expr] = self.emit(relax.op.permute_dims(self.new[expr], TO_NCHW),
+                                             f"{expr.name}_nchw")
+            return self.plain[expr]
+        if isinstance(expr, relax.Tuple):
+            return relax.Tuple([self._read(f) for f in expr.fields])
+        if isinstance(expr, relax.TupleGetItem):
+            return relax.TupleGetItem(self._read(expr.tuple_value), expr.index)
+        if isinstance(expr, relax.Call):
+            return relax.Call(expr.op, [self._read(a) for a in expr.args], expr.attrs,
+                              expr.ty_args)
+        return expr
+
+    def binding(self, b: relax.VarBinding) -> None:
+        v = b.var
+        if v in self.calls:  # a claimed chain: NHWC in where the plan says so, else NCHW
+            var, call = self.calls[v]
+            func, args = call.args
+            args = relax.Tuple([self.new[a] if a in self.plan.nhwc else self._read(a)
+                                for a in args.fields])
+            self.out.append(relax.VarBinding(var, relax.Call(call.op, [func, args], call.attrs,
+                                                             call.ty_args)))
+            if v in self.plan.nhwc:
+                self.new[v] = var
+            return
+        form = self.plan.forms.get(v)
+        if form is None:
+            self.out.append(relax.VarBinding(v, self._read(b.value)))
+            return
+        value = form[0](self)
+        if value is None or isinstance(value, relax.Var):  # no binding: dropout's
+            if value is not None:
+                self.new[v] = value
+            return
+        value = self._bb.normalize(value)
+        if v in self.plan.nhwc or v in self.plan.tuples:
+            new = type(v)(v.name, value.ty)
+            self.new[v] = new
+            self.out.append(relax.VarBinding(new, value))
+        else:
+            self.out.append(relax.VarBinding(v, value))
+
+    def block(self, block: relax.BindingBlock, drop: set[relax.Var]) -> relax.BindingBlock:
+        self.out, self.dataflow = [], isinstance(block, relax.DataflowBlock)
+        for b in block.bindings:
+            if b.var not in drop:
+                self.binding(b)
+        return type(block)(self.out)
