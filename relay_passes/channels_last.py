@@ -14,8 +14,8 @@ inception and densenet put a concat or a pool between most convolutions. So
   result (the same bytes when H = W = 1).
 
 Where an NHWC tensor meets another reader (a TVM op without an NHWC form, a copy to another
-device, the function's result) one ``permute_dims`` turns it back to NCHW: a node of its own,
-so the profiler shows the reorder and the memory planner sizes it. A tensor that no reader takes
+device, the function's result) one reorder (``hgrt.onednn.to_nchw``) turns it back to NCHW: a
+node of its own, so the profiler shows it and the memory planner sizes it. A tensor that no reader takes
 NHWC stays NCHW (its kernel writes NCHW). Tensors leaving a dataflow block stay NCHW.
 """
 
@@ -29,7 +29,6 @@ from tvm import relax
 
 from hgrt.relay_passes.relax_util import op_name
 
-TO_NCHW = (0, 3, 1, 2)
 UNARY = frozenset({"relax.nn.relu", "relax.clip", "relax.sigmoid", "relax.tanh",
                    "relax.nn.silu", "relax.nn.gelu", "relax.exp", "relax.sqrt", "relax.abs",
                    "relax.negative"})
@@ -41,6 +40,15 @@ Builder = Callable[["Rewriter"], relax.Expr]
 # NHWC concat on channels: oneDNN's primitive (TVM's concat picks an operand per element)
 CONCAT = relax.ExternFunc("hgrt.onednn.concat").with_attr("provider", "onednn") \
     .with_attr("onednn_op", "concat").with_attr("onednn_layouts", "acdb")
+# NHWC pooling: oneDNN's (TVM's NHWC pools measured 3x its NCHW ones); attributes in a weight
+POOL = relax.ExternFunc("hgrt.onednn.pool").with_attr("provider", "onednn") \
+    .with_attr("onednn_op", "pool").with_attr("onednn_layouts", "acdb")
+POOL_ATTRS = ("algorithm", "kh", "kw", "sh", "sw", "pad_t", "pad_l", "pad_b", "pad_r", "dil_h",
+              "dil_w")  # algorithm: 0 max, 1 average counting the pad, 2 average without it
+# NHWC -> NCHW: oneDNN's reorder, a kernel of its own (TVM's transpose fused into the next op
+# made inception's LRN 3x slower)
+TO_NCHW = relax.ExternFunc("hgrt.onednn.to_nchw").with_attr("provider", "onednn") \
+    .with_attr("onednn_op", "reorder").with_attr("onednn_layouts", "acdb, plain")
 
 
 def _dims(expr: relax.Expr) -> tuple[int, ...] | None:
@@ -63,32 +71,23 @@ class Plan:
     or reads one is rewritten (``forms``: binding variable -> builder of its new value)."""
 
     def __init__(self, g: Any, chain_ends: set[relax.Var], nhwc_readers: set[relax.Var],
-                 new_weight: Callable[[relax.Expr, np.ndarray], relax.Var]) -> None:
+                 new_weight: Callable[[str, np.ndarray, Any], relax.Var]) -> None:
         """``g``: claim_onednn's graph of ``main`` (users, weights, values); ``chain_ends``:
         results of claimed convolutions; ``nhwc_readers``: bindings of claimed chains that can
-        read an NHWC input or residual; ``new_weight(old, value)``: a new weight param."""
+        read an NHWC input or residual; ``new_weight(name, value, vdevice)``: a new weight."""
         self.g, self.new_weight = g, new_weight
         self.nhwc: set[relax.Var] = set()
         self.forms: dict[relax.Var, tuple[Builder, bool]] = {}  # var -> (builder, makes NHWC)
         self.tuples: set[relax.Var] = set()  # tuple results (batch norm, dropout) with item 0 NHWC
-        order = []
         for block in g.func.body.blocks:
             for b in block.bindings:
-                order.append(b)
                 self._forward(b, chain_ends)
-        takes = set(nhwc_readers)
-        for b in reversed(order):  # readers first: a tensor no reader takes NHWC stays NCHW
-            v = b.var
-            if v in self.nhwc and not any(u is not None and u.var in takes
-                                          for u in g.users.get(v, [None])):
+        # A convolution whose result no reader takes NHWC writes NCHW itself. An op with an NHWC
+        # form keeps it whatever reads it: the reorder after it is no bigger than before it.
+        takes = set(nhwc_readers) | set(self.forms)
+        for v in chain_ends & self.nhwc:
+            if not any(u is not None and u.var in takes for u in g.users.get(v, [None])):
                 self.nhwc.discard(v)
-                self.forms.pop(v, None)
-            if v in self.tuples and self._item0(v) not in self.nhwc:  # all its items as were
-                self.tuples.discard(v)
-                for u in [v, *(u.var for u in g.users.get(v, []) if u is not None)]:
-                    self.forms.pop(u, None)
-            if v in self.forms:
-                takes.add(v)
 
     def _item0(self, tup: relax.Var) -> relax.Var | None:
         items = [u.var for u in self.g.users.get(tup, []) if u is not None
@@ -115,7 +114,9 @@ class Plan:
         form = self._form(value, b)
         if form is None:
             return
-        builder, makes = form
+        makes = form[1]
+        if makes == "tuple" and not isinstance(self._item0(v), relax.DataflowVar):
+            return
         self.forms[v] = form
         if makes == "tuple":
             self.tuples.add(v)
@@ -137,11 +138,7 @@ class Plan:
             return self._binary(call, args) if name in BINARY else None
         a = call.attrs
         if name in POOLS and str(a.layout) == "NCHW" and str(a.out_layout or "NCHW") == "NCHW":
-            op = relax.op.nn.max_pool2d if name.endswith("max_pool2d") else relax.op.nn.avg_pool2d
-            kw = dict(pool_size=[int(v) for v in a.pool_size], strides=[int(v) for v in a.strides],
-                      padding=[int(v) for v in a.padding], dilation=[int(v) for v in a.dilation],
-                      ceil_mode=bool(a.ceil_mode), count_include_pad=bool(a.count_include_pad))
-            return (lambda rw: op(rw.new[x], layout="NHWC", out_layout="NHWC", **kw)), True
+            return self._pool(name, a, x, b.var)
         if name in UNARY:
             return (lambda rw: relax.Call(call.op, [rw.new[x], *args[1:]], call.attrs)), True
         if name in BINARY:
@@ -183,9 +180,31 @@ class Plan:
         per_channel = value.size != 1
 
         def build(rw: Rewriter) -> relax.Expr:
-            o = rw.weight(other, value.reshape(channels)) if per_channel else other
+            name = self.g.weights.get(other, "w") if isinstance(other, relax.Var) else "w"
+            o = rw.weight((other, "nhwc"), f"{name}.nhwc", value.reshape(channels),
+                          other.ty.vdevice) if per_channel else other
             operands = [rw.new[a] if a in self.nhwc else o for a in args]
             return relax.Call(call.op, operands, call.attrs)
+        return build, True
+
+    def _pool(self, name: str, a: Any, x: relax.Var, out: relax.Var
+              ) -> tuple[Builder, bool] | None:
+        """oneDNN's pooling; its attributes (POOL_ATTRS) a new int64 weight."""
+        include_pad = name.endswith("avg_pool2d") and bool(a.count_include_pad)
+        if include_pad and bool(a.ceil_mode):  # windows past the pad: counted unlike TVM
+            return None
+        algo = 0 if name.endswith("max_pool2d") else 1 if include_pad else 2
+        pads = [int(v) for v in a.padding]
+        pads = pads * 2 if len(pads) == 2 else pads
+        attrs = np.array([algo, *(int(v) for v in a.pool_size), *(int(v) for v in a.strides),
+                          *pads, *(int(v) for v in a.dilation)], "int64")
+        if attrs.size != len(POOL_ATTRS):
+            return None
+
+        def build(rw: Rewriter) -> relax.Expr:
+            params = rw.weight((out, "pool"), f"{out.name}.pool", attrs, x.ty.vdevice)
+            return relax.op.call_dps_packed(POOL, relax.Tuple([rw.new[x], params]),
+                                            nhwc_type(out))
         return build, True
 
     def _mean(self, call: relax.Call, x: relax.Var) -> tuple[Builder, bool] | None:
@@ -202,15 +221,15 @@ class Plan:
 
 
 class Rewriter:
-    """Rewrites the bindings of ``main`` by a Plan: NHWC forms, chains' calls, and a
-    ``permute_dims`` to NCHW before the first other reader of an NHWC tensor."""
+    """Rewrites the bindings of ``main`` by a Plan: NHWC forms, chains' calls, and a reorder
+    to NCHW before the first other reader of an NHWC tensor."""
 
     def __init__(self, plan: Plan, calls: dict[relax.Var, tuple[relax.Var, relax.Call]],
                  taken: set[str]) -> None:
         self.plan, self.calls, self.taken = plan, calls, taken
         self.new: dict[relax.Var, relax.Var] = {}  # NHWC variable (or tuple) of an old one
         self.plain: dict[relax.Var, relax.Var] = {}  # its NCHW copy, made at the first reader
-        self.weights: dict[tuple[relax.Expr, int], relax.Var] = {}
+        self.weights: dict[tuple[relax.Expr, str], relax.Var] = {}
         self.out: list[relax.Binding] = []
         self.dataflow = True
         self._bb = relax.BlockBuilder()
@@ -230,10 +249,11 @@ class Rewriter:
         self.out.append(relax.VarBinding(var, expr))
         return var
 
-    def weight(self, old: relax.Expr, value: np.ndarray) -> relax.Var:
-        key = (old, value.size)
+    def weight(self, key: tuple[relax.Expr, str], name: str, value: np.ndarray,
+               vdevice: Any) -> relax.Var:
+        """A new weight ``name`` holding ``value``, made once per ``key``."""
         if key not in self.weights:
-            self.weights[key] = self.plan.new_weight(old, value)
+            self.weights[key] = self.plan.new_weight(name, value, vdevice)
         return self.weights[key]
 
     def item(self, tup: relax.Var, index: int) -> relax.Expr | None:
@@ -249,8 +269,8 @@ class Rewriter:
             if expr not in self.plan.nhwc:
                 return expr
             if expr not in self.plain:
-                self.plain[expr] = self.emit(relax.op.permute_dims(self.new[expr], TO_NCHW),
-                                             f"{expr.name}_nchw")
+                nchw = relax.op.call_dps_packed(TO_NCHW, relax.Tuple([self.new[expr]]), expr.ty)
+                self.plain[expr] = self.emit(nchw, f"{expr.name}_nchw")
             return self.plain[expr]
         if isinstance(expr, relax.Tuple):
             return relax.Tuple([self._read(f) for f in expr.fields])

@@ -15,8 +15,8 @@ batch norms folded in, packed once in the layout oneDNN picks on this machine, t
 The residual add and the activation are oneDNN post-ops (``sum``, ``eltwise``); per-channel
 multiplies and adds (batch norms, scale layers) are folded into W and the bias. Weights the
 chains read are dropped when nothing else reads them. Activations stay NHWC between oneDNN
-kernels and through the TVM ops between them where ``channels_last`` says so; a
-``permute_dims`` node turns them back to NCHW before any other reader. The ExternFunc's attrs
+kernels and through the TVM ops between them where ``channels_last`` says so; a reorder node
+turns them back to NCHW before any other reader. The ExternFunc's attrs
 become graph node attrs (``provider``, ``onednn_op``, ``onednn_isa``, ``onednn_impl``,
 ``onednn_layouts``), and the placement report's rows of claimed ops say ``kernels: onednn``.
 
@@ -411,9 +411,8 @@ class _Emitter:
         self.calls: dict[relax.Var, tuple[relax.Var, relax.Call]] = {}
         self.blobs: list[relax.Var] = []
 
-    def _weight(self, old: relax.Expr, value: np.ndarray) -> relax.Var:
-        name = self.g.weights.get(old, "w") if isinstance(old, relax.Var) else "w"
-        var = _new_weight(self.g, f"{name}.nhwc", value, old.ty.vdevice, self.taken, False)
+    def _weight(self, name: str, value: np.ndarray, vdevice: Any) -> relax.Var:
+        var = _new_weight(self.g, name, value, vdevice, self.taken, False)
         self.blobs.append(var)
         return var
 

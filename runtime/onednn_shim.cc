@@ -20,6 +20,7 @@
 #include <tvm/ffi/reflection/registry.h>
 #include <tvm/ffi/string.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -554,6 +555,112 @@ void Concat(ffi::PackedArgs args) {
   Stream().wait();
 }
 
+// ---- pooling of NHWC tensors ----------------------------------------------------------------
+
+// `fn(x, attrs, out)`: x and out NHWC (N x H x W x C); attrs int64: the algorithm (PoolAlgo),
+// kernel h, w, strides h, w, pads top, left, bottom, right, dilations h, w. The bottom and
+// right pads grow to what the output's size needs (TVM's ceil_mode).
+enum PoolAlgo : int64_t { kPoolMax = 0, kPoolAvgIncludePad = 1, kPoolAvgExcludePad = 2 };
+constexpr int kPoolAttrs = 11;
+
+void Pool(const ffi::TensorView& x, const ffi::TensorView& attrs, const ffi::TensorView& out) {
+  CheckTensor(x, "pool input", kF32, -1);
+  CheckTensor(out, "pool output", kF32, -1);
+  CheckTensor(attrs, "pool attributes", DLDataType{kDLInt, 64, 1}, kPoolAttrs);
+  if (x.ndim() != 4 || out.ndim() != 4 || x.shape()[0] != out.shape()[0] ||
+      x.shape()[3] != out.shape()[3]) {
+    TVM_FFI_THROW(ValueError) << "oneDNN pool: expected NHWC input and output, same N and C";
+  }
+  const int64_t* a = static_cast<const int64_t*>(DataOf(attrs));
+  if (a[0] < kPoolMax || a[0] > kPoolAvgExcludePad || a[1] < 1 || a[2] < 1 || a[3] < 1 ||
+      a[4] < 1 || a[9] < 1 || a[10] < 1) {
+    TVM_FFI_THROW(ValueError) << "oneDNN pool: bad attributes";
+  }
+  int threads = BudgetThreads();
+  if (omp_get_max_threads() != threads) omp_set_num_threads(threads);
+  FlushDenormals flush(threads);
+  const int64_t* s = x.shape().data();
+  const int64_t* o = out.shape().data();
+  std::vector<int64_t> key(s, s + 4);
+  key.insert(key.end(), o + 1, o + 3);
+  key.insert(key.end(), a, a + kPoolAttrs);
+  key.push_back(threads);
+  memory::desc src({s[0], s[3], s[1], s[2]}, memory::data_type::f32, Tag::nhwc);
+  memory::desc dst({o[0], o[3], o[1], o[2]}, memory::data_type::f32, Tag::nhwc);
+  static std::mutex mu;
+  static std::map<std::vector<int64_t>, std::shared_ptr<std::pair<dnnl::primitive, memory::desc>>>
+      cache;
+  std::shared_ptr<std::pair<dnnl::primitive, memory::desc>> entry;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (cache.size() >= kMaxEntries) cache.clear();
+    auto& slot = cache[key];
+    if (!slot) {
+      memory::dims kernel{a[1], a[2]}, strides{a[3], a[4]}, dil{a[9] - 1, a[10] - 1};
+      memory::dims left{a[5], a[6]}, right{a[7], a[8]};
+      for (int d = 0; d < 2; ++d) {  // what the output's size needs
+        int64_t need = (o[1 + d] - 1) * strides[d] + (kernel[d] - 1) * (dil[d] + 1) + 1 -
+                       s[1 + d] - left[d];
+        right[d] = std::max(right[d], need);
+      }
+      auto algo = a[0] == kPoolMax ? dnnl::algorithm::pooling_max
+                  : a[0] == kPoolAvgIncludePad ? dnnl::algorithm::pooling_avg_include_padding
+                                               : dnnl::algorithm::pooling_avg_exclude_padding;
+      dnnl::primitive_attr pattr;
+      pattr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+      dnnl::pooling_forward::primitive_desc pd(Engine(), dnnl::prop_kind::forward_inference,
+                                               algo, src, dst, strides, kernel, dil, left, right,
+                                               pattr);
+      slot = std::make_shared<std::pair<dnnl::primitive, memory::desc>>(
+          dnnl::pooling_forward(pd), pd.scratchpad_desc());
+    }
+    entry = slot;
+  }
+  thread_local Buffer pad;
+  memory msrc(src, Engine(), DataOf(x)), mdst(dst, Engine(), DataOf(out));
+  memory mpad(entry->second, Engine(), pad.get(entry->second.get_size() + 64));
+  entry->first.execute(Stream(), {{DNNL_ARG_SRC, msrc}, {DNNL_ARG_DST, mdst},
+                                  {DNNL_ARG_SCRATCHPAD, mpad}});
+  Stream().wait();
+}
+
+// ---- NHWC back to NCHW ----------------------------------------------------------------------
+
+// `fn(x, out)`: x N x H x W x C (NHWC, as channels_last keeps it), out N x C x H x W: the
+// reorder where an NHWC tensor meets a reader that wants NCHW, a node of its own in the graph.
+void ToNchw(const ffi::TensorView& x, const ffi::TensorView& out) {
+  CheckTensor(x, "reorder input", kF32, -1);
+  CheckTensor(out, "reorder output", kF32, -1);
+  const int64_t* s = x.shape().data();
+  const int64_t* o = out.shape().data();
+  if (x.ndim() != 4 || out.ndim() != 4 || o[0] != s[0] || o[1] != s[3] || o[2] != s[1] ||
+      o[3] != s[2]) {
+    TVM_FFI_THROW(ValueError) << "oneDNN reorder: expected N x H x W x C in, N x C x H x W out";
+  }
+  int threads = BudgetThreads();
+  if (omp_get_max_threads() != threads) omp_set_num_threads(threads);
+  memory::dims dims{o[0], o[1], o[2], o[3]};
+  std::vector<int64_t> key{o[0], o[1], o[2], o[3], threads};
+  static std::mutex mu;
+  static std::map<std::vector<int64_t>, std::shared_ptr<dnnl::reorder>> cache;
+  std::shared_ptr<dnnl::reorder> prim;
+  memory::desc from(dims, memory::data_type::f32, Tag::nhwc);
+  memory::desc to(dims, memory::data_type::f32, Tag::nchw);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (cache.size() >= kMaxEntries) cache.clear();
+    auto& slot = cache[key];
+    if (!slot) {
+      slot = std::make_shared<dnnl::reorder>(
+          dnnl::reorder::primitive_desc(Engine(), from, Engine(), to));
+    }
+    prim = slot;
+  }
+  memory src(from, Engine(), DataOf(x)), dst(to, Engine(), DataOf(out));
+  prim->execute(Stream(), src, dst);
+  Stream().wait();
+}
+
 // ---- packing at build ---------------------------------------------------------------------
 
 int64_t PackedBytes(const ffi::TensorView& header) {
@@ -637,6 +744,12 @@ TVM_FFI_STATIC_INIT_BLOCK() {
   refl::GlobalDef()
       .def_packed("hgrt.onednn.conv2d", RunPacked)
       .def_packed("hgrt.onednn.dense", RunPacked)
+      .def("hgrt.onednn.pool",
+           [](ffi::TensorView x, ffi::TensorView attrs, ffi::TensorView out) {
+             Catch([&] { Pool(x, attrs, out); });
+           })
+      .def("hgrt.onednn.to_nchw",
+           [](ffi::TensorView x, ffi::TensorView out) { Catch([&] { ToNchw(x, out); }); })
       .def_packed("hgrt.onednn.concat",
                   [](ffi::PackedArgs args, ffi::Any*) { Catch([&] { Concat(args); }); })
       .def("hgrt.onednn.packed_bytes",

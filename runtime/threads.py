@@ -31,8 +31,13 @@ from hgrt.errors import InputError
 # keeps a chain of short kernels as fast as TVM's default (squeezenet 4.49 vs 4.40-4.54 ms,
 # 2 vCPUs AVX-512) where 0 made it 25 % slower (5.55 ms). Set when hgrt is imported, before
 # TVM's first parallel kernel; a value the user set wins.
+# The same holds the other way round for oneDNN's OpenMP (libgomp) threads: by default they spin
+# 300000 times after each kernel, and a TVM kernel run next got a share of the cores
+# (inception_v1's 13 max pools 0.6 -> 35 ms between oneDNN convolutions). libgomp reads
+# GOMP_SPINCOUNT when it loads, with the oneDNN kernels, after `import hgrt`.
 SPIN_COUNT = 10000
 os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", str(SPIN_COUNT))
+os.environ.setdefault("GOMP_SPINCOUNT", str(SPIN_COUNT))
 
 _config_threadpool = tvm.get_global_func("runtime.config_threadpool")
 # TVM's kSpecifyThreadShareAllCore: the pool's threads may run on every core listed. (kBig
