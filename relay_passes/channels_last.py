@@ -1,4 +1,4 @@
-"""channels_last: oneDNN kernels hand each other NHWC tensors, and so do the TVM ops between them.
+"""channels_last: oneDNN kernels hand each other NHWC tensors, and so do the ops between them.
 
 oneDNN's fp32 convolutions run fastest on channels-last activations (its brgemm kernels pick
 NHWC themselves on AVX2 and AVX-512), while a model's ops read and write NCHW. A reorder around
@@ -7,16 +7,18 @@ convolutions 2.2 ms alone, 3.8 ms with their reorders, AVX-512, 2 threads), and 
 inception and densenet put a concat or a pool between most convolutions. So
 ``claim_onednn`` asks this module which tensors of ``main`` are NHWC:
 
-- the result of a claimed convolution whose readers take NHWC;
 - the result of an op that has an NHWC form, when its tensor inputs are NHWC: concat on
-  channels, max/avg pooling, batch norm, arithmetic with a per-channel weight or of two NHWC
-  tensors, unary element-wise ops, dropout; a mean over H and W reads NHWC and gives its plain
-  result (the same bytes when H = W = 1).
+  channels and max/avg pooling (oneDNN's primitives: TVM's NHWC forms measured 2-3x slower),
+  batch norm, arithmetic with a per-channel weight or of two NHWC tensors, unary element-wise
+  ops, dropout (no kernel); a mean over H and W reads NHWC and gives its plain result;
+- the result of a claimed convolution that a claimed convolution or such an op reads (else the
+  kernel writes NCHW itself).
 
 Where an NHWC tensor meets another reader (a TVM op without an NHWC form, a copy to another
 device, the function's result) one reorder (``hgrt.onednn.to_nchw``) turns it back to NCHW: a
-node of its own, so the profiler shows it and the memory planner sizes it. A tensor that no reader takes
-NHWC stays NCHW (its kernel writes NCHW). Tensors leaving a dataflow block stay NCHW.
+node of its own, so the profiler shows it and the memory planner sizes it. An op with an NHWC
+form keeps it whatever reads it: the reorder after it is no bigger than the one before it
+would be. Tensors leaving a dataflow block stay NCHW.
 """
 
 from __future__ import annotations

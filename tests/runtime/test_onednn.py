@@ -185,3 +185,35 @@ def test_weights_packed_for_another_isa_are_repacked_not_misread(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["avx2"], proc.stdout
+
+
+def test_nhwc_concat_pool_and_reorder_equal_numpy():
+    a = RNG.standard_normal((1, 5, 7, 16)).astype("float32")  # N, H, W, C
+    b = RNG.standard_normal((1, 5, 7, 8)).astype("float32")
+    out = _t(np.zeros((1, 5, 7, 24), "float32"))
+    onednn.kernel_function("hgrt.onednn.concat")(_t(a), _t(b), out)
+    np.testing.assert_array_equal(out.numpy(), np.concatenate([a, b], axis=3))
+    # 3x3 max pool, stride 2, pad 1 (output 3 x 4), and the reorder of its result to NCHW
+    attrs = np.array([0, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1], "int64")
+    pooled = _t(np.zeros((1, 3, 4, 16), "float32"))
+    onednn.kernel_function("hgrt.onednn.pool")(_t(a), _t(attrs), pooled)
+    padded = np.pad(a, ((0, 0), (1, 1), (1, 1), (0, 0)), constant_values=-np.inf)
+    want = np.max([padded[:, i:i + 5:2, j:j + 7:2] for i in range(3) for j in range(3)], 0)
+    np.testing.assert_array_equal(pooled.numpy(), want)
+    nchw = _t(np.zeros((1, 16, 3, 4), "float32"))
+    onednn.kernel_function("hgrt.onednn.to_nchw")(pooled, nchw)
+    np.testing.assert_array_equal(nchw.numpy(), want.transpose(0, 3, 1, 2))
+
+
+def test_nhwc_kernels_refuse_what_does_not_fit():
+    a = _t(np.zeros((1, 5, 7, 16), "float32"))
+    with pytest.raises(ValueError, match="output has 20 channels, the operands 32"):
+        onednn.kernel_function("hgrt.onednn.concat")(a, a, _t(np.zeros((1, 5, 7, 20), "float32")))
+    with pytest.raises(ValueError, match="differ in N, H or W"):
+        onednn.kernel_function("hgrt.onednn.concat")(
+            a, _t(np.zeros((1, 5, 6, 16), "float32")), _t(np.zeros((1, 5, 7, 32), "float32")))
+    with pytest.raises(ValueError, match="bad attributes"):
+        onednn.kernel_function("hgrt.onednn.pool")(
+            a, _t(np.array([7, 3, 3, 1, 1, 0, 0, 0, 0, 1, 1], "int64")), a)
+    with pytest.raises(ValueError, match="expected N x H x W x C in"):
+        onednn.kernel_function("hgrt.onednn.to_nchw")(a, _t(np.zeros((1, 5, 7, 16), "float32")))
