@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 from tvm import relax
 
-from hgrt.relay_passes.relax_util import op_name
+from hgrt.relay_passes.relax_util import float32_shape as _shape
+from hgrt.relay_passes.relax_util import op_name, per_channel
 
 UNARY = frozenset({"relax.nn.relu", "relax.clip", "relax.sigmoid", "relax.tanh",
                    "relax.nn.silu", "relax.nn.gelu", "relax.exp", "relax.sqrt", "relax.abs",
@@ -53,18 +54,8 @@ TO_NCHW = relax.ExternFunc("hgrt.onednn.to_nchw").with_attr("provider", "onednn"
     .with_attr("onednn_op", "reorder").with_attr("onednn_layouts", "acdb, plain")
 
 
-def _dims(expr: relax.Expr) -> tuple[int, ...] | None:
-    ty = getattr(expr, "ty", None)
-    if not isinstance(ty, relax.TensorType) or ty.shape is None or ty.dtype != "float32":
-        return None
-    try:
-        return tuple(int(d) for d in ty.shape.values)
-    except TypeError:  # a symbolic dimension
-        return None
-
-
 def nhwc_type(var: relax.Var) -> relax.TensorType:
-    n, c, h, w = _dims(var)
+    n, c, h, w = _shape(var)
     return relax.TensorType((n, h, w, c), "float32", var.ty.vdevice)
 
 
@@ -100,7 +91,7 @@ class Plan:
         v, value = b.var, b.value
         fits = isinstance(v, relax.DataflowVar)
         if v in chain_ends:
-            if fits and _dims(v) is not None and len(_dims(v)) == 4:
+            if fits and _shape(v) is not None and len(_shape(v)) == 4:
                 self.nhwc.add(v)
             return
         if isinstance(value, relax.TupleGetItem):
@@ -166,25 +157,19 @@ class Plan:
         if not ours or len(args) != 2:
             return None
         if len(ours) == 2:
-            if _dims(args[0]) != _dims(args[1]):
+            if _shape(args[0]) != _shape(args[1]):
                 return None
             return (lambda rw: relax.Call(call.op, [rw.new[a] for a in args], call.attrs)), True
         other = args[1] if args[0] in self.nhwc else args[0]
         value = self.g.value(other)
-        channels = _dims(ours[0])[1]
-        if value is None:
+        scale = None if value is None else per_channel(value, _shape(ours[0]))
+        if scale is None:
             return None
-        if value.size != 1:
-            shape = (1,) * (4 - value.ndim) + value.shape if value.ndim <= 4 else None
-            if shape is None or shape[1] != channels or any(
-                    s != 1 for i, s in enumerate(shape) if i != 1):
-                return None
-        per_channel = value.size != 1
 
-        def build(rw: Rewriter) -> relax.Expr:
+        def build(rw: Rewriter) -> relax.Expr:  # a scalar broadcasts as it is
             name = self.g.weights.get(other, "w") if isinstance(other, relax.Var) else "w"
-            o = rw.weight((other, "nhwc"), f"{name}.nhwc", value.reshape(channels),
-                          other.ty.vdevice) if per_channel else other
+            o = rw.weight((other, "nhwc"), f"{name}.nhwc", scale,
+                          other.ty.vdevice) if value.size != 1 else other
             operands = [rw.new[a] if a in self.nhwc else o for a in args]
             return relax.Call(call.op, operands, call.attrs)
         return build, True
@@ -214,7 +199,7 @@ class Plan:
         if axes != [2, 3]:
             return None
         keep = bool(call.attrs.keepdims)
-        shape = _dims(x)[:2] + ((1, 1) if keep else ())
+        shape = _shape(x)[:2] + ((1, 1) if keep else ())
 
         def build(rw: Rewriter) -> relax.Expr:
             m = relax.op.mean(rw.new[x], axis=[1, 2], keepdims=keep)  # N,1,1,C | N,C

@@ -40,7 +40,8 @@ from hgrt.errors import BuildError
 from hgrt.relay_passes import channels_last
 from hgrt.relay_passes.context import BuildContext
 from hgrt.relay_passes.insert_copies import _identifier
-from hgrt.relay_passes.relax_util import bindings, copied_in, op_name
+from hgrt.relay_passes.relax_util import bindings, copied_in, op_name, per_channel
+from hgrt.relay_passes.relax_util import float32_shape as _shape
 
 KERNELS = ("auto", "tvm", "onednn")
 MAGIC, HEADER_VERSION, HEADER_INT64 = 0x4C4E4E4454524748, 2, 64
@@ -50,7 +51,7 @@ HEADER_SLOTS = ("magic", "version", "kind", "n", "ic", "ih", "iw", "oc", "oh", "
                 "sh", "sw", "pad_t", "pad_l", "pad_b", "pad_r", "dil_h", "dil_w", "groups",
                 *(f"post{k}{s}" for k in range(MAX_POST_OPS) for s in ("", "_alpha", "_beta")),
                 "wei_tag", "wei_offset", "wei_bytes", "bias_offset", "isa", "dnnl_version",
-                "src_tag", "dst_tag", "res_tag", "dst_bytes",  # activations: 0 NCHW, or NHWC
+                "src_tag", "dst_tag", "res_tag",  # activations: 0 NCHW, or NHWC
                 "checksum")  # of the packed bytes
 SLOT = {name: i for i, name in enumerate(HEADER_SLOTS)}
 KIND = {"conv2d": 1, "dense": 2}
@@ -119,27 +120,6 @@ def _ints(values: Any, n: int) -> list[int]:
     return out * (n // len(out)) if len(out) in (1, n // 2) else out
 
 
-def _shape(expr: relax.Expr) -> tuple[int, ...] | None:
-    ty = expr.ty
-    if not isinstance(ty, relax.TensorType) or ty.shape is None or ty.dtype != "float32":
-        return None
-    if not all(isinstance(d, tvm.tirx.IntImm) for d in ty.shape.values):
-        return None
-    return tuple(int(d) for d in ty.shape.values)
-
-
-def _per_channel(value: np.ndarray, out: tuple[int, ...]) -> np.ndarray | None:
-    """``value`` as one number per output channel (axis 1 of ``out``), if it broadcasts so."""
-    if value.size == 1:
-        return np.full(out[1], value.reshape(()), "float32")
-    if value.ndim > len(out):
-        return None
-    shape = (1,) * (len(out) - value.ndim) + value.shape
-    if shape[1] != out[1] or any(s != 1 for i, s in enumerate(shape) if i != 1):
-        return None
-    return value.reshape(out[1]).astype("float32")
-
-
 # ---- chain roots: the op a kernel computes -------------------------------------------------
 
 def _fp32_out(call: relax.Call) -> bool:
@@ -180,7 +160,7 @@ def _add(g: _Graph, c: Chain, b: relax.VarBinding) -> bool:
     other = rhs if lhs.same_as(c.end) else lhs
     value = g.value(other)
     if value is not None:  # a per-channel weight: into the bias, before any post-op
-        bias = None if c.post else _per_channel(value, _shape(c.end))
+        bias = None if c.post else per_channel(value, _shape(c.end))
         if bias is None:
             return False
         c.bias, c.label = c.bias + bias, [*c.label, "bias"]
@@ -204,7 +184,7 @@ def _multiply(g: _Graph, c: Chain, b: relax.VarBinding) -> bool:
     value = g.value(other)
     if value is None or c.post or c.residual is not None or _shape(b.var) != _shape(c.end):
         return False
-    scale = _per_channel(value, _shape(c.end))
+    scale = per_channel(value, _shape(c.end))
     if scale is None:
         return False
     c.weight = (c.weight * scale.reshape((-1,) + (1,) * (c.weight.ndim - 1))).astype("float32")

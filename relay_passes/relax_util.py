@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import tvm
 from tvm import relax, tirx
 
@@ -115,3 +116,25 @@ def func_target(func: tirx.PrimFunc, default: tvm.target.Target | None = None
 
 def is_scheduled(func: tirx.PrimFunc) -> bool:
     return bool((func.attrs or {}).get(SCHEDULED_ATTR, False))
+
+
+def float32_shape(expr: relax.Expr) -> tuple[int, ...] | None:
+    """The static shape of a float32 tensor ``expr`` (None: another dtype, or not static)."""
+    ty = expr.ty
+    if not isinstance(ty, relax.TensorType) or ty.shape is None or ty.dtype != "float32":
+        return None
+    if not all(isinstance(d, tvm.tirx.IntImm) for d in ty.shape.values):
+        return None
+    return tuple(int(d) for d in ty.shape.values)
+
+
+def per_channel(value: np.ndarray, out: tuple[int, ...]) -> np.ndarray | None:
+    """``value`` as one number per output channel (axis 1 of ``out``), if it broadcasts so."""
+    if value.size == 1:
+        return np.full(out[1], value.reshape(()), "float32")
+    if value.ndim > len(out):
+        return None
+    shape = (1,) * (len(out) - value.ndim) + value.shape
+    if shape[1] != out[1] or any(s != 1 for i, s in enumerate(shape) if i != 1):
+        return None
+    return value.reshape(out[1]).astype("float32")

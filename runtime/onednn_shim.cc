@@ -49,7 +49,7 @@ enum Slot : int {
   kMagicSlot, kVersionSlot, kKind, kN, kIC, kIH, kIW, kOC, kOH, kOW, kKH, kKW, kSH, kSW,
   kPadT, kPadL, kPadB, kPadR, kDilH, kDilW, kGroups, kPost0,  // 3 slots per post-op
   kWeiTag = kPost0 + 3 * kMaxPostOps, kWeiOffset, kWeiBytes, kBiasOffset, kIsa, kDnnlVersion,
-  kSrcTag, kDstTag, kResTag, kDstBytes,  // activations: 0 plain NCHW, else a tag (NHWC)
+  kSrcTag, kDstTag, kResTag,  // activations: 0 plain NCHW, else a tag (NHWC)
   kChecksum,  // of the packed weights and bias: new weights make a new header
   kUsedSlots
 };
@@ -257,7 +257,6 @@ Header ReadPlainHeader(const ffi::TensorView& header) {
 Header Layout(Header h) {
   memory::desc any(WeightDims(h), memory::data_type::f32, Tag::any);
   dnnl::primitive_desc pd = MakeDesc(h, any);
-  h[kDstBytes] = static_cast<int64_t>(Activation(DstDims(h), h[kDstTag]).get_size());
   memory::desc chosen = pd.weights_desc();
   int64_t tag = FindTag(chosen);
   if (tag == 0) {  // a layout no tag names: keep plain weights (correct, maybe slower)
@@ -454,6 +453,27 @@ int BudgetThreads() {
   return n > 0 ? n : 1;
 }
 
+// The calling thread's budget, OpenMP set to it (oneDNN's choices depend on it): the threads.
+int UseBudgetThreads() {
+  int threads = BudgetThreads();
+  if (omp_get_max_threads() != threads) omp_set_num_threads(threads);
+  return threads;
+}
+
+// The primitive of a weightless kernel (concat, pool, reorder) for `key` (its shapes,
+// attributes and thread count), made by `make` once; one cache per call site, bounded as
+// GetEntry's.
+template <typename T, typename Make>
+std::shared_ptr<T> Cached(const std::vector<int64_t>& key, Make make) {
+  static std::mutex mu;
+  static std::map<std::vector<int64_t>, std::shared_ptr<T>> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  if (cache.size() >= kMaxEntries) cache.clear();
+  auto& slot = cache[key];
+  if (!slot) slot = std::make_shared<T>(make());
+  return slot;
+}
+
 void Run(const ffi::TensorView& x, const ffi::TensorView& blob,
          const ffi::TensorView* residual, const ffi::TensorView& out) {
   const Header& h = ReadHeader(blob);
@@ -461,8 +481,7 @@ void Run(const ffi::TensorView& x, const ffi::TensorView& blob,
     TVM_FFI_THROW(ValueError) << "oneDNN kernel: the residual operand "
                               << (residual ? "is not expected" : "is missing");
   }
-  int threads = BudgetThreads();
-  if (omp_get_max_threads() != threads) omp_set_num_threads(threads);
+  int threads = UseBudgetThreads();
   FlushDenormals flush(threads);
   char* base = static_cast<char*>(DataOf(blob));
   std::shared_ptr<Entry> e = GetEntry(base, threads);
@@ -527,24 +546,12 @@ void Concat(ffi::PackedArgs args) {
     TVM_FFI_THROW(ValueError) << "oneDNN concat: output has " << out.shape()[3]
                               << " channels, the operands " << channels;
   }
-  int threads = BudgetThreads();
-  if (omp_get_max_threads() != threads) omp_set_num_threads(threads);
-  key.insert(key.end(), {out.shape()[0], out.shape()[1], out.shape()[2], threads});
-  static std::mutex mu;
-  static std::map<std::vector<int64_t>, std::shared_ptr<dnnl::concat>> cache;
-  std::shared_ptr<dnnl::concat> prim;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    if (cache.size() >= kMaxEntries) cache.clear();
-    auto& slot = cache[key];
-    if (!slot) {
-      std::vector<memory::desc> srcs;
-      for (size_t i = 0; i + 1 < ts.size(); ++i) srcs.push_back(Nhwc(ts[i]));
-      slot = std::make_shared<dnnl::concat>(
-          dnnl::concat::primitive_desc(Engine(), Nhwc(out), 1, srcs));
-    }
-    prim = slot;
-  }
+  key.insert(key.end(), {out.shape()[0], out.shape()[1], out.shape()[2], UseBudgetThreads()});
+  auto prim = Cached<dnnl::concat>(key, [&] {
+    std::vector<memory::desc> srcs;
+    for (size_t i = 0; i + 1 < ts.size(); ++i) srcs.push_back(Nhwc(ts[i]));
+    return dnnl::concat(dnnl::concat::primitive_desc(Engine(), Nhwc(out), 1, srcs));
+  });
   std::unordered_map<int, memory> margs;
   for (size_t i = 0; i + 1 < ts.size(); ++i) {
     margs.insert({DNNL_ARG_MULTIPLE_SRC + static_cast<int>(i),
@@ -576,8 +583,7 @@ void Pool(const ffi::TensorView& x, const ffi::TensorView& attrs, const ffi::Ten
       a[4] < 1 || a[9] < 1 || a[10] < 1) {
     TVM_FFI_THROW(ValueError) << "oneDNN pool: bad attributes";
   }
-  int threads = BudgetThreads();
-  if (omp_get_max_threads() != threads) omp_set_num_threads(threads);
+  int threads = UseBudgetThreads();
   FlushDenormals flush(threads);
   const int64_t* s = x.shape().data();
   const int64_t* o = out.shape().data();
@@ -587,35 +593,23 @@ void Pool(const ffi::TensorView& x, const ffi::TensorView& attrs, const ffi::Ten
   key.push_back(threads);
   memory::desc src({s[0], s[3], s[1], s[2]}, memory::data_type::f32, Tag::nhwc);
   memory::desc dst({o[0], o[3], o[1], o[2]}, memory::data_type::f32, Tag::nhwc);
-  static std::mutex mu;
-  static std::map<std::vector<int64_t>, std::shared_ptr<std::pair<dnnl::primitive, memory::desc>>>
-      cache;
-  std::shared_ptr<std::pair<dnnl::primitive, memory::desc>> entry;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    if (cache.size() >= kMaxEntries) cache.clear();
-    auto& slot = cache[key];
-    if (!slot) {
-      memory::dims kernel{a[1], a[2]}, strides{a[3], a[4]}, dil{a[9] - 1, a[10] - 1};
-      memory::dims left{a[5], a[6]}, right{a[7], a[8]};
-      for (int d = 0; d < 2; ++d) {  // what the output's size needs
-        int64_t need = (o[1 + d] - 1) * strides[d] + (kernel[d] - 1) * (dil[d] + 1) + 1 -
-                       s[1 + d] - left[d];
-        right[d] = std::max(right[d], need);
-      }
-      auto algo = a[0] == kPoolMax ? dnnl::algorithm::pooling_max
-                  : a[0] == kPoolAvgIncludePad ? dnnl::algorithm::pooling_avg_include_padding
-                                               : dnnl::algorithm::pooling_avg_exclude_padding;
-      dnnl::primitive_attr pattr;
-      pattr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
-      dnnl::pooling_forward::primitive_desc pd(Engine(), dnnl::prop_kind::forward_inference,
-                                               algo, src, dst, strides, kernel, dil, left, right,
-                                               pattr);
-      slot = std::make_shared<std::pair<dnnl::primitive, memory::desc>>(
-          dnnl::pooling_forward(pd), pd.scratchpad_desc());
+  auto entry = Cached<std::pair<dnnl::primitive, memory::desc>>(key, [&] {
+    memory::dims kernel{a[1], a[2]}, strides{a[3], a[4]}, dil{a[9] - 1, a[10] - 1};
+    memory::dims left{a[5], a[6]}, right{a[7], a[8]};
+    for (int d = 0; d < 2; ++d) {  // what the output's size needs
+      int64_t need = (o[1 + d] - 1) * strides[d] + (kernel[d] - 1) * (dil[d] + 1) + 1 -
+                     s[1 + d] - left[d];
+      right[d] = std::max(right[d], need);
     }
-    entry = slot;
-  }
+    auto algo = a[0] == kPoolMax ? dnnl::algorithm::pooling_max
+                : a[0] == kPoolAvgIncludePad ? dnnl::algorithm::pooling_avg_include_padding
+                                             : dnnl::algorithm::pooling_avg_exclude_padding;
+    dnnl::primitive_attr pattr;
+    pattr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    dnnl::pooling_forward::primitive_desc pd(Engine(), dnnl::prop_kind::forward_inference, algo,
+                                             src, dst, strides, kernel, dil, left, right, pattr);
+    return std::make_pair(dnnl::primitive(dnnl::pooling_forward(pd)), pd.scratchpad_desc());
+  });
   thread_local Buffer pad;
   memory msrc(src, Engine(), DataOf(x)), mdst(dst, Engine(), DataOf(out));
   memory mpad(entry->second, Engine(), pad.get(entry->second.get_size() + 64));
@@ -637,25 +631,12 @@ void ToNchw(const ffi::TensorView& x, const ffi::TensorView& out) {
       o[3] != s[2]) {
     TVM_FFI_THROW(ValueError) << "oneDNN reorder: expected N x H x W x C in, N x C x H x W out";
   }
-  int threads = BudgetThreads();
-  if (omp_get_max_threads() != threads) omp_set_num_threads(threads);
   memory::dims dims{o[0], o[1], o[2], o[3]};
-  std::vector<int64_t> key{o[0], o[1], o[2], o[3], threads};
-  static std::mutex mu;
-  static std::map<std::vector<int64_t>, std::shared_ptr<dnnl::reorder>> cache;
-  std::shared_ptr<dnnl::reorder> prim;
   memory::desc from(dims, memory::data_type::f32, Tag::nhwc);
   memory::desc to(dims, memory::data_type::f32, Tag::nchw);
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    if (cache.size() >= kMaxEntries) cache.clear();
-    auto& slot = cache[key];
-    if (!slot) {
-      slot = std::make_shared<dnnl::reorder>(
-          dnnl::reorder::primitive_desc(Engine(), from, Engine(), to));
-    }
-    prim = slot;
-  }
+  auto prim = Cached<dnnl::reorder>({o[0], o[1], o[2], o[3], UseBudgetThreads()}, [&] {
+    return dnnl::reorder(dnnl::reorder::primitive_desc(Engine(), from, Engine(), to));
+  });
   memory src(from, Engine(), DataOf(x)), dst(to, Engine(), DataOf(out));
   prim->execute(Stream(), src, dst);
   Stream().wait();
