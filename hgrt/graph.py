@@ -37,7 +37,10 @@ NOP_FUNC = lifetimes.NOP_FUNC
 _KNOWN_OPS = ("null", "tvm_op")
 # node attrs hgrt reads, and the form their (string) values must have
 NODE_ATTRS = {"func_name": r"\S+", "num_inputs": r"\d+", "num_outputs": r"\d+",
-              "flatten_data": r"[01]"}
+              "flatten_data": r"[01]", "op_pattern": r"\d"}
+# TVM's op pattern kinds (``op_pattern``, a kernel's): up to kInjective a kernel only maps or
+# moves elements (elementwise, broadcast, reshape, transpose, concatenate); above it reduces.
+INJECTIVE = 2
 
 
 @dataclass
@@ -60,6 +63,12 @@ class Node:
     @property
     def flatten_data(self) -> bool:
         return self.attrs.get("flatten_data", "0") == "1"
+
+    @property
+    def injective(self) -> bool:
+        """A kernel that only maps or moves elements (TVM op pattern <= kInjective); False
+        when the graph does not say."""
+        return int(self.attrs.get("op_pattern", "9")) <= INJECTIVE
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"op": self.op, "name": self.name,

@@ -12,7 +12,11 @@ inception and densenet put a concat or a pool between most convolutions. So
   batch norm, arithmetic with a per-channel weight or of two NHWC tensors, unary element-wise
   ops, dropout (no kernel); a mean over H and W reads NHWC and gives its plain result;
 - the result of a claimed convolution that a claimed convolution or such an op reads (else the
-  kernel writes NCHW itself).
+  kernel writes NCHW itself);
+- the result of an op that the ONNX importer spells as several (``Composite``): ONNX's LRN
+  (square, expand, avg_pool3d, squeeze, scale, add, power, divide: 8 TVM kernels' worth, 30 %
+  of inception_v1 beside oneDNN's convolutions) and ShuffleNet's channel shuffle (reshape,
+  transpose, reshape), each one oneDNN primitive on NHWC when its input is NHWC.
 
 Where an NHWC tensor meets another reader (a TVM op without an NHWC form, a copy to another
 device, the function's result) one reorder (``hgrt.onednn.to_nchw``) turns it back to NCHW: a
@@ -30,7 +34,7 @@ import numpy as np
 from tvm import relax
 
 from hgrt.relay_passes.relax_util import float32_shape as _shape
-from hgrt.relay_passes.relax_util import op_name, per_channel
+from hgrt.relay_passes.relax_util import bindings, op_name, per_channel
 
 UNARY = frozenset({"relax.nn.relu", "relax.clip", "relax.sigmoid", "relax.tanh",
                    "relax.nn.silu", "relax.nn.gelu", "relax.exp", "relax.sqrt", "relax.abs",
@@ -48,6 +52,12 @@ POOL = relax.ExternFunc("hgrt.onednn.pool").with_attr("provider", "onednn") \
     .with_attr("onednn_op", "pool").with_attr("onednn_layouts", "acdb")
 POOL_ATTRS = ("algorithm", "kh", "kw", "sh", "sw", "pad_t", "pad_l", "pad_b", "pad_r", "dil_h",
               "dil_w")  # algorithm: 0 max, 1 average counting the pad, 2 average without it
+# ONNX's LRN across channels, attributes (size, alpha, beta, bias) in a float32 weight
+LRN = relax.ExternFunc("hgrt.onednn.lrn").with_attr("provider", "onednn") \
+    .with_attr("onednn_op", "lrn").with_attr("onednn_layouts", "acdb")
+# channel shuffle: channels seen as groups x C/groups and transposed; groups in an int64 weight
+SHUFFLE = relax.ExternFunc("hgrt.onednn.shuffle").with_attr("provider", "onednn") \
+    .with_attr("onednn_op", "shuffle").with_attr("onednn_layouts", "acdb")
 # NHWC -> NCHW: oneDNN's reorder, a kernel of its own (TVM's transpose fused into the next op
 # made inception's LRN 3x slower)
 TO_NCHW = relax.ExternFunc("hgrt.onednn.to_nchw").with_attr("provider", "onednn") \
@@ -57,6 +67,112 @@ TO_NCHW = relax.ExternFunc("hgrt.onednn.to_nchw").with_attr("provider", "onednn"
 def nhwc_type(var: relax.Var) -> relax.TensorType:
     n, c, h, w = _shape(var)
     return relax.TensorType((n, h, w, c), "float32", var.ty.vdevice)
+
+
+class Composite:
+    """One op that the importer wrote as several bindings: ``members`` (read only by the next,
+    in order) end in ``end``; ``x`` is its input; ``func`` and ``attrs`` its oneDNN kernel."""
+
+    def __init__(self, end: relax.Var, x: relax.Var, members: list[relax.Var],
+                 func: relax.ExternFunc, attrs: np.ndarray) -> None:
+        self.end, self.x, self.members, self.func, self.attrs = end, x, members, func, attrs
+
+    def build(self, rw: Rewriter) -> relax.Expr:
+        label = str(self.func.global_symbol).rsplit(".", 1)[-1]
+        params = rw.weight((self.end, label), f"{self.end.name}.{label}", self.attrs,
+                           self.x.ty.vdevice)
+        return relax.op.call_dps_packed(self.func, relax.Tuple([rw.new[self.x], params]),
+                                        nhwc_type(self.end))
+
+
+def find_composites(g: Any) -> dict[relax.Var, Composite]:
+    """The composites of ``main`` (see module doc) by their last variable."""
+    defs = {b.var: b.value for b in bindings(g.func)}
+
+    def inner(var: Any, op: str, reader: relax.Var) -> relax.Call | None:
+        """The call of ``op`` bound to ``var`` when ``reader`` alone reads it."""
+        value = defs.get(var) if isinstance(var, relax.DataflowVar) else None
+        user = g.only_user(var) if value is not None else None
+        ok = isinstance(value, relax.Call) and op_name(value) == op and user is not None \
+            and user.var.same_as(reader) and _shape(var) is not None
+        return value if ok else None
+
+    def scalar(call: relax.Call, reader: relax.Var) -> tuple[relax.Var, float] | None:
+        """(the variable, the constant) of ``var * c`` / ``var + c`` in either order."""
+        for a, b in (call.args, call.args[::-1]):
+            c = g.value(b)
+            if isinstance(a, relax.Var) and c is not None and c.size == 1:
+                return a, float(c.reshape(()))
+        return None
+
+    found: dict[relax.Var, Composite] = {}
+    for end, value in defs.items():
+        if not isinstance(end, relax.DataflowVar) or not isinstance(value, relax.Call):
+            continue
+        comp = None
+        if op_name(value) == "relax.divide":
+            comp = _lrn(end, value, inner, scalar)
+        elif op_name(value) == "relax.reshape":
+            comp = _shuffle(end, value, inner)
+        if comp is not None and _shape(comp.x) is not None and len(_shape(comp.x)) == 4:
+            found[end] = comp
+    return found
+
+
+def _lrn(end: relax.Var, divide: relax.Call, inner: Callable, scalar: Callable
+         ) -> Composite | None:
+    """``x / (bias + alpha * avg_pool3d(expand(x * x), (size, 1, 1)))^beta``, the window
+    centred (odd size), counting the pad: ONNX's LRN as TVM's importer writes it."""
+    x, var = divide.args
+    members, calls, consts, reader = [], [], [], end
+    for op in ("relax.power", "relax.add", "relax.multiply",  # ^beta, + bias, * alpha
+               "relax.squeeze", "relax.nn.avg_pool3d", "relax.expand_dims", "relax.multiply"):
+        call = inner(var, op, reader)
+        if call is None:
+            return None
+        members.append(var)
+        if len(consts) < 3:  # (the variable, the constant)
+            found = scalar(call, var)
+            if found is None or (op == "relax.power" and not call.args[0].same_as(found[0])):
+                return None
+            reader, (var, c) = var, found
+            consts.append(c)
+        else:
+            calls.append(call)
+            reader, var = var, call.args[0]
+    beta, bias, alpha = consts
+    squeeze, pool, expand, square = calls
+    a = pool.attrs
+    size = int(a.pool_size[0])
+    fits = (var.same_as(x) and all(a.same_as(x) for a in square.args)
+            and [int(v) for v in squeeze.attrs.axis] == [1]
+            and [int(v) for v in expand.attrs.axis] == [1]
+            and [int(v) for v in a.pool_size] == [size, 1, 1] and size % 2 == 1
+            and [int(v) for v in a.strides] == [1, 1, 1]
+            and [int(v) for v in a.dilation] == [1, 1, 1]
+            and [int(v) for v in a.padding] == [size // 2, 0, 0, size // 2, 0, 0]
+            and bool(a.count_include_pad) and not bool(a.ceil_mode)
+            and str(a.layout) == "NCDHW")
+    if not fits:
+        return None
+    # alpha scales the window's mean (sum / size): ONNX's alpha, and oneDNN's
+    return Composite(end, x, members[::-1], LRN, np.array([size, alpha, beta, bias], "float32"))
+
+
+def _shuffle(end: relax.Var, reshape: relax.Call, inner: Callable) -> Composite | None:
+    """``reshape(transpose(reshape(x, (N, g, C/g, H, W)), (0, 2, 1, 3, 4)), x.shape)``."""
+    t = reshape.args[0]
+    perm = inner(t, "relax.permute_dims", end)
+    r = perm.args[0] if perm is not None else None
+    split = inner(r, "relax.reshape", t)
+    if split is None or [int(v) for v in perm.attrs.axes] != [0, 2, 1, 3, 4]:
+        return None
+    x = split.args[0]
+    shape, parts = _shape(x), _shape(r)
+    if shape is None or len(shape) != 4 or _shape(end) != shape or len(parts) != 5 \
+            or parts[0] != shape[0] or parts[1] * parts[2] != shape[1] or parts[3:] != shape[2:]:
+        return None
+    return Composite(end, x, [r, t], SHUFFLE, np.array([parts[1]], "int64"))
 
 
 class Plan:
@@ -72,12 +188,15 @@ class Plan:
         self.nhwc: set[relax.Var] = set()
         self.forms: dict[relax.Var, tuple[Builder, bool]] = {}  # var -> (builder, makes NHWC)
         self.tuples: set[relax.Var] = set()  # tuple results (batch norm, dropout) with item 0 NHWC
+        self.composites = find_composites(g)
+        self._member_of = {m: c for c in self.composites.values() for m in c.members}
+        self.dropped: set[relax.Var] = set()  # members of composites run as one kernel
         for block in g.func.body.blocks:
             for b in block.bindings:
                 self._forward(b, chain_ends)
         # A convolution whose result no reader takes NHWC writes NCHW itself. An op with an NHWC
         # form keeps it whatever reads it: the reorder after it is no bigger than before it.
-        takes = set(nhwc_readers) | set(self.forms)
+        takes = set(nhwc_readers) | set(self.forms) | self.dropped
         for v in chain_ends & self.nhwc:
             if not any(u is not None and u.var in takes for u in g.users.get(v, [None])):
                 self.nhwc.discard(v)
@@ -90,6 +209,14 @@ class Plan:
     def _forward(self, b: relax.VarBinding, chain_ends: set[relax.Var]) -> None:
         v, value = b.var, b.value
         fits = isinstance(v, relax.DataflowVar)
+        comp = self._member_of.get(v) or self.composites.get(v)
+        if comp is not None and comp.x in self.nhwc:  # (else its bindings go on as they are)
+            if v.same_as(comp.end):
+                self.forms[v] = (comp.build, True)
+                self.nhwc.add(v)
+            else:
+                self.dropped.add(v)
+            return
         if v in chain_ends:
             if fits and _shape(v) is not None and len(_shape(v)) == 4:
                 self.nhwc.add(v)
@@ -300,6 +427,6 @@ class Rewriter:
     def block(self, block: relax.BindingBlock, drop: set[relax.Var]) -> relax.BindingBlock:
         self.out, self.dataflow = [], isinstance(block, relax.DataflowBlock)
         for b in block.bindings:
-            if b.var not in drop:
+            if b.var not in drop and b.var not in self.plan.dropped:
                 self.binding(b)
         return type(block)(self.out)

@@ -54,6 +54,7 @@ def _tensor_types(ty: relax.Type) -> list[relax.TensorType]:
 class _GraphBuilder:
     def __init__(self, ctx: BuildContext) -> None:
         self.ctx = ctx
+        self.patterns: dict[str, str] = {}  # kernel -> TVM's op pattern kind (0-8)
         self.nodes: list[Node] = []
         self.shapes: list[tuple[int, ...]] = []
         self.dtypes: list[str] = []
@@ -114,6 +115,8 @@ def graph_codegen(mod: tvm.IRModule, ctx: BuildContext) -> Graph:
     func = mod["main"]
     dev = binding_devices(func, ctx)
     g = _GraphBuilder(ctx)
+    g.patterns = {gv.name_hint: str(int(f.attrs["op_pattern"])) for gv, f in mod.functions.items()
+                  if not isinstance(f, relax.Function) and f.attrs and "op_pattern" in f.attrs}
     args = []
     for p in func.params:
         shape = static_shape(p.ty, f"input {p.name!r}")
@@ -155,6 +158,8 @@ def _emit(g: _GraphBuilder, b: relax.VarBinding, dev: dict[relax.Var, int]) -> N
         func_name, extra = callee(value)
         attrs = {"func_name": func_name, "num_inputs": str(len(ins)),
                  "num_outputs": str(len(outs)), "flatten_data": "0", **extra}
+        if func_name in g.patterns:
+            attrs["op_pattern"] = g.patterns[func_name]
         g.entries[var] = g.add(Node("tvm_op", name, ins, attrs), outs, d)
     elif op in (TO_VDEVICE, *VIEW_OPS):
         func_name = COPY_FUNC if op == TO_VDEVICE else NOP_FUNC

@@ -52,6 +52,7 @@ def lowering_passes() -> list[tvm.transform.Pass]:
         keep_device_joins_apart,
         relax.transform.FuseOps(),
         relax.transform.FuseTIR(),
+        relax.transform.AnnotateTIROpPattern(),  # the fused kernels' kinds: graph "op_pattern"
         relax.transform.DeadCodeElimination(["main"]),
         relax.transform.RewriteDataflowReshape(),  # reshape kernels → views (graph "__nop")
     ]

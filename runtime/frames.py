@@ -19,8 +19,9 @@ import tvm
 from hgrt.errors import GraphError
 from hgrt.graph import COPY_FUNC, NOP_FUNC, Graph
 from hgrt.lifetimes import ALIGN, storage_bytes, storage_devices
-from hgrt.runtime.onednn import kernel_function
+from hgrt.runtime.onednn import PREFIX as ONEDNN, kernel_function
 from hgrt.runtime.pools import StoragePools
+from hgrt.runtime.threads import solo
 
 copy_tensor = tvm.get_global_func("runtime.TVMTensorCopyFromTo")
 
@@ -62,7 +63,19 @@ def bind_steps(graph: Graph, lib, storage: StoragePools) -> tuple[Step, ...]:
                                  f"{f' and its imports {kinds[1:]}' if kinds[1:] else ''})")
         steps.append(Step(nid, func, tuple(storage.kernel_view(e, flat) for e in eids),
                           tuple(eids)))
-    return tuple(steps)
+    return _solo_next_to_onednn(graph, steps)
+
+
+def _solo_next_to_onednn(graph: Graph, steps: list[Step]) -> tuple[Step, ...]:
+    """On a device that runs oneDNN kernels, the injective TVM kernels run on their caller's
+    thread alone (``threads.solo``: oneDNN's OpenMP threads still spin on the other cores)."""
+    def device(step: Step) -> int:
+        return graph.entry_device(graph.entry_id(step.node))
+
+    nodes = graph.nodes
+    onednn = {device(s) for s in steps if nodes[s.node].func_name.startswith(ONEDNN)}
+    return tuple(s._replace(func=solo(s.func))
+                 if nodes[s.node].injective and device(s) in onednn else s for s in steps)
 
 
 class Frame:

@@ -618,6 +618,72 @@ void Pool(const ffi::TensorView& x, const ffi::TensorView& attrs, const ffi::Ten
   Stream().wait();
 }
 
+// ---- channel shuffle and LRN of NHWC tensors -----------------------------------------------
+
+// A primitive that maps one NHWC tensor to another of its shape (shuffle, LRN): made once per
+// key by `make(desc)`, run on (x, out).
+template <typename Make>
+void RunSameShape(const ffi::TensorView& x, const ffi::TensorView& out, const char* what,
+                  std::vector<int64_t> key, Make make) {
+  CheckTensor(x, what, kF32, -1);
+  CheckTensor(out, what, kF32, -1);
+  if (x.ndim() != 4 || out.ndim() != 4 ||
+      !std::equal(x.shape().begin(), x.shape().end(), out.shape().begin())) {
+    TVM_FFI_THROW(ValueError) << "oneDNN " << what
+                              << ": expected NHWC input and output of one shape";
+  }
+  int threads = UseBudgetThreads();
+  FlushDenormals flush(threads);
+  const int64_t* s = x.shape().data();
+  key.insert(key.end(), {s[0], s[1], s[2], s[3], threads});
+  memory::desc md({s[0], s[3], s[1], s[2]}, memory::data_type::f32, Tag::nhwc);
+  auto prim = Cached<dnnl::primitive>(key, [&] { return make(md); });
+  memory src(md, Engine(), DataOf(x)), dst(md, Engine(), DataOf(out));
+  prim->execute(Stream(), {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}});
+  Stream().wait();
+}
+
+// `fn(x, attrs, out)`: ShuffleNet's channel shuffle with `groups` = attrs[0] (int64): the C
+// channels seen as groups x C/groups, transposed (ONNX: reshape, transpose, reshape).
+void Shuffle(const ffi::TensorView& x, const ffi::TensorView& attrs, const ffi::TensorView& out) {
+  CheckTensor(attrs, "shuffle attributes", DLDataType{kDLInt, 64, 1}, 1);
+  int64_t groups = *static_cast<const int64_t*>(DataOf(attrs));
+  int64_t channels = x.ndim() == 4 ? x.shape()[3] : 0;
+  if (groups < 1 || channels % groups != 0) {
+    TVM_FFI_THROW(ValueError) << "oneDNN shuffle: " << groups << " groups do not divide "
+                              << channels << " channels";
+  }
+  RunSameShape(x, out, "shuffle", {0, groups}, [&](const memory::desc& md) {
+    // oneDNN's group_size G sees the axis as C/G x G and transposes it: G = C / groups
+    return dnnl::primitive(dnnl::shuffle_forward(dnnl::shuffle_forward::primitive_desc(
+        Engine(), dnnl::prop_kind::forward_inference, md, md, 1,
+        static_cast<int>(channels / groups))));
+  });
+}
+
+// `fn(x, attrs, out)`: local response normalization across channels, attrs float32 (size,
+// alpha, beta, bias): out = x / (bias + alpha / size * sum of x^2 over `size` channels)^beta,
+// the window centred (odd sizes), as ONNX's LRN.
+void Lrn(const ffi::TensorView& x, const ffi::TensorView& attrs, const ffi::TensorView& out) {
+  CheckTensor(attrs, "LRN attributes", DLDataType{kDLFloat, 32, 1}, 4);
+  const float* a = static_cast<const float*>(DataOf(attrs));
+  int64_t size = static_cast<int64_t>(a[0]);
+  if (static_cast<float>(size) != a[0] || size < 1 || size % 2 == 0) {
+    TVM_FFI_THROW(ValueError) << "oneDNN LRN: size must be an odd positive integer, got " << a[0];
+  }
+  std::vector<int64_t> key{1, size};
+  for (int i = 1; i < 4; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, a + i, 4);
+    key.push_back(bits);
+  }
+  RunSameShape(x, out, "LRN", key, [&](const memory::desc& md) {
+    return dnnl::primitive(dnnl::lrn_forward(dnnl::lrn_forward::primitive_desc(
+        Engine(), dnnl::prop_kind::forward_inference, dnnl::algorithm::lrn_across_channels, md,
+        md, size, a[1], a[2], a[3])));
+  });
+}
+
 // ---- NHWC back to NCHW ----------------------------------------------------------------------
 
 // `fn(x, out)`: x N x H x W x C (NHWC, as channels_last keeps it), out N x C x H x W: the
@@ -728,6 +794,14 @@ TVM_FFI_STATIC_INIT_BLOCK() {
       .def("hgrt.onednn.pool",
            [](ffi::TensorView x, ffi::TensorView attrs, ffi::TensorView out) {
              Catch([&] { Pool(x, attrs, out); });
+           })
+      .def("hgrt.onednn.shuffle",
+           [](ffi::TensorView x, ffi::TensorView attrs, ffi::TensorView out) {
+             Catch([&] { Shuffle(x, attrs, out); });
+           })
+      .def("hgrt.onednn.lrn",
+           [](ffi::TensorView x, ffi::TensorView attrs, ffi::TensorView out) {
+             Catch([&] { Lrn(x, attrs, out); });
            })
       .def("hgrt.onednn.to_nchw",
            [](ffi::TensorView x, ffi::TensorView out) { Catch([&] { ToNchw(x, out); }); })

@@ -9,7 +9,9 @@ machine N times; a caller's share is ``cores // callers``.
   every core this process may use unless the user chose (TVM itself starts half the hardware
   threads on x86: one worker on a 2-vCPU VM);
 - ``CallBudget``: the share of one caller of the call API (``threads_per_call``, ``max_frames``),
-  applied to the calling thread's pool before each call.
+  applied to the calling thread's pool before each call;
+- ``solo``: a kernel that runs on its caller's thread alone, whatever the share (the injective
+  TVM kernels between oneDNN kernels, see there).
 """
 
 from __future__ import annotations
@@ -76,6 +78,29 @@ def restore_thread_count() -> None:
     VM, and plain runs were measured at half speed on it.)"""
     if getattr(_local, "threads", None) != process_threads():
         set_thread_count(process_threads())
+
+
+def solo(func):
+    """``func`` (a TVM kernel) run on the calling thread alone, the thread's pool put back after.
+
+    For the element-moving TVM kernels between oneDNN kernels on one device: when oneDNN's
+    kernel returns, its OpenMP threads spin on the other cores (GOMP_SPINCOUNT) and a TVM
+    kernel on two threads waits for a core for its worker: shufflenet's 16 channel shuffles
+    took 150 us each instead of 16 (2 vCPUs, AVX-512; the whole model 6.5 -> 4.3 ms run solo).
+    A kernel that reduces (a pool, LRN) keeps the share: there the spin is small beside it."""
+
+    def call(*args):
+        share = getattr(_local, "threads", None)
+        if share is None or share <= 1:
+            return func(*args)
+        _config_threadpool(_SHARE_ALL_CORES, 1, _CPUS)
+        try:
+            return func(*args)
+        finally:
+            _config_threadpool(_SHARE_ALL_CORES, share, _CPUS)
+
+    call.__wrapped__ = func
+    return call
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ TOL = {"rtol": 1e-4, "atol": 1e-4}
 
 def _branchy_onnx(lrn: bool = True):
     """conv → max pool → two convs → concat → avg pool → batch norm → relu → conv → global
-    average pool (output ``y``); with ``lrn`` the avg pool's result also feeds an LRN (an op
-    with no NHWC form: output ``z``)."""
+    average pool (output ``y``); with ``lrn`` the avg pool's result also feeds an LRN (output
+    ``z``) and a softmax over channels (an op with no NHWC form: output ``s``)."""
     rng = np.random.default_rng(0)
     inits = []
 
@@ -54,7 +54,8 @@ def _branchy_onnx(lrn: bool = True):
     outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
     if lrn:
         nodes.append(helper.make_node("LRN", ["ap"], ["z"], size=3))
-        outputs.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, None))
+        nodes.append(helper.make_node("Softmax", ["ap"], ["s"], axis=1))
+        outputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in "zs"]
     graph = helper.make_graph(nodes, "branchy", [helper.make_tensor_value_info(
         "x", TensorProto.FLOAT, [1, 8, 12, 12])], outputs, inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
@@ -91,13 +92,16 @@ def test_ops_between_onednn_kernels_run_nhwc_and_equal_the_relax_vm():
     convs = _by_func(res, "conv2d")
     assert [c.attrs["onednn_layouts"] for c in convs] == \
         ["plain, acdb"] + ["acdb, acdb"] * 3  # the model's input NCHW, the rest NHWC
-    # batch norm + relu ran NHWC (one TVM kernel); reorders feed only the LRN (TVM decomposes
-    # it: x * x runs NHWC, then the pool over channels and the division read NCHW)
+    # batch norm + relu ran NHWC (one TVM kernel), the LRN (eight ops as imported) is one
+    # oneDNN kernel on NHWC; reorders feed only the softmax and the output z
+    (lrn,) = _by_func(res, "lrn")
+    assert shape(lrn) == (1, 6, 6, 32)
+    assert not [n for n in g.nodes if "power" in (n.func_name or "")]
     reorders = _by_func(res, "to_nchw")
     assert [shape(r) for r in reorders] == [(1, 32, 6, 6)] * 2
     readers = {g.nodes[i].func_name for i, n in enumerate(g.nodes)
                for r in reorders if any(g.nodes[j] is r for j, *_ in n.inputs)}
-    assert readers and not any(f.startswith("hgrt.") for f in readers)
+    assert len(readers) == 1 and "softmax" in readers.pop()
     assert not [n for n in g.nodes if "transpose" in (n.func_name or "")]
 
 
@@ -122,3 +126,69 @@ def test_a_copy_to_another_device_gets_nchw():
     # nothing NHWC crosses devices: a copy's source is a reorder or no oneDNN node at all
     assert all(s.func_name == "hgrt.onednn.to_nchw" or not s.func_name.startswith("hgrt.")
                for s in sources)
+
+
+def _shuffle_onnx():
+    """conv → relu → ShuffleNet's channel shuffle (3 groups of 4) → depthwise conv (output
+    ``y``); and an LRN of the model's input itself (NCHW: output ``z``)."""
+    rng = np.random.default_rng(2)
+    inits = [numpy_helper.from_array(a, n) for n, a in (
+        ("w0", rng.standard_normal((12, 8, 1, 1)).astype("float32")),
+        ("w1", rng.standard_normal((12, 1, 3, 3)).astype("float32")),
+        ("split", np.array([1, 3, 4, 12, 12], "int64")),
+        ("join", np.array([1, 12, 12, 12], "int64")))]
+    nodes = [
+        helper.make_node("Conv", ["x", "w0"], ["c"]),
+        helper.make_node("Relu", ["c"], ["r"]),
+        helper.make_node("Reshape", ["r", "split"], ["g"]),
+        helper.make_node("Transpose", ["g"], ["t"], perm=[0, 2, 1, 3, 4]),
+        helper.make_node("Reshape", ["t", "join"], ["s"]),
+        helper.make_node("Conv", ["s", "w1"], ["y"], group=12, pads=[1] * 4),
+        helper.make_node("LRN", ["x"], ["z"], size=5, alpha=1e-2, beta=0.5, bias=2.0),
+    ]
+    graph = helper.make_graph(nodes, "shuffle", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, [1, 8, 12, 12])], [helper.make_tensor_value_info(
+            n, TensorProto.FLOAT, None) for n in "yz"], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+def test_a_channel_shuffle_between_convolutions_is_one_nhwc_kernel():
+    res = _build_and_check(_shuffle_onnx())
+    g = res.graph
+    (shuffle,) = _by_func(res, "shuffle")
+    assert g.shapes[g.entry_id(g.nodes.index(shuffle))] == (1, 12, 12, 12)
+    assert [c.attrs["onednn_layouts"] for c in _by_func(res, "conv2d")] == \
+        ["plain, acdb", "acdb, plain"]
+    assert not [n for n in g.nodes if "transpose" in (n.func_name or "")]
+    # the LRN of an NCHW tensor (the input) is left to TVM: its ops, no oneDNN kernel
+    assert not _by_func(res, "lrn") and not _by_func(res, "to_nchw")
+    assert [n for n in g.nodes if "power" in (n.func_name or "")]
+
+
+def test_tvm_kernels_beside_onednn_kernels_run_solo_when_they_only_move_elements():
+    """Injective TVM kernels (op pattern <= 2 in the graph) on a device with oneDNN kernels run
+    on their caller's thread alone; a reducing one (the softmax) keeps the thread share."""
+    import tvm
+
+    from hgrt.runtime.frames import bind_steps
+    from hgrt.runtime.pools import StoragePools
+    from hgrt.runtime.threads import set_thread_count, solo
+
+    res = _build_and_check(_branchy_onnx())
+    g = res.graph
+    patterns = {n.func_name: int(n.attrs["op_pattern"]) for n in g.nodes
+                if n.op == "tvm_op" and not n.func_name.startswith(("hgrt.", "__"))}
+    assert patterns and all(0 <= p <= 8 for p in patterns.values())
+    steps = bind_steps(g, res.lib, StoragePools(g, [tvm.cpu(0)]))
+    wrapped = {g.nodes[s.node].func_name: hasattr(s.func, "__wrapped__") for s in steps}
+    for name, p in patterns.items():
+        assert wrapped[name] == (p <= 2), (name, p)
+    assert any(wrapped.values()) and not all(wrapped[n] for n in patterns)
+    assert not any(v for n, v in wrapped.items() if n.startswith("hgrt."))
+
+    num_threads = tvm.get_global_func("runtime.NumThreads")
+    seen = []
+    set_thread_count(2)
+    solo(lambda: seen.append(num_threads()))()
+    seen.append(num_threads())
+    assert seen == [1, 2]

@@ -217,3 +217,32 @@ def test_nhwc_kernels_refuse_what_does_not_fit():
             a, _t(np.array([7, 3, 3, 1, 1, 0, 0, 0, 0, 1, 1], "int64")), a)
     with pytest.raises(ValueError, match="expected N x H x W x C in"):
         onednn.kernel_function("hgrt.onednn.to_nchw")(a, _t(np.zeros((1, 5, 7, 16), "float32")))
+
+
+def test_nhwc_shuffle_and_lrn_equal_numpy():
+    x = RNG.standard_normal((2, 5, 3, 12)).astype("float32")  # N, H, W, C
+    nchw = x.transpose(0, 3, 1, 2)
+    out = _t(np.zeros_like(x))
+    onednn.kernel_function("hgrt.onednn.shuffle")(_t(x), _t(np.array([4], "int64")), out)
+    shuffled = nchw.reshape(2, 4, 3, 5, 3).transpose(0, 2, 1, 3, 4).reshape(2, 12, 5, 3)
+    np.testing.assert_array_equal(out.numpy(), shuffled.transpose(0, 2, 3, 1))
+    # ONNX's LRN: x / (bias + alpha / size * window sum of x^2)^beta, window centred on c
+    size, alpha, beta, bias = 5, 2e-2, 0.75, 2.0
+    onednn.kernel_function("hgrt.onednn.lrn")(
+        _t(x), _t(np.array([size, alpha, beta, bias], "float32")), out)
+    sq = np.pad(nchw.astype("float64") ** 2, ((0, 0), (2, 2), (0, 0), (0, 0)))
+    window = sum(sq[:, i:i + 12] for i in range(size))
+    want = nchw / (bias + alpha / size * window) ** beta
+    np.testing.assert_allclose(out.numpy(), want.transpose(0, 2, 3, 1), rtol=1e-5, atol=1e-6)
+
+
+def test_shuffle_and_lrn_refuse_what_does_not_fit():
+    a = _t(np.zeros((1, 5, 7, 16), "float32"))
+    with pytest.raises(ValueError, match="3 groups do not divide 16 channels"):
+        onednn.kernel_function("hgrt.onednn.shuffle")(a, _t(np.array([3], "int64")), a)
+    with pytest.raises(ValueError, match="size must be an odd positive integer, got 4"):
+        onednn.kernel_function("hgrt.onednn.lrn")(
+            a, _t(np.array([4, 1e-4, 0.75, 1], "float32")), a)
+    with pytest.raises(ValueError, match="of one shape"):
+        onednn.kernel_function("hgrt.onednn.lrn")(
+            a, _t(np.array([5, 1e-4, 0.75, 1], "float32")), _t(np.zeros((1, 5, 7, 8), "float32")))
