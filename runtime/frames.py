@@ -19,7 +19,8 @@ import tvm
 from hgrt.errors import GraphError
 from hgrt.graph import COPY_FUNC, NOP_FUNC, Graph
 from hgrt.lifetimes import ALIGN, storage_bytes, storage_devices
-from hgrt.runtime.onednn import PREFIX as ONEDNN, kernel_function
+from hgrt.runtime.onednn import PREFIX as ONEDNN
+from hgrt.runtime.onednn import kernel_function
 from hgrt.runtime.pools import StoragePools
 from hgrt.runtime.threads import solo
 
