@@ -117,6 +117,32 @@ def time_onnxruntime(model, inputs: dict[str, np.ndarray], repeat: int
     return median_time(lambda: sess.run(None, feed), repeat), outs
 
 
+def time_against_onnxruntime(run: Callable[[], object], model, inputs: dict[str, np.ndarray],
+                              repeat: int, rounds: int = 3, pause: float = 0.5
+                              ) -> tuple[float, float, list[np.ndarray]] | None:
+    """(``run``'s median seconds, onnxruntime's, onnxruntime's outputs) at TVM_NUM_THREADS
+    threads, or None when onnxruntime is not installed. Each is timed alone, in blocks of
+    ``repeat`` runs that take turns ``rounds`` times after a pause: after a run, onnxruntime's
+    pool threads spin for a while, and so do oneDNN's OpenMP threads and TVM's pool; the one
+    timed next while they spin loses a core (interleaving single runs cost hgrt 6-20 %)."""
+    sess = ort_session(model, int(os.environ.get("TVM_NUM_THREADS", "1")))
+    if sess is None:
+        return None
+    feed = ort_feed(sess, model, inputs)
+    outs = sess.run(None, feed)
+    fns = {"run": run, "ort": lambda: sess.run(None, feed)}
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            time.sleep(pause)
+            fn()  # warm-up
+            for _ in range(repeat):
+                t = time.perf_counter()
+                fn()
+                samples[k].append(time.perf_counter() - t)
+    return statistics.median(samples["run"]), statistics.median(samples["ort"]), outs
+
+
 def hgrt_runner(result, inputs: dict[str, np.ndarray]):
     """A GraphModule for a ``BuildResult`` on cpu(0), cpu(1)…, params and inputs set."""
     import tvm

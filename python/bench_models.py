@@ -60,7 +60,7 @@ def bench_one(entry, repeat: int, tuning_db: str | None, kernels: str = "tvm",
         hgrt_outputs,
         hgrt_runner,
         max_diff,
-        time_onnxruntime,
+        time_against_onnxruntime,
         timed_interleaved,
         vm_on_hgrt_kernels,
     )
@@ -95,9 +95,9 @@ def bench_one(entry, repeat: int, tuning_db: str | None, kernels: str = "tvm",
         row.update(timed_interleaved({"hgrt": m.run, "split": ms.run}, repeat))
     prof = m.profile(repeat=max(3, repeat // 4))
     row["kernel_share"] = prof.op_sum_us / max(prof.run_wall_us, 1e-9)
-    ort = time_onnxruntime(entry.model, entry.inputs, repeat)  # last: see its doc
+    ort = time_against_onnxruntime(m.run, entry.model, entry.inputs, repeat)  # last: its doc
     if ort is not None:
-        row["ort"], outs = ort
+        row["alone"], row["ort"], outs = ort
         row["diff_ort"] = max_diff(outs, ref)
     row["nodes"] = len(prof.ops)
     row["copies"] = sum(1 for n in split_graph_nodes(split) if n == "__copy")
@@ -112,7 +112,7 @@ def split_graph_nodes(result) -> list[str]:
 
 
 HEADER = ("model", "ISA", "kernels", "build s", "hgrt ms", "VM ms", "hgrt/VM", "split ms",
-          "copies", "ORT ms", "hgrt/ORT", "in kernels", "MB hgrt", "MB VM", "mem/VM")
+          "copies", "hgrt alone ms", "ORT ms", "hgrt/ORT", "in kernels", "MB hgrt", "MB VM", "mem/VM")
 
 
 def format_rows(rows: list[dict]) -> list[tuple[str, ...]]:
@@ -122,7 +122,8 @@ def format_rows(rows: list[dict]) -> list[tuple[str, ...]]:
         out.append((
             r["model"], r["isa"], r["kernels"], f"{r['build_s']:.1f}", _ms(r["hgrt"]), _ms(r["vm"]),
             f"{r['hgrt'] / r['vm']:.2f}", _ms(r["split"]), str(r["copies"]),
-            _ms(ort) if ort else "-", f"{r['hgrt'] / ort:.2f}" if ort else "-",
+            _ms(r["alone"]) if ort else "-", _ms(ort) if ort else "-",
+            f"{r['alone'] / ort:.2f}" if ort else "-",
             f"{r['kernel_share'] * 100:.0f}%", f"{r['mem'] / 2**20:.2f}",
             f"{r['mem_vm'] / 2**20:.2f}", f"{r['mem'] / max(r['mem_vm'], 1):.2f}"))
     return out
@@ -169,13 +170,16 @@ def main() -> None:
         r = bench_one(entry, args.repeat, args.tuning_db, args.kernels, target)
         rows.append(r)
         print(f"{name}: hgrt {_ms(r['hgrt'])} ms, VM {_ms(r['vm'])} ms, split "
-              f"{_ms(r['split'])} ms, ORT {_ms(r['ort']) if 'ort' in r else '-'} ms; max rel. diff "
+              f"{_ms(r['split'])} ms, ORT {_ms(r['ort']) if 'ort' in r else '-'} ms (hgrt "
+              f"{_ms(r['alone']) if 'ort' in r else '-'} ms in turns with it); max rel. diff "
               f"vs VM {r['diff_vm']:.1e}, ORT vs VM {r.get('diff_ort', float('nan')):.1e}",
               flush=True)
     table = format_rows(rows)
     note = (f"ISA: the vector ISA of the target hgrt and the VM built for; kernels: who computed "
             f"the convolutions and dense layers; onnxruntime runs the host's ISA "
-            f"({vector_isa(host_target()).name})")
+            f"({vector_isa(host_target()).name}); hgrt ms: timed in turns with the VM and the "
+            f"split run (hgrt/VM); hgrt alone ms: timed in blocks taking turns with onnxruntime's, "
+            f"a pause before each (hgrt/ORT)")
     print()
     print(text_table(table))
     print(note)

@@ -67,6 +67,27 @@ def test_residual_is_a_sum_post_op():
     np.testing.assert_allclose(out.numpy(), want, rtol=1e-4, atol=1e-4)
 
 
+def test_an_nhwc_residual_is_read_in_place_even_from_the_output_buffer():
+    """NHWC in, out and residual: a binary-add post-op reads the residual where it lies (no
+    copy into the output first); the residual may be the output buffer itself."""
+    from hgrt.relay_passes.claim_onednn import SLOT
+
+    x, w, b, _ = _case()
+    h = make_header("conv2d", x.shape, (1, 24, 7, 7), post=[("sum", 0, 0), ("relu", 0, 0)])
+    for slot in ("src_tag", "dst_tag", "res_tag"):
+        h[SLOT[slot]] = onednn.nhwc_tag()
+    blob = _t(onednn.pack(h, w, b))
+    r = RNG.standard_normal((1, 7, 7, 24)).astype("float32")  # N, H, W, C
+    want = np.maximum(_conv1x1(x, w, b, []) + r.transpose(0, 3, 1, 2), 0).transpose(0, 2, 3, 1)
+    xn = _t(x.transpose(0, 2, 3, 1))
+    out = _t(np.zeros_like(r))
+    onednn.kernel_function("hgrt.onednn.conv2d")(xn, blob, _t(r), out)
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-4, atol=1e-4)
+    same = _t(r)
+    onednn.kernel_function("hgrt.onednn.conv2d")(xn, blob, same, same)
+    np.testing.assert_allclose(same.numpy(), want, rtol=1e-4, atol=1e-4)
+
+
 def test_dense_equals_numpy():
     x = RNG.standard_normal((3, 40)).astype("float32")
     w = RNG.standard_normal((10, 40)).astype("float32")  # (out, in): oneDNN's inner product
