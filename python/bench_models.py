@@ -112,7 +112,8 @@ def split_graph_nodes(result) -> list[str]:
 
 
 HEADER = ("model", "ISA", "kernels", "build s", "hgrt ms", "VM ms", "hgrt/VM", "split ms",
-          "copies", "hgrt alone ms", "ORT ms", "hgrt/ORT", "in kernels", "MB hgrt", "MB VM", "mem/VM")
+          "copies", "hgrt alone ms", "ORT ms", "hgrt/ORT", "in kernels", "MB hgrt", "MB VM",
+          "mem/VM")
 
 
 def format_rows(rows: list[dict]) -> list[tuple[str, ...]]:

@@ -12,8 +12,8 @@ on a CPU device, W a weight, each intermediate read once, becomes one
 ``R.call_dps_packed("hgrt.onednn.conv2d", (x, packed[, residual]), out)`` bound to the chain's
 last variable. ``packed`` is a new weight (a uint8 blob): a header (``HEADER_SLOTS``), W with
 batch norms folded in, packed once in the layout oneDNN picks on this machine, then the bias.
-The residual add and the activation are oneDNN post-ops (a binary add reading the residual in place when it is NHWC as the output, else ``sum``; ``eltwise``); per-channel
-multiplies and adds (batch norms, scale layers) are folded into W and the bias. Weights the
+The residual add and the activation are oneDNN post-ops (a binary add that reads an NHWC
+residual in place, else ``sum``; ``eltwise``); per-channel multiplies and adds (batch norms, scale layers) are folded into W and the bias. Weights the
 chains read are dropped when nothing else reads them. Activations stay NHWC between oneDNN
 kernels and through the TVM ops between them where ``channels_last`` says so; a reorder node
 turns them back to NCHW before any other reader. The ExternFunc's attrs
