@@ -13,8 +13,9 @@ on a CPU device, W a weight, each intermediate read once, becomes one
 last variable. ``packed`` is a new weight (a uint8 blob): a header (``HEADER_SLOTS``), W with
 batch norms folded in, packed once in the layout oneDNN picks on this machine, then the bias.
 The residual add and the activation are oneDNN post-ops (a binary add that reads an NHWC
-residual in place, else ``sum``; ``eltwise``); per-channel multiplies and adds (batch norms, scale layers) are folded into W and the bias. Weights the
-chains read are dropped when nothing else reads them. Activations stay NHWC between oneDNN
+residual in place, else ``sum``; ``eltwise``); per-channel multiplies and adds (batch norms,
+scale layers) are folded into W and the bias. Weights the chains read are dropped when nothing
+else reads them. Activations stay NHWC between oneDNN
 kernels and through the TVM ops between them where ``channels_last`` says so; a reorder node
 turns them back to NCHW before any other reader. The ExternFunc's attrs
 become graph node attrs (``provider``, ``onednn_op``, ``onednn_isa``, ``onednn_impl``,
