@@ -53,7 +53,10 @@ HEADER_SLOTS = ("magic", "version", "kind", "n", "ic", "ih", "iw", "oc", "oh", "
                 *(f"post{k}{s}" for k in range(MAX_POST_OPS) for s in ("", "_alpha", "_beta")),
                 "wei_tag", "wei_offset", "wei_bytes", "bias_offset", "isa", "dnnl_version",
                 "src_tag", "dst_tag", "res_tag",  # activations: 0 NCHW, or NHWC
-                "checksum")  # of the packed bytes
+                "checksum",  # of the packed bytes
+                # a max pool after the convolution (a model's stem; 0: none), its output H, W
+                "pool_kh", "pool_kw", "pool_sh", "pool_sw", "pool_pad_t", "pool_pad_l",
+                "pool_pad_b", "pool_pad_r", "pool_oh", "pool_ow")
 SLOT = {name: i for i, name in enumerate(HEADER_SLOTS)}
 KIND = {"conv2d": 1, "dense": 2}
 POST_OP = {"relu": 1, "clip": 2, "sum": 3}
@@ -77,6 +80,8 @@ class Chain:
     residual_at: relax.Var | None = None  # the member that reads the residual
     post: list[tuple[str, float, float]] = field(default_factory=list)
     label: list[str] = field(default_factory=list)
+    pool: list[int] | None = None  # a max pool after it: kh, kw, sh, sw, pads t, l, b, r
+    pooled: relax.Var | None = None  # the pool's input: the convolution's result
 
     @property
     def end(self) -> relax.Var:
@@ -245,11 +250,33 @@ def _activation(g: _Graph, c: Chain, b: relax.VarBinding) -> bool:
     return True
 
 
+def _max_pool(g: _Graph, c: Chain, b: relax.VarBinding) -> bool:
+    """A max pool after a convolution of the model's input (its stem: squeezenet, resnet,
+    inception, densenet). oneDNN picks a blocked layout for a convolution of a few plain
+    channels; the pool runs in it too, and only its 4x smaller result is reordered (squeezenet's
+    stem: 370 us + a 90 us pool of NHWC vs onnxruntime's 190 us, AVX-512)."""
+    a = b.value.attrs
+    if (c.kind != "conv2d" or isinstance(c.x, relax.DataflowVar) or c.residual is not None
+            or str(a.layout) != "NCHW" or str(a.out_layout or "NCHW") != "NCHW"
+            or [int(v) for v in a.dilation] != [1, 1]):
+        return False
+    pads = [int(v) for v in a.padding]
+    c.pool = [*(int(v) for v in a.pool_size), *(int(v) for v in a.strides),
+              *(pads * 2 if len(pads) == 2 else pads)]
+    if len(c.pool) != 8:
+        c.pool = None
+        return False
+    c.pooled = c.end
+    c.members.append(b.var)
+    c.label.append("max_pool")
+    return True
+
+
 ROOTS: dict[str, Callable[[_Graph, relax.VarBinding], Chain | None]] = {
     "relax.nn.conv2d": _conv2d, "relax.matmul": _dense}
 STEPS: dict[str, Callable[[_Graph, Chain, relax.VarBinding], bool]] = {
     "relax.add": _add, "relax.multiply": _multiply, "relax.nn.batch_norm": _batch_norm,
-    "relax.nn.relu": _activation, "relax.clip": _activation}
+    "relax.nn.relu": _activation, "relax.clip": _activation, "relax.nn.max_pool2d": _max_pool}
 
 
 # ---- the pass ------------------------------------------------------------------------------
@@ -287,7 +314,7 @@ def _grow(g: _Graph, chain: Chain, block: set[relax.Var]) -> Chain:
     while True:
         b = g.only_user(chain.end)
         step = None if b is None else STEPS.get(op_name(b.value))
-        if (step is None or b.var in g.claimed or b.var not in block
+        if (step is None or chain.pool is not None or b.var in g.claimed or b.var not in block
                 or g.ctx.placed.op_device.get(b.var.name) != device or not step(g, chain, b)):
             return chain
 
@@ -341,8 +368,15 @@ def header(chain: Chain) -> np.ndarray:
     if chain.kind == "dense":
         return make_header("dense", _shape(chain.x), _shape(chain.end), post=chain.post)
     a = chain.root.value.attrs
-    return make_header("conv2d", _shape(chain.x), _shape(chain.end), chain.weight.shape[2:],
-                       a.strides, a.padding, a.dilation, int(a.groups), chain.post)
+    out = chain.end if chain.pooled is None else chain.pooled  # the convolution's result
+    h = make_header("conv2d", _shape(chain.x), _shape(out), chain.weight.shape[2:], a.strides,
+                    a.padding, a.dilation, int(a.groups), chain.post)
+    if chain.pool is not None:
+        names = ("kh", "kw", "sh", "sw", "pad_t", "pad_l", "pad_b", "pad_r")
+        for name, value in zip(names, chain.pool, strict=True):
+            h[SLOT[f"pool_{name}"]] = value
+        h[SLOT["pool_oh"]], h[SLOT["pool_ow"]] = _shape(chain.end)[2:]
+    return h
 
 
 def _new_weight(g: _Graph, pname: str, value: np.ndarray, vdevice: Any, taken: set[str],

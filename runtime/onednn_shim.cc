@@ -51,6 +51,9 @@ enum Slot : int {
   kWeiTag = kPost0 + 3 * kMaxPostOps, kWeiOffset, kWeiBytes, kBiasOffset, kIsa, kDnnlVersion,
   kSrcTag, kDstTag, kResTag,  // activations: 0 plain NCHW, else a tag (NHWC)
   kChecksum,  // of the packed weights and bias: new weights make a new header
+  // a max pool of the convolution's result (kPoolKH 0: none), and the pool's output H, W
+  kPoolKH, kPoolKW, kPoolSH, kPoolSW, kPoolPadT, kPoolPadL, kPoolPadB, kPoolPadR, kPoolOH,
+  kPoolOW,
   kUsedSlots
 };
 static_assert(kUsedSlots <= kSlots, "header overflows its bytes");
@@ -61,6 +64,7 @@ struct Header {
   int64_t v[kSlots];
   int64_t operator[](int i) const { return v[i]; }
   int64_t& operator[](int i) { return v[i]; }
+  bool pooled() const { return v[kPoolKH] > 0; }
   bool has_sum() const {
     for (int k = 0; k < kMaxPostOps; ++k) {
       if (v[kPost0 + 3 * k] == kSum) return true;
@@ -116,6 +120,12 @@ memory::dims SrcDims(const Header& h) {
 memory::dims DstDims(const Header& h) {
   if (h[kKind] == kDense) return {h[kN], h[kOC]};
   return {h[kN], h[kOC], h[kOH], h[kOW]};
+}
+
+// What the kernel writes: the convolution's result, or the max pool's of it.
+memory::dims OutDims(const Header& h) {
+  if (!h.pooled()) return DstDims(h);
+  return {h[kN], h[kOC], h[kPoolOH], h[kPoolOW]};
 }
 
 memory::desc WithTag(const memory::dims& dims, int64_t tag) {
@@ -338,6 +348,9 @@ struct Entry {
   memory::desc src, dst, wei, bias, scratch, src_user, dst_user, res_user;
   bool reorder_src = false, reorder_dst = false, reorder_res = false;
   int residual_arg = 0;  // the binary post-op's argument that reads the residual (else 0)
+  // a pooled kernel: conv -> dst (oneDNN's layout) -> pool -> pooled -> reorder -> the output
+  dnnl::primitive pool;
+  memory::desc pooled, pool_scratch;
   dnnl::reorder to_src, from_dst, residual_to_dst;
 };
 
@@ -376,10 +389,29 @@ std::shared_ptr<Entry> MakeEntry(const char* blob, std::shared_ptr<Repacked> rep
   e->bias = memory::desc({h[kOC]}, memory::data_type::f32, Tag::a);
   e->scratch = pd.scratchpad_desc();
   e->src_user = Activation(SrcDims(h), h[kSrcTag]);
-  e->dst_user = Activation(DstDims(h), h[kDstTag]);
+  e->dst_user = Activation(OutDims(h), h[kDstTag]);
   e->res_user = Activation(DstDims(h), h[kResTag]);
   e->reorder_src = e->src != e->src_user;
   e->reorder_dst = e->dst != e->dst_user;
+  if (h.pooled()) {  // the pool runs in the layout oneDNN chose for the convolution's result
+    memory::dims kernel{h[kPoolKH], h[kPoolKW]}, strides{h[kPoolSH], h[kPoolSW]};
+    memory::dims left{h[kPoolPadT], h[kPoolPadL]}, right{h[kPoolPadB], h[kPoolPadR]};
+    memory::dims out = OutDims(h), in = DstDims(h);
+    for (int d = 0; d < 2; ++d) {  // the bottom and right pads the output's size needs
+      right[d] = std::max(right[d], (out[2 + d] - 1) * strides[d] + kernel[d] - in[2 + d] -
+                                        left[d]);
+    }
+    dnnl::primitive_attr pattr;
+    pattr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    dnnl::pooling_forward::primitive_desc ppd(
+        Engine(), dnnl::prop_kind::forward_inference, dnnl::algorithm::pooling_max, e->dst,
+        memory::desc(out, memory::data_type::f32, Tag::any), strides, kernel, {0, 0}, left,
+        right, pattr);
+    e->pool = dnnl::pooling_forward(ppd);
+    e->pooled = ppd.dst_desc();
+    e->pool_scratch = ppd.scratchpad_desc();
+    e->reorder_dst = e->pooled != e->dst_user;
+  }
   // the residual is read by a binary post-op, or put where a sum post-op adds into: the dst
   // buffer, in the dst layout
   if (h.has_sum() && BinaryResidual(h)) {
@@ -394,7 +426,7 @@ std::shared_ptr<Entry> MakeEntry(const char* blob, std::shared_ptr<Repacked> rep
     return dnnl::reorder(dnnl::reorder::primitive_desc(Engine(), a, Engine(), b));
   };
   if (e->reorder_src) e->to_src = reorder(e->src_user, e->src);
-  if (e->reorder_dst) e->from_dst = reorder(e->dst, e->dst_user);
+  if (e->reorder_dst) e->from_dst = reorder(h.pooled() ? e->pooled : e->dst, e->dst_user);
   if (e->reorder_res) e->residual_to_dst = reorder(e->res_user, e->dst);
   return e;
 }
@@ -443,7 +475,7 @@ struct Buffer {
 };
 
 struct Scratch {
-  Buffer src, dst, pad, res;
+  Buffer src, dst, pad, res, pooled, pool_pad;
 };
 
 // Denormals flushed to zero, as TVM's thread pool does for its kernels: random-weight models
@@ -517,7 +549,8 @@ void Run(const ffi::TensorView& x, const ffi::TensorView& blob,
   memory src_user(e->src_user, eng, DataOf(x));
   memory dst_user(e->dst_user, eng, DataOf(out));
   memory src = e->reorder_src ? memory(e->src, eng, s.src.get(e->src.get_size())) : src_user;
-  memory dst = e->reorder_dst ? memory(e->dst, eng, s.dst.get(e->dst.get_size())) : dst_user;
+  memory dst = e->reorder_dst || h.pooled() ? memory(e->dst, eng, s.dst.get(e->dst.get_size()))
+                                            : dst_user;
   if (e->reorder_src) e->to_src.execute(stream, src_user, src);
   std::unordered_map<int, memory> margs;
   if (e->residual_arg) {  // read in place; a residual in the output's own buffer, copied first
@@ -539,6 +572,14 @@ void Run(const ffi::TensorView& x, const ffi::TensorView& blob,
   margs.insert({{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_BIAS, bias},
                 {DNNL_ARG_DST, dst}, {DNNL_ARG_SCRATCHPAD, pad}});
   e->prim.execute(stream, margs);
+  if (h.pooled()) {
+    memory pooled = e->reorder_dst ? memory(e->pooled, eng, s.pooled.get(e->pooled.get_size()))
+                                   : dst_user;
+    memory pool_pad(e->pool_scratch, eng, s.pool_pad.get(e->pool_scratch.get_size() + 64));
+    e->pool.execute(stream, {{DNNL_ARG_SRC, dst}, {DNNL_ARG_DST, pooled},
+                             {DNNL_ARG_SCRATCHPAD, pool_pad}});
+    dst = pooled;
+  }
   if (e->reorder_dst) e->from_dst.execute(stream, dst, dst_user);
   stream.wait();
 }

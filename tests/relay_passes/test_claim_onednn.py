@@ -144,6 +144,44 @@ def test_results_between_onednn_kernels_stay_nhwc():
     assert len(_onednn_nodes(res)) == sum(n.op == "tvm_op" for n in g.nodes)  # no reorder node
 
 
+def _stem_onnx(ceil_mode: int):
+    """A model's stem: x → conv+relu → max pool → conv → max pool → y. The first pool follows
+    a convolution of the model's input (absorbed into its kernel), the second one does not."""
+    rng = np.random.default_rng(3)
+    inits = [numpy_helper.from_array(rng.standard_normal((16, c, 3, 3)).astype("float32"),
+                                     f"w{i}") for i, c in enumerate((3, 16))]
+    pool = {"kernel_shape": [3, 3], "strides": [2, 2], "ceil_mode": ceil_mode}
+    nodes = [helper.make_node("Conv", ["x", "w0"], ["c0"], strides=[2, 2]),
+             helper.make_node("Relu", ["c0"], ["a"]),
+             helper.make_node("MaxPool", ["a"], ["p"], **pool),
+             helper.make_node("Conv", ["p", "w1"], ["c1"], pads=[1] * 4),
+             helper.make_node("MaxPool", ["c1"], ["y"], **pool)]
+    graph = helper.make_graph(nodes, "stem", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, [1, 3, 33, 33])], [helper.make_tensor_value_info(
+            "y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+@needs_onednn
+@pytest.mark.parametrize("ceil_mode", [0, 1])
+def test_a_max_pool_after_a_convolution_of_the_input_runs_in_its_kernel(ceil_mode):
+    res = _check(_stem_onnx(ceil_mode))
+    g = res.graph
+    first, second = _onednn_nodes(res)
+    assert first.attrs["onednn_op"] == "conv2d+relu+max_pool"
+    assert first.attrs["onednn_layouts"] == "plain, acdb"
+    # conv: 33 -> 16; pool: 16 -> 7, or 8 with ceil mode (a window past the end: the bottom
+    # and right pads grown); N, H, W, C between the kernels
+    side = 7 + ceil_mode
+    assert g.shapes[g.entry_id(g.nodes.index(first))] == (1, side, side, 16)
+    assert second.attrs["onednn_op"] == "conv2d"  # its pool: a kernel of its own
+    assert len(_by_func(res, "pool")) == 1
+
+
+def _by_func(res, name):
+    return [n for n in res.graph.nodes if n.func_name == f"hgrt.onednn.{name}"]
+
+
 @needs_onednn
 @settings(max_examples=12, deadline=None)
 @given(st.integers(1, 3), st.integers(1, 3), st.sampled_from([1, 3, 5]), st.integers(1, 2),
