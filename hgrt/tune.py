@@ -78,8 +78,7 @@ def tuning_tasks(mod: tvm.IRModule, target: tvm.target.Target | str) -> list:
     mine = tuning_db.functions_for(mod, target)
     stripped = mod.clone()
     for name, f in prim_funcs(mod).items():
-        if "target" in (f.attrs or {}):
-            stripped.update_func(stripped.get_global_var(name), f.without_attr("target"))
+        stripped.update_func(stripped.get_global_var(name), tuning_db.as_recorded(f))
     bare = [tuning_db.bare_func(f) for f in mine.values()]
     return [t for t in ms.relax_integration.extract_tasks(stripped, target)
             if t.task_name in mine or any(tvm_ffi.structural_equal(

@@ -97,8 +97,9 @@ def find_composites(g: Any) -> dict[relax.Var, Composite]:
             and user.var.same_as(reader) and _shape(var) is not None
         return value if ok else None
 
-    def scalar(call: relax.Call, reader: relax.Var) -> tuple[relax.Var, float] | None:
-        """(the variable, the constant) of ``var * c`` / ``var + c`` in either order."""
+    def scalar(call: relax.Call) -> tuple[relax.Var, float] | None:
+        """(the variable, the constant) of ``var * c``, ``var + c`` (either order), ``var ** c``
+        (the caller checks the order)."""
         for a, b in (call.args, call.args[::-1]):
             c = g.value(b)
             if isinstance(a, relax.Var) and c is not None and c.size == 1:
@@ -132,7 +133,7 @@ def _lrn(end: relax.Var, divide: relax.Call, inner: Callable, scalar: Callable
             return None
         members.append(var)
         if len(consts) < 3:  # (the variable, the constant)
-            found = scalar(call, var)
+            found = scalar(call)
             if found is None or (op == "relax.power" and not call.args[0].same_as(found[0])):
                 return None
             reader, (var, c) = var, found
@@ -145,6 +146,7 @@ def _lrn(end: relax.Var, divide: relax.Call, inner: Callable, scalar: Callable
     a = pool.attrs
     size = int(a.pool_size[0])
     fits = (var.same_as(x) and all(a.same_as(x) for a in square.args)
+            and _shape(end) == _shape(x) and squeeze.attrs.axis is not None
             and [int(v) for v in squeeze.attrs.axis] == [1]
             and [int(v) for v in expand.attrs.axis] == [1]
             and [int(v) for v in a.pool_size] == [size, 1, 1] and size % 2 == 1
@@ -165,7 +167,8 @@ def _shuffle(end: relax.Var, reshape: relax.Call, inner: Callable) -> Composite 
     perm = inner(t, "relax.permute_dims", end)
     r = perm.args[0] if perm is not None else None
     split = inner(r, "relax.reshape", t)
-    if split is None or [int(v) for v in perm.attrs.axes] != [0, 2, 1, 3, 4]:
+    if split is None or perm.attrs.axes is None \
+            or [int(v) for v in perm.attrs.axes] != [0, 2, 1, 3, 4]:
         return None
     x = split.args[0]
     shape, parts = _shape(x), _shape(r)

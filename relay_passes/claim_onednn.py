@@ -5,10 +5,11 @@ op to TVM; ``"onednn"`` claims what oneDNN supports and is a ``BuildError`` wher
 run; ``"auto"`` claims where it can and otherwise says once why not. Runs after insert_copies
 (devices known, weights per device), before legalization. A chain
 
-    conv2d(x, W)  [+ per-channel weight | batch_norm]*  [+ residual]  [relu | clip]
+    conv2d(x, W)  [+ per-channel weight | batch_norm]*  [+ residual]  [relu | clip]  [max_pool]
     matmul(x, W)  [+ bias]                                             [relu | clip]
 
-on a CPU device, W a weight, each intermediate read once, becomes one
+on a CPU device, W a weight, each intermediate read once (the max pool only after a convolution
+of the model's input: a stem, run in oneDNN's blocked layout), becomes one
 ``R.call_dps_packed("hgrt.onednn.conv2d", (x, packed[, residual]), out)`` bound to the chain's
 last variable. ``packed`` is a new weight (a uint8 blob): a header (``HEADER_SLOTS``), W with
 batch norms folded in, packed once in the layout oneDNN picks on this machine, then the bias.
@@ -256,7 +257,8 @@ def _max_pool(g: _Graph, c: Chain, b: relax.VarBinding) -> bool:
     channels; the pool runs in it too, and only its 4x smaller result is reordered (squeezenet's
     stem: 370 us + a 90 us pool of NHWC vs onnxruntime's 190 us, AVX-512)."""
     a = b.value.attrs
-    if (c.kind != "conv2d" or isinstance(c.x, relax.DataflowVar) or c.residual is not None
+    if (c.kind != "conv2d" or not any(c.x.same_as(p) for p in g.func.params)
+            or c.residual is not None
             or str(a.layout) != "NCHW" or str(a.out_layout or "NCHW") != "NCHW"
             or [int(v) for v in a.dilation] != [1, 1]):
         return False

@@ -36,7 +36,7 @@ def target_key(target: tvm.target.Target) -> tuple:
 
 def bare_func(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """``func`` without the attrs that differ between a module's copy and a record's."""
-    for attr in ("global_symbol", "target", "tirx.noalias"):
+    for attr in ("global_symbol", "target", "tirx.noalias", "op_pattern"):
         if func.attrs is not None and attr in func.attrs:
             func = func.without_attr(attr)
     return func
@@ -57,10 +57,20 @@ def module_targets(mod: tvm.IRModule) -> list[tvm.target.Target]:
 
 
 def functions_for(mod: tvm.IRModule, target: tvm.target.Target) -> dict[str, tirx.PrimFunc]:
-    """PrimFuncs that run on ``target`` (their ``target`` attr, or none), attr stripped."""
+    """PrimFuncs that run on ``target`` (their ``target`` attr, or none), without the attrs
+    that records never carry: ``target``, and ``op_pattern`` (lowering adds it for the graph;
+    databases tuned before it was added still match)."""
     key = target_key(target)
-    return {name: f.without_attr("target") if func_target(f) is not None else f
-            for name, f in prim_funcs(mod).items() if target_key(func_target(f, target)) == key}
+    return {name: as_recorded(f) for name, f in prim_funcs(mod).items()
+            if target_key(func_target(f, target)) == key}
+
+
+def as_recorded(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """``func`` without the attrs a tuning record never carries (see ``functions_for``)."""
+    for attr in ("target", "op_pattern"):
+        if func.attrs is not None and attr in func.attrs:
+            func = func.without_attr(attr)
+    return func
 
 
 def open_database(db_dir: str):
@@ -232,7 +242,10 @@ def apply_database(mod: tvm.IRModule, db_dir: str, *, log: Callable[[str], None]
                 report.fallback.append(name)
                 report.default_faster.append(name)
             elif is_scheduled(f) and not tvm_ffi.structural_equal(f, mine[name]):
-                new.update_func(new.get_global_var(name), f.with_attr("target", target))
+                pattern = (mod[name].attrs or {}).get("op_pattern")
+                f = f.with_attr("target", target)
+                new.update_func(new.get_global_var(name), f if pattern is None
+                                else f.with_attr("op_pattern", pattern))
                 report.tuned[name] = _short(target)
             else:
                 report.fallback.append(name)

@@ -67,16 +67,28 @@ def bind_steps(graph: Graph, lib, storage: StoragePools) -> tuple[Step, ...]:
     return _solo_next_to_onednn(graph, steps)
 
 
+# Up to this many bytes of output, an injective kernel gains less from more threads than it
+# loses waiting for a core (measured on 2 vCPUs only: shufflenet's shuffles, 0.4-1.5 MB)
+SOLO_MAX_BYTES = 4 << 20
+
+
 def _solo_next_to_onednn(graph: Graph, steps: list[Step]) -> tuple[Step, ...]:
-    """On a device that runs oneDNN kernels, the injective TVM kernels run on their caller's
-    thread alone (``threads.solo``: oneDNN's OpenMP threads still spin on the other cores)."""
+    """On a device that runs oneDNN kernels, the small injective TVM kernels run on their
+    caller's thread alone (``threads.solo``: oneDNN's OpenMP threads still spin on the other
+    cores)."""
     def device(step: Step) -> int:
         return graph.entry_device(graph.entry_id(step.node))
+
+    def small(step: Step) -> bool:
+        node = graph.nodes[step.node]
+        return sum(graph.entry_bytes(graph.entry_id(step.node, k))
+                   for k in range(node.num_outputs)) <= SOLO_MAX_BYTES
 
     nodes = graph.nodes
     onednn = {device(s) for s in steps if nodes[s.node].func_name.startswith(ONEDNN)}
     return tuple(s._replace(func=solo(s.func))
-                 if nodes[s.node].injective and device(s) in onednn else s for s in steps)
+                 if nodes[s.node].injective and device(s) in onednn and small(s) else s
+                 for s in steps)
 
 
 class Frame:

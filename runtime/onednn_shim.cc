@@ -254,6 +254,11 @@ const Header& ReadHeader(const ffi::TensorView& blob) {
   if (h[kBiasOffset] + 4 * h[kOC] > blob.numel()) {
     TVM_FFI_THROW(ValueError) << "oneDNN: packed weights truncated";
   }
+  if (h.pooled() && (h[kKind] != kConv2d || h[kPoolKW] < 1 || h[kPoolSH] < 1 ||
+                     h[kPoolSW] < 1 || h[kPoolOH] < 1 || h[kPoolOW] < 1 || h[kPoolPadT] < 0 ||
+                     h[kPoolPadL] < 0 || h[kPoolPadB] < 0 || h[kPoolPadR] < 0)) {
+    TVM_FFI_THROW(ValueError) << "oneDNN: bad max pool in the packed weights' header";
+  }
   if (h[kDnnlVersion] != DnnlVersion()) {
     TVM_FFI_THROW(ValueError) << "oneDNN: the weights were packed by oneDNN " << h[kDnnlVersion]
                               << ", this is " << DnnlVersion()
@@ -737,7 +742,7 @@ void Shuffle(const ffi::TensorView& x, const ffi::TensorView& attrs, const ffi::
 void Lrn(const ffi::TensorView& x, const ffi::TensorView& attrs, const ffi::TensorView& out) {
   CheckTensor(attrs, "LRN attributes", DLDataType{kDLFloat, 32, 1}, 4);
   const float* a = static_cast<const float*>(DataOf(attrs));
-  int64_t size = static_cast<int64_t>(a[0]);
+  int64_t size = a[0] >= 1 && a[0] < 1e6f ? static_cast<int64_t>(a[0]) : 0;  // NaN: 0
   if (static_cast<float>(size) != a[0] || size < 1 || size % 2 == 0) {
     TVM_FFI_THROW(ValueError) << "oneDNN LRN: size must be an odd positive integer, got " << a[0];
   }

@@ -175,7 +175,7 @@ def test_tvm_kernels_beside_onednn_kernels_run_solo_when_they_only_move_elements
 
     from hgrt.runtime.frames import bind_steps
     from hgrt.runtime.pools import StoragePools
-    from hgrt.runtime.threads import set_thread_count, solo
+    from hgrt.runtime.threads import restore_thread_count, set_thread_count, solo
 
     res = _build_and_check(_branchy_onnx())
     g = res.graph
@@ -191,7 +191,10 @@ def test_tvm_kernels_beside_onednn_kernels_run_solo_when_they_only_move_elements
 
     num_threads = tvm.get_global_func("runtime.NumThreads")
     seen = []
-    set_thread_count(2)
-    solo(lambda: seen.append(num_threads()))()
-    seen.append(num_threads())
+    try:
+        set_thread_count(2)  # a share of 2 (on one core too: TVM starts the threads)
+        solo(lambda: seen.append(num_threads()))()
+        seen.append(num_threads())
+    finally:
+        restore_thread_count()
     assert seen == [1, 2]
