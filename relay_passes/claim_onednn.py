@@ -262,12 +262,7 @@ def _max_pool(g: _Graph, c: Chain, b: relax.VarBinding) -> bool:
             or str(a.layout) != "NCHW" or str(a.out_layout or "NCHW") != "NCHW"
             or [int(v) for v in a.dilation] != [1, 1]):
         return False
-    pads = [int(v) for v in a.padding]
-    c.pool = [*(int(v) for v in a.pool_size), *(int(v) for v in a.strides),
-              *(pads * 2 if len(pads) == 2 else pads)]
-    if len(c.pool) != 8:
-        c.pool = None
-        return False
+    c.pool = [*_ints(a.pool_size, 2), *_ints(a.strides, 2), *_ints(a.padding, 4)]
     c.pooled = c.end
     c.members.append(b.var)
     c.label.append("max_pool")

@@ -177,6 +177,27 @@ dnnl::primitive_attr Attributes(const Header& h) {
   return attr;
 }
 
+// oneDNN's inference pooling of `src` into `dst` (which may be `any`); dilations oneDNN's (0:
+// none). The bottom and right pads grow to what the output's size needs (TVM's ceil_mode);
+// the scratchpad is the caller's.
+dnnl::pooling_forward::primitive_desc PoolDesc(dnnl::algorithm algo, const memory::desc& src,
+                                               const memory::desc& dst,
+                                               const memory::dims& kernel,
+                                               const memory::dims& strides,
+                                               const memory::dims& dil, const memory::dims& left,
+                                               memory::dims right) {
+  memory::dims in = src.get_dims(), out = dst.get_dims();
+  for (int d = 0; d < 2; ++d) {
+    int64_t need = (out[2 + d] - 1) * strides[d] + (kernel[d] - 1) * (dil[d] + 1) + 1 -
+                   in[2 + d] - left[d];
+    right[d] = std::max(right[d], need);
+  }
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  return dnnl::pooling_forward::primitive_desc(Engine(), dnnl::prop_kind::forward_inference, algo,
+                                               src, dst, strides, kernel, dil, left, right, attr);
+}
+
 // The primitive for `h` with weights `wei` (format_tag::any at build, the packed tag at run).
 // Activations the graph holds in a layout (tag > 0: NHWC between oneDNN kernels and the TVM
 // ops that have an NHWC form) are read and written in it; plain ones are left to oneDNN (`any`)
@@ -399,19 +420,10 @@ std::shared_ptr<Entry> MakeEntry(const char* blob, std::shared_ptr<Repacked> rep
   e->reorder_src = e->src != e->src_user;
   e->reorder_dst = e->dst != e->dst_user;
   if (h.pooled()) {  // the pool runs in the layout oneDNN chose for the convolution's result
-    memory::dims kernel{h[kPoolKH], h[kPoolKW]}, strides{h[kPoolSH], h[kPoolSW]};
-    memory::dims left{h[kPoolPadT], h[kPoolPadL]}, right{h[kPoolPadB], h[kPoolPadR]};
-    memory::dims out = OutDims(h), in = DstDims(h);
-    for (int d = 0; d < 2; ++d) {  // the bottom and right pads the output's size needs
-      right[d] = std::max(right[d], (out[2 + d] - 1) * strides[d] + kernel[d] - in[2 + d] -
-                                        left[d]);
-    }
-    dnnl::primitive_attr pattr;
-    pattr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
-    dnnl::pooling_forward::primitive_desc ppd(
-        Engine(), dnnl::prop_kind::forward_inference, dnnl::algorithm::pooling_max, e->dst,
-        memory::desc(out, memory::data_type::f32, Tag::any), strides, kernel, {0, 0}, left,
-        right, pattr);
+    auto ppd = PoolDesc(dnnl::algorithm::pooling_max, e->dst,
+                        memory::desc(OutDims(h), memory::data_type::f32, Tag::any),
+                        {h[kPoolKH], h[kPoolKW]}, {h[kPoolSH], h[kPoolSW]}, {0, 0},
+                        {h[kPoolPadT], h[kPoolPadL]}, {h[kPoolPadB], h[kPoolPadR]});
     e->pool = dnnl::pooling_forward(ppd);
     e->pooled = ppd.dst_desc();
     e->pool_scratch = ppd.scratchpad_desc();
@@ -666,23 +678,13 @@ void Pool(const ffi::TensorView& x, const ffi::TensorView& attrs, const ffi::Ten
   key.insert(key.end(), o + 1, o + 3);
   key.insert(key.end(), a, a + kPoolAttrs);
   key.push_back(threads);
-  memory::desc src({s[0], s[3], s[1], s[2]}, memory::data_type::f32, Tag::nhwc);
-  memory::desc dst({o[0], o[3], o[1], o[2]}, memory::data_type::f32, Tag::nhwc);
+  memory::desc src = Nhwc(x), dst = Nhwc(out);
   auto entry = Cached<std::pair<dnnl::primitive, memory::desc>>(key, [&] {
-    memory::dims kernel{a[1], a[2]}, strides{a[3], a[4]}, dil{a[9] - 1, a[10] - 1};
-    memory::dims left{a[5], a[6]}, right{a[7], a[8]};
-    for (int d = 0; d < 2; ++d) {  // what the output's size needs
-      int64_t need = (o[1 + d] - 1) * strides[d] + (kernel[d] - 1) * (dil[d] + 1) + 1 -
-                     s[1 + d] - left[d];
-      right[d] = std::max(right[d], need);
-    }
     auto algo = a[0] == kPoolMax ? dnnl::algorithm::pooling_max
                 : a[0] == kPoolAvgIncludePad ? dnnl::algorithm::pooling_avg_include_padding
                                              : dnnl::algorithm::pooling_avg_exclude_padding;
-    dnnl::primitive_attr pattr;
-    pattr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
-    dnnl::pooling_forward::primitive_desc pd(Engine(), dnnl::prop_kind::forward_inference, algo,
-                                             src, dst, strides, kernel, dil, left, right, pattr);
+    auto pd = PoolDesc(algo, src, dst, {a[1], a[2]}, {a[3], a[4]}, {a[9] - 1, a[10] - 1},
+                       {a[5], a[6]}, {a[7], a[8]});
     return std::make_pair(dnnl::primitive(dnnl::pooling_forward(pd)), pd.scratchpad_desc());
   });
   thread_local Buffer pad;
@@ -709,9 +711,9 @@ void RunSameShape(const ffi::TensorView& x, const ffi::TensorView& out, const ch
   }
   int threads = UseBudgetThreads();
   FlushDenormals flush(threads);
-  const int64_t* s = x.shape().data();
-  key.insert(key.end(), {s[0], s[1], s[2], s[3], threads});
-  memory::desc md({s[0], s[3], s[1], s[2]}, memory::data_type::f32, Tag::nhwc);
+  key.insert(key.end(), x.shape().begin(), x.shape().end());
+  key.push_back(threads);
+  memory::desc md = Nhwc(x);
   auto prim = Cached<dnnl::primitive>(key, [&] { return make(md); });
   memory src(md, Engine(), DataOf(x)), dst(md, Engine(), DataOf(out));
   prim->execute(Stream(), {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}});
