@@ -441,10 +441,16 @@ def resolve_dl_device(dl_type: int, device_id: int, devices: list[DeviceSpec], w
 
 # ---- the host CPU ----------------------------------------------------------------------------
 
+# The process's affinity mask when hgrt is imported: a TVM thread pool that starts with TVM's
+# default mode pins its calling thread to one core, after which sched_getaffinity(0) answers 1.
+_AFFINITY = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
+
+
 def usable_cores() -> int:
-    """Cores this process may run on (its affinity mask), at least 1."""
+    """Cores this process may run on (its affinity mask, as it was when hgrt was imported, or
+    now if wider), at least 1."""
     if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
+        return max(1, _AFFINITY, len(os.sched_getaffinity(0)))
     return os.cpu_count() or 1
 
 

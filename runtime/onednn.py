@@ -33,6 +33,7 @@ import tvm
 import tvm_ffi
 
 from hgrt.errors import GraphError
+from hgrt.runtime.threads import use_all_cores
 
 __all__ = ["FUNCTIONS", "INSTALL_HINT", "implementation", "isa", "kernel_function",
            "layout_name", "load", "nhwc_tag", "pack", "unavailable_reason", "version"]
@@ -129,6 +130,10 @@ def load() -> tvm_ffi.Module:
                 _module.append(_build_and_load())
             except Exception as e:
                 raise GraphError(f"could not build the oneDNN kernels: {e}") from e
+            # the kernels size their OpenMP team by the calling thread's TVM pool, and their
+            # first call starts that pool: give TVM's pools every usable core first, as
+            # ``create`` does (a pool started before keeps TVM's default size for good)
+            use_all_cores()
     return _module[0]
 
 

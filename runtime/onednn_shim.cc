@@ -544,6 +544,39 @@ std::shared_ptr<T> Cached(const std::vector<int64_t>& key, Make make) {
   return slot;
 }
 
+// oneDNN memory handles and argument maps, per thread and primitive: made on a primitive's
+// first call on a thread, pointed at each call's buffers with set_data_handle after. Making
+// them per call cost ~0.5 us a handle (a convolution's six and its map ~3 us, as much as a
+// small convolution computes). Keyed by the owner's address; a freed owner's slot is found
+// expired and remade. Bounded as the primitive caches.
+class Args {
+ public:
+  // the handle for `arg`, made on first use with `md`, pointed at `data`
+  memory& Set(int arg, const memory::desc& md, void* data) {
+    auto it = map_.find(arg);
+    if (it == map_.end()) return map_.emplace(arg, memory(md, Engine(), data)).first->second;
+    it->second.set_data_handle(data);
+    return it->second;
+  }
+  const std::unordered_map<int, memory>& map() const { return map_; }
+
+ private:
+  std::unordered_map<int, memory> map_;
+};
+
+template <typename Owner>
+Args& BoundArgs(const std::shared_ptr<Owner>& owner, int stage = 0) {
+  thread_local std::map<std::pair<const void*, int>, std::pair<std::weak_ptr<const void>, Args>>
+      bound;
+  if (bound.size() >= kMaxEntries) bound.clear();
+  auto& slot = bound[{owner.get(), stage}];
+  if (slot.first.expired()) slot = {std::weak_ptr<const void>(owner), Args()};
+  return slot.second;
+}
+
+// the stages of a convolution kernel, each with its own arguments
+enum Stage : int { kToSrc, kConv, kResidual, kPool, kFromDst };
+
 void Run(const ffi::TensorView& x, const ffi::TensorView& blob,
          const ffi::TensorView* residual, const ffi::TensorView& out) {
   const Header& h = ReadHeader(blob);
@@ -561,43 +594,51 @@ void Run(const ffi::TensorView& x, const ffi::TensorView& blob,
     CheckTensor(*residual, "residual", kF32, static_cast<int64_t>(e->res_user.get_size() / 4));
   }
   thread_local Scratch s;
-  dnnl::engine& eng = Engine();
   dnnl::stream& stream = Stream();
-  memory src_user(e->src_user, eng, DataOf(x));
-  memory dst_user(e->dst_user, eng, DataOf(out));
-  memory src = e->reorder_src ? memory(e->src, eng, s.src.get(e->src.get_size())) : src_user;
-  memory dst = e->reorder_dst || h.pooled() ? memory(e->dst, eng, s.dst.get(e->dst.get_size()))
-                                            : dst_user;
-  if (e->reorder_src) e->to_src.execute(stream, src_user, src);
-  std::unordered_map<int, memory> margs;
+  void* src = e->reorder_src ? s.src.get(e->src.get_size()) : DataOf(x);
+  void* dst = e->reorder_dst || h.pooled() ? s.dst.get(e->dst.get_size()) : DataOf(out);
+  if (e->reorder_src) {
+    Args& a = BoundArgs(e, kToSrc);
+    a.Set(DNNL_ARG_FROM, e->src_user, DataOf(x));
+    a.Set(DNNL_ARG_TO, e->src, src);
+    e->to_src.execute(stream, a.map());
+  }
+  Args& conv = BoundArgs(e, kConv);
   if (e->residual_arg) {  // read in place; a residual in the output's own buffer, copied first
     void* res = DataOf(*residual);
-    if (res == dst.get_data_handle()) {
-      res = std::memcpy(s.res.get(e->res_user.get_size()), res, e->res_user.get_size());
-    }
-    margs.insert({e->residual_arg, memory(e->res_user, eng, res)});
+    if (res == dst) res = std::memcpy(s.res.get(e->res_user.get_size()), res, e->res_user.get_size());
+    conv.Set(e->residual_arg, e->res_user, res);
   } else if (e->reorder_res) {
-    memory res(e->res_user, eng, DataOf(*residual));
-    e->residual_to_dst.execute(stream, res, dst);
-  } else if (residual && DataOf(*residual) != dst.get_data_handle()) {  // same layout: copy
-    std::memcpy(dst.get_data_handle(), DataOf(*residual), e->dst.get_size());
+    Args& a = BoundArgs(e, kResidual);
+    a.Set(DNNL_ARG_FROM, e->res_user, DataOf(*residual));
+    a.Set(DNNL_ARG_TO, e->dst, dst);
+    e->residual_to_dst.execute(stream, a.map());
+  } else if (residual && DataOf(*residual) != dst) {  // same layout: copy
+    std::memcpy(dst, DataOf(*residual), e->dst.get_size());
   }
   char* weights = e->repacked ? e->repacked->base : base;
-  memory wei(e->wei, eng, weights + e->layout[kWeiOffset]);
-  memory bias(e->bias, eng, weights + e->layout[kBiasOffset]);
-  memory pad(e->scratch, eng, s.pad.get(e->scratch.get_size() + 64));
-  margs.insert({{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_BIAS, bias},
-                {DNNL_ARG_DST, dst}, {DNNL_ARG_SCRATCHPAD, pad}});
-  e->prim.execute(stream, margs);
+  conv.Set(DNNL_ARG_SRC, e->src, src);
+  conv.Set(DNNL_ARG_WEIGHTS, e->wei, weights + e->layout[kWeiOffset]);
+  conv.Set(DNNL_ARG_BIAS, e->bias, weights + e->layout[kBiasOffset]);
+  conv.Set(DNNL_ARG_DST, e->dst, dst);
+  conv.Set(DNNL_ARG_SCRATCHPAD, e->scratch, s.pad.get(e->scratch.get_size() + 64));
+  e->prim.execute(stream, conv.map());
   if (h.pooled()) {
-    memory pooled = e->reorder_dst ? memory(e->pooled, eng, s.pooled.get(e->pooled.get_size()))
-                                   : dst_user;
-    memory pool_pad(e->pool_scratch, eng, s.pool_pad.get(e->pool_scratch.get_size() + 64));
-    e->pool.execute(stream, {{DNNL_ARG_SRC, dst}, {DNNL_ARG_DST, pooled},
-                             {DNNL_ARG_SCRATCHPAD, pool_pad}});
+    void* pooled = e->reorder_dst ? s.pooled.get(e->pooled.get_size()) : DataOf(out);
+    Args& a = BoundArgs(e, kPool);
+    a.Set(DNNL_ARG_SRC, e->dst, dst);
+    a.Set(DNNL_ARG_DST, e->pooled, pooled);
+    a.Set(DNNL_ARG_SCRATCHPAD, e->pool_scratch,
+          s.pool_pad.get(e->pool_scratch.get_size() + 64));
+    e->pool.execute(stream, a.map());
     dst = pooled;
   }
-  if (e->reorder_dst) e->from_dst.execute(stream, dst, dst_user);
+  if (e->reorder_dst) {
+    Args& a = BoundArgs(e, kFromDst);
+    a.Set(DNNL_ARG_FROM, h.pooled() ? e->pooled : e->dst, dst);
+    a.Set(DNNL_ARG_TO, e->dst_user, DataOf(out));
+    e->from_dst.execute(stream, a.map());
+  }
   stream.wait();
 }
 
@@ -639,13 +680,12 @@ void Concat(ffi::PackedArgs args) {
     for (size_t i = 0; i + 1 < ts.size(); ++i) srcs.push_back(Nhwc(ts[i]));
     return dnnl::concat(dnnl::concat::primitive_desc(Engine(), Nhwc(out), 1, srcs));
   });
-  std::unordered_map<int, memory> margs;
+  Args& a = BoundArgs(prim);
   for (size_t i = 0; i + 1 < ts.size(); ++i) {
-    margs.insert({DNNL_ARG_MULTIPLE_SRC + static_cast<int>(i),
-                  memory(Nhwc(ts[i]), Engine(), DataOf(ts[i]))});
+    a.Set(DNNL_ARG_MULTIPLE_SRC + static_cast<int>(i), Nhwc(ts[i]), DataOf(ts[i]));
   }
-  margs.insert({DNNL_ARG_DST, memory(Nhwc(out), Engine(), DataOf(out))});
-  prim->execute(Stream(), margs);
+  a.Set(DNNL_ARG_DST, Nhwc(out), DataOf(out));
+  prim->execute(Stream(), a.map());
   Stream().wait();
 }
 
@@ -688,10 +728,11 @@ void Pool(const ffi::TensorView& x, const ffi::TensorView& attrs, const ffi::Ten
     return std::make_pair(dnnl::primitive(dnnl::pooling_forward(pd)), pd.scratchpad_desc());
   });
   thread_local Buffer pad;
-  memory msrc(src, Engine(), DataOf(x)), mdst(dst, Engine(), DataOf(out));
-  memory mpad(entry->second, Engine(), pad.get(entry->second.get_size() + 64));
-  entry->first.execute(Stream(), {{DNNL_ARG_SRC, msrc}, {DNNL_ARG_DST, mdst},
-                                  {DNNL_ARG_SCRATCHPAD, mpad}});
+  Args& args = BoundArgs(entry);
+  args.Set(DNNL_ARG_SRC, src, DataOf(x));
+  args.Set(DNNL_ARG_DST, dst, DataOf(out));
+  args.Set(DNNL_ARG_SCRATCHPAD, entry->second, pad.get(entry->second.get_size() + 64));
+  entry->first.execute(Stream(), args.map());
   Stream().wait();
 }
 
@@ -715,8 +756,10 @@ void RunSameShape(const ffi::TensorView& x, const ffi::TensorView& out, const ch
   key.push_back(threads);
   memory::desc md = Nhwc(x);
   auto prim = Cached<dnnl::primitive>(key, [&] { return make(md); });
-  memory src(md, Engine(), DataOf(x)), dst(md, Engine(), DataOf(out));
-  prim->execute(Stream(), {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}});
+  Args& args = BoundArgs(prim);
+  args.Set(DNNL_ARG_SRC, md, DataOf(x));
+  args.Set(DNNL_ARG_DST, md, DataOf(out));
+  prim->execute(Stream(), args.map());
   Stream().wait();
 }
 
@@ -780,8 +823,10 @@ void ToNchw(const ffi::TensorView& x, const ffi::TensorView& out) {
   auto prim = Cached<dnnl::reorder>({o[0], o[1], o[2], o[3], UseBudgetThreads()}, [&] {
     return dnnl::reorder(dnnl::reorder::primitive_desc(Engine(), from, Engine(), to));
   });
-  memory src(from, Engine(), DataOf(x)), dst(to, Engine(), DataOf(out));
-  prim->execute(Stream(), src, dst);
+  Args& args = BoundArgs(prim);
+  args.Set(DNNL_ARG_FROM, from, DataOf(x));
+  args.Set(DNNL_ARG_TO, to, DataOf(out));
+  prim->execute(Stream(), args.map());
   Stream().wait();
 }
 

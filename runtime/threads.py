@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from dataclasses import dataclass
 
 import tvm
@@ -42,6 +43,8 @@ os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", str(SPIN_COUNT))
 os.environ.setdefault("GOMP_SPINCOUNT", str(SPIN_COUNT))
 
 _config_threadpool = tvm.get_global_func("runtime.config_threadpool")
+_num_threads = tvm.get_global_func("runtime.NumThreads")
+_warned: list[bool] = []
 # TVM's kSpecifyThreadShareAllCore: the pool's threads may run on every core listed. (kBig
 # pins a 1-thread pool's caller to core 0: two callers or streams then share one core.)
 _SHARE_ALL_CORES = -3
@@ -69,13 +72,23 @@ def set_thread_count(n: int) -> None:
     if getattr(_local, "threads", None) != n:
         _config_threadpool(_SHARE_ALL_CORES, int(n), _CPUS)
         _local.threads = n
+        got = _num_threads()
+        if got < n and not _warned:
+            # TVM sizes a thread's pool once, when it starts (TVM_NUM_THREADS, else its own
+            # default: one thread on a 2-vCPU VM); configuring asks for no more than that
+            _warned.append(True)
+            warnings.warn(f"this thread's TVM pool runs {got} thread(s), not {n}: TVM sized it "
+                          f"when it started (TVM_NUM_THREADS, else TVM's default; a parallel "
+                          f"TVM kernel run before hgrt.create starts it early); set "
+                          f"TVM_NUM_THREADS before the first kernel",
+                          RuntimeWarning, stacklevel=2)
 
 
 def restore_thread_count() -> None:
     """This thread's pool at ``process_threads()``: set once per thread, and again after hgrt
-    changed it. (Not only after a change: a pool TVM started before ``use_all_cores`` -- a
-    parallel kernel run while building, say -- keeps TVM's own default, one thread on a 2-vCPU
-    VM, and plain runs were measured at half speed on it.)"""
+    changed it. (A pool TVM started before ``use_all_cores`` -- a parallel kernel run before
+    ``create`` -- cannot grow past TVM's own default, one thread on a 2-vCPU VM: plain runs
+    were measured at half speed on it; ``set_thread_count`` warns.)"""
     if getattr(_local, "threads", None) != process_threads():
         set_thread_count(process_threads())
 

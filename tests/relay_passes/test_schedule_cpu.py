@@ -130,6 +130,28 @@ def test_runtime_gives_tvm_every_usable_core_at_create_not_at_import():
     assert int(out[-1]) == 1
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or os.cpu_count() > 2 *
+                    len(os.sched_getaffinity(0)), reason="TVM's default pool must be smaller "
+                    "than the usable cores (half the hardware threads, on a 2-vCPU VM: 1 of 2)")
+def test_a_pool_tvm_started_too_small_is_reported_not_silently_half_speed():
+    env = {k: v for k, v in os.environ.items() if k != "TVM_NUM_THREADS"}
+    code = ("import warnings, tvm\n"
+            "from hgrt.runtime import threads\n"
+            "n = tvm.get_global_func('runtime.NumThreads')()  # a kernel started the pool\n"
+            "threads.use_all_cores()  # what create does, too late for this thread\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    threads.restore_thread_count()\n"
+            "print(n, threads.process_threads(), len(w), w[0].message if w else '')")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.split(maxsplit=3)
+    started, wanted, warned = int(out[0]), int(out[1]), int(out[2])
+    assert wanted == len(os.sched_getaffinity(0))
+    assert (warned == 1) == (started < wanted), out
+    if warned:
+        assert "TVM_NUM_THREADS" in out[3] and f"runs {started} thread" in out[3]
+
+
 @pytest.mark.parametrize("stride, pad, window", [(2, 1, True), (1, 1, False), (2, 0, False)])
 def test_strided_padded_pools_read_their_input_without_a_padded_copy(stride, pad, window):
     """resnet50's 3x3/2 max pool (pad 1) reads its input directly (the pad folded into the
