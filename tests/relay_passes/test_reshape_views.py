@@ -1,0 +1,77 @@
+"""Reshapes that cost nothing: two in a row are one, and one that makes a model's output from
+a kernel's result is a view (``__nop``), not a copying kernel."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import tvm
+from onnx import TensorProto, helper, numpy_helper
+
+import hgrt
+from hgrt.graph import NOP_FUNC
+
+
+def _model(only_reshape: bool = False):
+    """x -> softmax -> reshape (2,3,4) -> reshape (6,4) -> softmax -> reshape (24,) = y (a
+    softmax fuses no reshape after it); or y = reshape(x, (24,))"""
+    shapes = {"s1": [2, 3, 4], "s2": [6, 4], "s3": [24]}
+    inits = [numpy_helper.from_array(np.array(v, "int64"), k) for k, v in shapes.items()]
+    nodes = [helper.make_node("Reshape", ["x", "s3"], ["y"])] if only_reshape else [
+        helper.make_node("Softmax", ["x"], ["a"]),
+        helper.make_node("Reshape", ["a", "s1"], ["b"]),
+        helper.make_node("Reshape", ["b", "s2"], ["c"]),
+        helper.make_node("Softmax", ["c"], ["d"]),
+        helper.make_node("Reshape", ["d", "s3"], ["y"])]
+    graph = helper.make_graph(nodes, "reshapes", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, [4, 6])], [helper.make_tensor_value_info(
+            "y", TensorProto.FLOAT, [24])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+def _build(model):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return hgrt.build(model, ["cpu"])
+
+
+def test_reshapes_in_a_row_and_the_output_reshape_are_views():
+    res = _build(_model())
+    g = res.graph
+    kernels = [n.func_name for n in g.nodes if n.op == "tvm_op" and n.func_name != NOP_FUNC]
+    assert len(kernels) == 2 and not [k for k in kernels if "reshape" in k], kernels
+    assert sum(n.func_name == NOP_FUNC for n in g.nodes) == 2  # the merged pair, the output
+    m = hgrt.create(res.graph_json, res.lib, tvm.cpu(0))
+    m.load_params(res.params)
+    x = np.random.default_rng(0).standard_normal((4, 6)).astype("float32")
+    outs = []
+    for sign in (1, -1):  # two runs: the output view follows the new bytes
+        m.set_input(x=sign * x)
+        m.run()
+        outs.append(m.get_output(0).numpy())
+    for sign, out in zip((1, -1), outs, strict=True):
+        assert out.shape == (24,)
+        want = _softmax(_softmax(sign * x).reshape(6, 4)).reshape(24)
+        np.testing.assert_allclose(out, want, rtol=1e-6)
+
+
+def _softmax(a: np.ndarray) -> np.ndarray:
+    e = np.exp(a - a.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def test_an_output_reshape_of_the_input_itself_stays_a_copy():
+    """Reshape(x) as the output: a view would hand the caller the input's own buffer."""
+    res = _build(_model(only_reshape=True))
+    g = res.graph
+    (out_eid,) = [g.entry_id(n, i) for n, i, *_ in g.heads]
+    assert g.alias_roots()[out_eid] == out_eid  # its own bytes, written by a kernel
+    assert g.nodes[g.node_of_entry(out_eid)].func_name != NOP_FUNC
+    m = hgrt.create(res.graph_json, res.lib, tvm.cpu(0))
+    x = np.arange(24, dtype="float32").reshape(4, 6)
+    m.set_input(x=x)
+    m.run()
+    out = m.get_output(0)
+    m.set_input(x=-x)  # a new input leaves the last output alone
+    np.testing.assert_array_equal(out.numpy(), x.reshape(24))
