@@ -113,7 +113,8 @@ def build(model: Any, devices: Any, placement: Placement | None = None,
     ``"memory_slack": None``), ``{"single_stream": True}`` for none (everything in node order).
     ``kernels``: who computes convolutions and dense layers on x86-64 CPUs: ``"onednn"``
     (the ``onednn`` extra; a BuildError without it), ``"tvm"``, or ``"auto"``: oneDNN where it
-    is installed and runs the op (the placement report's ``kernels`` column says who got it).
+    is installed and runs the op, unless the model is too small to pay for its per-call cost
+    (``claim_onednn.AUTO_MIN_MACS``; the placement report's ``kernels`` column says who got it).
     """
     start = time.perf_counter()
     if target is not None:  # DeviceSpecs carrying their targets

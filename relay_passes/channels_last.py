@@ -394,7 +394,12 @@ class Rewriter:
             if expr not in self.plan.nhwc:
                 return expr
             if expr not in self.plain:
-                nchw = relax.op.call_dps_packed(TO_NCHW, relax.Tuple([self.new[expr]]), expr.ty)
+                n, c, h, w = _shape(expr)
+                if h == 1 and w == 1:  # N,1,1,C is N,C,1,1 byte for byte: a view, no reorder
+                    nchw = relax.op.reshape(self.new[expr], (n, c, h, w))
+                else:
+                    nchw = relax.op.call_dps_packed(TO_NCHW, relax.Tuple([self.new[expr]]),
+                                                    expr.ty)
                 self.plain[expr] = self.emit(nchw, f"{expr.name}_nchw")
             return self.plain[expr]
         if isinstance(expr, relax.Tuple):

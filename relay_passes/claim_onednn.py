@@ -64,6 +64,11 @@ POST_OP = {"relu": 1, "clip": 2, "sum": 3}
 FUNC_NAME = {"conv2d": "hgrt.onednn.conv2d", "dense": "hgrt.onednn.dense"}
 _log = logging.getLogger("hgrt.build")
 _said: set[str] = set()
+# "auto" leaves a model to TVM when all it would claim is fewer multiply-adds than this: a
+# oneDNN call costs ~4.5 us where a small TVM kernel takes ~1.5 us, and a lone convolution
+# adds reorders at its plain input and output (2 vCPUs, AVX-512: 16->16 3x3 on 8x8, 147k
+# multiply-adds, 6.0 us TVM vs 9.3 us oneDNN; 32->32 3x3 on 16x16, 2.4M, 28.6 vs 28.6 us)
+AUTO_MIN_MACS = 1 << 21
 
 
 @dataclass
@@ -87,6 +92,12 @@ class Chain:
     @property
     def end(self) -> relax.Var:
         return self.members[-1]
+
+    @property
+    def macs(self) -> int:
+        """Multiply-adds of the convolution or dense layer (without its post-ops)."""
+        out = _shape(self.root.var) or ()
+        return int(np.prod(out)) * (self.weight.size // max(self.weight.shape[0], 1))
 
 
 class _Graph:
@@ -485,6 +496,11 @@ def claim_onednn(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     g = _Graph(func, ctx)
     chains = find_chains(g)
     if not chains:
+        return mod
+    macs = sum(c.macs for c in chains)
+    if ctx.options.kernels == "auto" and macs < AUTO_MIN_MACS:
+        ctx.log(f"kernels: tvm (auto: the {len(chains)} ops oneDNN could take are {macs} "
+                f"multiply-adds, below {AUTO_MIN_MACS}: its per-call cost would outweigh them)")
         return mod
     emitter = _Emitter(g, chains, runtime)
     position = {b.var: i for i, b in enumerate(bindings(func))}

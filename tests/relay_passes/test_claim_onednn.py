@@ -279,6 +279,22 @@ def test_light_models_equal_the_reference(name):
 
 # ---- the choice, and oneDNN missing -----------------------------------------------------------
 
+@needs_onednn
+def test_auto_leaves_a_model_too_small_for_onednn_to_tvm(caplog):
+    """conv_onnx's 8 -> 16 3x3 on 9x9 is 93k multiply-adds: a oneDNN call would cost more than
+    TVM's kernel; ``kernels="onednn"`` still claims it, and a model as large as the limit is
+    claimed by ``auto``."""
+    small = conv_onnx()
+    with caplog.at_level(logging.DEBUG, logger="hgrt.build"):
+        auto = _check(small, kernels="auto")
+    assert not _onednn_nodes(auto) and {r.kernels for r in auto.placement_report} == {"tvm"}
+    assert any("per-call cost" in r.message for r in caplog.records)
+    assert _onednn_nodes(_check(small, kernels="onednn"))
+    big = conv_onnx(c=32, oc=32, hw=16)  # 2.4M multiply-adds
+    assert 32 * 32 * 9 * 16 * 16 >= claim.AUTO_MIN_MACS
+    assert _onednn_nodes(_check(big, kernels="auto"))
+
+
 @pytest.fixture
 def no_onednn(monkeypatch):
     reason = f"oneDNN not installed: {onednn.INSTALL_HINT}"
