@@ -447,10 +447,11 @@ _AFFINITY = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") els
 
 
 def usable_cores() -> int:
-    """Cores this process may run on (its affinity mask, as it was when hgrt was imported, or
-    now if wider), at least 1."""
+    """Cores this process may run on: its affinity mask; when that is one core, the mask when
+    hgrt was imported (TVM's pinning, not the user's choice), at least 1."""
     if hasattr(os, "sched_getaffinity"):
-        return max(1, _AFFINITY, len(os.sched_getaffinity(0)))
+        now = len(os.sched_getaffinity(0))
+        return max(1, _AFFINITY if now == 1 else now)
     return os.cpu_count() or 1
 
 

@@ -319,9 +319,7 @@ class Plan:
             return None
 
         def build(rw: Rewriter) -> relax.Expr:
-            params = rw.weight((out, "pool"), f"{out.name}.pool", attrs, x.ty.vdevice)
-            return relax.op.call_dps_packed(POOL, relax.Tuple([rw.new[x], params]),
-                                            nhwc_type(out))
+            return rw.pool(x, (out, "pool"), f"{out.name}.pool", attrs, nhwc_type(out))
         return build, True
 
     def _mean(self, call: relax.Call, x: relax.Var) -> tuple[Builder, bool] | None:
@@ -337,10 +335,8 @@ class Plan:
         attrs = np.array([1, h, w, 1, 1, 0, 0, 0, 0, 1, 1], "int64")
 
         def build(rw: Rewriter) -> relax.Expr:
-            params = rw.weight((x, "mean"), f"{x.name}.mean", attrs, x.ty.vdevice)
-            pooled = relax.op.call_dps_packed(
-                POOL, relax.Tuple([rw.new[x], params]),
-                relax.TensorType((n, 1, 1, c), "float32", x.ty.vdevice))
+            pooled = rw.pool(x, (x, "mean"), f"{x.name}.mean", attrs,
+                             relax.TensorType((n, 1, 1, c), "float32", x.ty.vdevice))
             return relax.op.reshape(rw.emit(pooled, "mean_nhwc"), shape)
         return build, False
 
@@ -380,6 +376,12 @@ class Rewriter:
         if key not in self.weights:
             self.weights[key] = self.plan.new_weight(name, value, vdevice)
         return self.weights[key]
+
+    def pool(self, x: relax.Var, key: tuple[relax.Expr, str], name: str, attrs: np.ndarray,
+             out: relax.TensorType) -> relax.Expr:
+        """oneDNN's pool of the NHWC form of ``x``; ``attrs`` (POOL_ATTRS) a new weight."""
+        params = self.weight(key, name, attrs, x.ty.vdevice)
+        return relax.op.call_dps_packed(POOL, relax.Tuple([self.new[x], params]), out)
 
     def item(self, tup: relax.Var, index: int) -> relax.Expr | None:
         """Item ``index`` of the rewritten tuple ``tup`` (a dropout's item 0 is its input)."""

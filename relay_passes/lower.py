@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import numpy as np
 import tvm
 from tvm import relax
 
@@ -78,32 +79,54 @@ def merge_reshapes(mod: tvm.IRModule, _ctx=None) -> tvm.IRModule:
                     return relax.op.reshape(inner.args[0], call.args[1])
             return call
 
+    out = mod.clone()
     for gv, func in mod.functions.items():
         if isinstance(func, relax.Function):
-            mod[gv] = _Merge(mod).visit_expr(func)
-    return mod
+            out[gv] = _Merge(mod).visit_expr(func)
+    return out
 
 
 @tvm.transform.module_pass(opt_level=0, name="hgrt.ReshapeOutputsAsViews")
 def reshape_outputs_as_views(mod: tvm.IRModule, _ctx=None) -> tvm.IRModule:
-    """A reshape kernel that RewriteDataflowReshape leaves (it rewrites only inside dataflow
-    blocks: not the reshape that makes a model's output, as squeezenet's last (1,1000) ->
-    (1,1000,1,1)) becomes a view too when its input is made by a kernel: a graph output may be
-    a view (the planner keeps the bytes to the end). Its input a parameter of ``main`` (an
-    input or a weight), it stays a copy: an output must not be the caller's own buffer."""
+    """A reshape kernel that RewriteDataflowReshape leaves because it makes an output of the
+    dataflow block (squeezenet's last (1,1000) -> (1,1000,1,1), the model's output) becomes a
+    view too: a graph output may be a view (the planner keeps its bytes to the end, the
+    executor copies a viewed output out). Only such outputs, with TVM's own test (a reshape
+    pattern, one tensor read) and one dtype and element count in and out; not when the bytes
+    are an input's or a weight's (through views): ``set_input`` would change the output."""
     main = mod["main"]
     params = set(main.params)
     funcs = prim_funcs(mod)
+    reshape = tvm.ir.Op.get("relax.reshape")
+    viewed: dict[relax.Var, relax.Expr] = {}  # a view's input, to find whose bytes it is
     swap: dict[relax.Var, relax.Expr] = {}
+
+    def root(v: relax.Expr) -> relax.Expr:
+        while isinstance(v, relax.Var) and v in viewed:
+            v = viewed[v]
+        return v
+
+    def numel(ty: relax.Type) -> int | None:
+        values = getattr(getattr(ty, "shape", None), "values", None)
+        dims = [getattr(d, "value", None) for d in values] if values is not None else [None]
+        return None if None in dims else int(np.prod(dims, dtype=np.int64))
+
     for b in bindings(main):
         call = b.value
-        if op_name(call) != CALL_TIR or not isinstance(call.args[0], tvm.ir.GlobalVar):
+        if isinstance(call, relax.Call) and call.op.same_as(reshape):
+            viewed[b.var] = call.args[0]
+            continue
+        if (isinstance(b.var, relax.DataflowVar) or op_name(call) != CALL_TIR
+                or not isinstance(call.args[0], tvm.ir.GlobalVar)):
             continue
         func = funcs.get(call.args[0].name_hint)
         args = list(call.args[1].fields) if isinstance(call.args[1], relax.Tuple) else []
         if (func is None or len(args) != 1 or len(func.params) != 2
-                or not isinstance(args[0], relax.Var) or args[0] in params
-                or not isinstance(b.var.ty, relax.TensorType) or b.var.ty.shape is None
+                or not isinstance(args[0], relax.Var) or root(args[0]) in params
+                or not isinstance(b.var.ty, relax.TensorType)
+                or not isinstance(args[0].ty, relax.TensorType)
+                or str(b.var.ty.dtype) != str(args[0].ty.dtype)
+                or numel(b.var.ty) is None or numel(b.var.ty) != numel(args[0].ty)
                 or not relax.analysis.has_reshape_pattern(func)):
             continue
         swap[b.var] = relax.op.reshape(args[0], b.var.ty.shape)
@@ -119,7 +142,7 @@ def reshape_outputs_as_views(mod: tvm.IRModule, _ctx=None) -> tvm.IRModule:
             else:
                 super().visit_var_binding_(binding)
 
-    out = mod.clone() if hasattr(mod, "clone") else tvm.IRModule(dict(mod.functions))
+    out = mod.clone()
     out["main"] = _Swap(mod).visit_expr(main)
     return relax.transform.DeadCodeElimination(["main"])(out)
 

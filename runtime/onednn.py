@@ -126,14 +126,14 @@ def load() -> tvm_ffi.Module:
             reason = unavailable_reason()
             if reason is not None:
                 raise GraphError(f"{reason}; or rebuild the model with kernels='tvm'")
-            try:
-                _module.append(_build_and_load())
-            except Exception as e:
-                raise GraphError(f"could not build the oneDNN kernels: {e}") from e
             # the kernels size their OpenMP team by the calling thread's TVM pool, and their
             # first call starts that pool: give TVM's pools every usable core first, as
             # ``create`` does (a pool started before keeps TVM's default size for good)
             use_all_cores()
+            try:
+                _module.append(_build_and_load())
+            except Exception as e:
+                raise GraphError(f"could not build the oneDNN kernels: {e}") from e
     return _module[0]
 
 

@@ -548,14 +548,15 @@ std::shared_ptr<T> Cached(const std::vector<int64_t>& key, Make make) {
 // first call on a thread, pointed at each call's buffers with set_data_handle after. Making
 // them per call cost ~0.5 us a handle (a convolution's six and its map ~3 us, as much as a
 // small convolution computes). Keyed by the owner's address; a freed owner's slot is found
-// expired and remade. Bounded as the primitive caches.
+// expired and remade, and dropped when the cache is full (a live owner's slots never are: a
+// caller may hold a reference into them while asking for another stage).
 class Args {
  public:
   // the handle for `arg`, made on first use with `md`, pointed at `data`
   memory& Set(int arg, const memory::desc& md, void* data) {
     auto it = map_.find(arg);
     if (it == map_.end()) return map_.emplace(arg, memory(md, Engine(), data)).first->second;
-    it->second.set_data_handle(data);
+    if (it->second.get_data_handle() != data) it->second.set_data_handle(data);
     return it->second;
   }
   const std::unordered_map<int, memory>& map() const { return map_; }
@@ -568,7 +569,11 @@ template <typename Owner>
 Args& BoundArgs(const std::shared_ptr<Owner>& owner, int stage = 0) {
   thread_local std::map<std::pair<const void*, int>, std::pair<std::weak_ptr<const void>, Args>>
       bound;
-  if (bound.size() >= kMaxEntries) bound.clear();
+  if (bound.size() >= kMaxEntries) {  // only the freed owners' slots: a caller may hold the rest
+    for (auto it = bound.begin(); it != bound.end();) {
+      it = it->second.first.expired() ? bound.erase(it) : std::next(it);
+    }
+  }
   auto& slot = bound[{owner.get(), stage}];
   if (slot.first.expired()) slot = {std::weak_ptr<const void>(owner), Args()};
   return slot.second;

@@ -55,8 +55,8 @@ _local = threading.local()
 
 def use_all_cores() -> None:
     """Before TVM's first parallel kernel: give its pools every usable core, unless the user
-    set ``TVM_NUM_THREADS``. (A pool started earlier is resized by ``restore_thread_count``
-    at the next run.)"""
+    set ``TVM_NUM_THREADS``. (A pool started earlier keeps the size TVM gave it;
+    ``set_thread_count`` warns.)"""
     os.environ.setdefault("TVM_NUM_THREADS", str(usable_cores()))
 
 
@@ -77,10 +77,10 @@ def set_thread_count(n: int) -> None:
             # TVM sizes a thread's pool once, when it starts (TVM_NUM_THREADS, else its own
             # default: one thread on a 2-vCPU VM); configuring asks for no more than that
             _warned.append(True)
-            warnings.warn(f"this thread's TVM pool runs {got} thread(s), not {n}: TVM sized it "
-                          f"when it started (TVM_NUM_THREADS, else TVM's default; a parallel "
-                          f"TVM kernel run before hgrt.create starts it early); set "
-                          f"TVM_NUM_THREADS before the first kernel",
+            warnings.warn(f"this thread's TVM pool runs {got} thread(s), not {n}: TVM sizes a "
+                          f"pool once, when it starts (TVM_NUM_THREADS, else TVM's default; a "
+                          f"parallel TVM kernel run before hgrt.create starts it early), and "
+                          f"never above that; set TVM_NUM_THREADS before the first kernel",
                           RuntimeWarning, stacklevel=2)
 
 
