@@ -133,18 +133,25 @@ def reshape_outputs_as_views(mod: tvm.IRModule, _ctx=None) -> tvm.IRModule:
     if not swap:
         return mod
 
+    out = mod.clone()
+    out["main"] = rebound(mod, main, swap)
+    return relax.transform.DeadCodeElimination(["main"])(out)
+
+
+def rebound(mod: tvm.IRModule, func: relax.Function,
+            values: dict[relax.Var, relax.Expr]) -> relax.Function:
+    """``func`` with each variable of ``values`` bound to its new value instead."""
+
     @relax.expr_functor.mutator
     class _Swap(relax.PyExprMutator):
         def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-            if binding.var in swap:
-                value = self.builder_.normalize(swap[binding.var])
+            if binding.var in values:
+                value = self.builder_.normalize(values[binding.var])
                 self.builder_.emit_normalized(relax.VarBinding(binding.var, value))
             else:
                 super().visit_var_binding_(binding)
 
-    out = mod.clone()
-    out["main"] = _Swap(mod).visit_expr(main)
-    return relax.transform.DeadCodeElimination(["main"])(out)
+    return _Swap(mod).visit_expr(func)
 
 
 OPAQUE = 8  # TVM's kOpaque: FuseOps fuses nothing into or after such a call
@@ -183,17 +190,8 @@ def keep_device_joins_apart(mod: tvm.IRModule, _ctx=None) -> tvm.IRModule:
         gv = bb.add_func(func, f"{call.args[0].name_hint}_join")
         replaced[var] = relax.Call(call.op, [gv, *call.args[1:]], call.attrs, call.ty_args)
 
-    @relax.expr_functor.mutator
-    class _Swap(relax.PyExprMutator):
-        def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-            if binding.var in replaced:
-                value = self.builder_.normalize(replaced[binding.var])
-                self.builder_.emit_normalized(relax.VarBinding(binding.var, value))
-            else:
-                super().visit_var_binding_(binding)
-
     out = bb.get()
-    out["main"] = _Swap(out).visit_expr(main)
+    out["main"] = rebound(out, main, replaced)
     return out
 
 
