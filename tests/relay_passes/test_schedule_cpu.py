@@ -113,20 +113,25 @@ def test_build_schedules_every_cpu_kernel_for_this_host():
             assert "T.parallel(" in f.script(), name
 
 
-def test_runtime_gives_tvm_every_usable_core_at_create_not_at_import():
+def _child(code: str, threads: str | None = None) -> str:
+    """``code``'s stdout, run by a fresh Python with TVM_NUM_THREADS unset (or ``threads``)."""
     env = {k: v for k, v in os.environ.items() if k != "TVM_NUM_THREADS"}
+    if threads is not None:
+        env["TVM_NUM_THREADS"] = threads
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, check=True).stdout
+
+
+def test_runtime_gives_tvm_every_usable_core_at_create_not_at_import():
     code = ("import os, hgrt, tvm; from hgrt.testing import GraphBuilder, elementwise_lib\n"
             "print(os.environ.get('TVM_NUM_THREADS', 'unset'))\n"
             "g = GraphBuilder(); g.output(g.op('add_one', [g.input('x')]))\n"
             "hgrt.create(g.json(), elementwise_lib(), tvm.cpu(0))\n"
             "print(tvm.get_global_func('runtime.NumThreads')())")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True).stdout.split()
+    out = _child(code).split()
     assert out[-2] == "unset"  # importing hgrt leaves the user's environment alone
     assert int(out[-1]) == len(os.sched_getaffinity(0))
-    env["TVM_NUM_THREADS"] = "1"  # the user's choice is kept
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True).stdout.split()
+    out = _child(code, threads="1").split()  # the user's choice is kept
     assert int(out[-1]) == 1
 
 
@@ -134,7 +139,6 @@ def test_runtime_gives_tvm_every_usable_core_at_create_not_at_import():
                     len(os.sched_getaffinity(0)), reason="TVM's default pool must be smaller "
                     "than the usable cores (half the hardware threads, on a 2-vCPU VM: 1 of 2)")
 def test_a_pool_tvm_started_too_small_is_reported_not_silently_half_speed():
-    env = {k: v for k, v in os.environ.items() if k != "TVM_NUM_THREADS"}
     code = ("import warnings, tvm\n"
             "from hgrt.runtime import threads\n"
             "n = tvm.get_global_func('runtime.NumThreads')()  # a kernel started the pool\n"
@@ -143,8 +147,7 @@ def test_a_pool_tvm_started_too_small_is_reported_not_silently_half_speed():
             "    warnings.simplefilter('always')\n"
             "    threads.restore_thread_count()\n"
             "print(n, threads.process_threads(), len(w), w[0].message if w else '')")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True).stdout.split(maxsplit=3)
+    out = _child(code).split(maxsplit=3)
     started, wanted, warned = int(out[0]), int(out[1]), int(out[2])
     assert wanted == len(os.sched_getaffinity(0))
     assert (warned == 1) == (started < wanted), out
