@@ -158,14 +158,16 @@ def cmd_tune(args: argparse.Namespace) -> int:
     summaries = tune(args.model, args.db, args.trials_per_task, devices=args.device,
                      placement=_placement(args),
                      input_shapes=_input_shapes(args.input_shape) or None,
-                     cost_model=args.cost_model, verify=not args.no_verify)
+                     cost_model=args.cost_model, kernels=args.kernels,
+                     verify=not args.no_verify)
     for s in summaries:
         print(f"{s.target}: {s.tasks} tasks, {len(s.trials)} tuned now, "
               f"{len(s.skipped)} done before, {s.seconds:.0f} s")
     same = [f"--device {d}" for d in args.device]
     same += [f"--place {p}" for p in args.place or []]
     same += [f"--override {o}" for o in args.override or []]
-    same += [f"--{k} {v}" for k, v in (("prefer", args.prefer), ("fallback", args.fallback)) if v]
+    same += [f"--{k} {v}" for k, v in (("prefer", args.prefer), ("fallback", args.fallback),
+                                       ("kernels", args.kernels)) if v and v != "auto"]
     same += [f"--input-shape {i}" for i in args.input_shape or []]
     print(f"database {args.db}/ written in {time.perf_counter() - t0:.0f} s; build with "
           f"`hgrt compile {args.model} {' '.join(same)} --tuning-db {args.db} -o OUT`")
@@ -253,9 +255,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "cpu and cuda; default: this host)")
     c.add_argument("--cc", help="the compiler that links lib.so (default: this host's, or the "
                                 "cross compiler of the target's triple, aarch64-linux-gnu-g++)")
-    c.add_argument("--kernels", choices=("auto", "tvm", "onednn"), default="auto",
-                   help="who computes convolutions and dense layers on x86-64 CPUs (default "
-                        "auto: oneDNN where the onednn extra is installed)")
     c.add_argument("-o", "--output", required=True, help="artifact directory")
     c.set_defaults(func=cmd_compile)
 
@@ -330,6 +329,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefer", help="device for ops no rule places")
     p.add_argument("--fallback", help="device for ops the preferred device cannot run")
     p.add_argument("--input-shape", action="append", metavar="NAME=D0,D1,...")
+    p.add_argument("--kernels", choices=("auto", "tvm", "onednn"), default="auto",
+                   help="who computes convolutions and dense layers on x86-64 CPUs (default "
+                        "auto: oneDNN where the onednn extra is installed; tune leaves what "
+                        "oneDNN computes untuned)")
 
 
 def main(argv: list[str] | None = None) -> int:

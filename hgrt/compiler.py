@@ -38,7 +38,7 @@ __all__ = ["BuildResult", "Placement", "build", "lower_model"]
 PASSES: tuple = (
     ("place_devices", place_devices),
     ("insert_copies", insert_copies),
-    ("claim_onednn", claim_onednn),  # kernels="tvm" (lower_model's default) leaves all to TVM
+    ("claim_onednn", claim_onednn),  # lower_model's default kernels="tvm" leaves all to TVM
     ("legalize_and_fuse", legalize_and_fuse),
     ("assign_targets", assign_targets),  # lower_model stops here unscheduled: what is tuned
     ("apply_tuning", apply_tuning),
@@ -137,7 +137,8 @@ def build(model: Any, devices: Any, placement: Placement | None = None,
 def lower_model(model: Any, devices: Any = "cpu", placement: Placement | None = None,
                 params: dict[str, Any] | None = None, *,
                 input_shapes: dict[str, Any] | None = None, schedule: bool = False,
-                tuning_db: str | None = None, cuda_arch: str = DEFAULT_CUDA_ARCH,
+                tuning_db: str | None = None, kernels: str = "tvm",
+                cuda_arch: str = DEFAULT_CUDA_ARCH,
                 verbose: bool = False) -> tuple[tvm.IRModule, dict[str, np.ndarray]]:
     """The placed, fused module of ``build`` before its library is built, and its weights by
     ``main`` parameter name.
@@ -146,9 +147,11 @@ def lower_model(model: Any, devices: Any = "cpu", placement: Placement | None = 
     ``target`` of its device, so the structural hashes and targets of its kernels are the ones
     ``build(..., tuning_db=)`` looks up. With ``schedule=True`` the kernels are the ones
     ``build`` compiles (tuned from ``tuning_db``, else default), e.g. to hand to the Relax VM.
+    ``kernels``: as ``build``'s; the default ``"tvm"`` leaves every op to TVM kernels (the Relax
+    VM runs no oneDNN kernel), ``"auto"`` / ``"onednn"`` leave out the ops oneDNN computes.
     """
     mod, ctx = _context(model, devices, placement, params, input_shapes, cuda_arch, verbose)
-    ctx.options = LoweringOptions(tuning_db)
+    ctx.options = LoweringOptions(tuning_db, kernels=kernels, onednn=onednn)
     last = "schedule_gpu" if schedule else "assign_targets"
     mod = run_passes(mod, ctx, PASSES[:[n for n, _ in PASSES].index(last) + 1])
     w = ctx.weights

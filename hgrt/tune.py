@@ -35,10 +35,11 @@ from hgrt.api import create
 from hgrt.compiler import build, lower_model
 from hgrt.errors import BuildError
 from hgrt.relay_passes import tuning_db
-from hgrt.relay_passes.relax_util import prim_funcs
+from hgrt.relay_passes.relax_util import CALL_DPS_PACKED, bindings, callee, op_name, prim_funcs
 from hgrt.relay_passes.schedule_cpu import default_schedule_trace
 
-__all__ = ["TuneSummary", "fuse_for_tuning", "tune", "tuning_tasks", "verify_in_model"]
+__all__ = ["TuneSummary", "fuse_for_tuning", "onednn_calls", "tune", "tuning_tasks",
+           "verify_in_model"]
 
 # registered in each builder worker by _builder_initializer: tvm.build without the
 # `import tvm.s_tir.tensor_intrin` of MetaSchedule's default_build (~46 s per worker here)
@@ -58,14 +59,23 @@ def _builder_initializer() -> None:
 
 def fuse_for_tuning(model: Any, devices: Any = "cpu", placement: Any = None,
                     params: dict[str, Any] | None = None, *,
-                    input_shapes: dict[str, Any] | None = None) -> tvm.IRModule:
+                    input_shapes: dict[str, Any] | None = None,
+                    kernels: str = "auto") -> tvm.IRModule:
     """A model (ONNX path / ModelProto, Relax IRModule) → the placed, fused module ``build``
-    schedules (``hgrt.compiler.lower_model``): same passes, same devices and placement, so the
-    functions, their structural hashes and targets are the ones ``build`` looks up.
-    A module that is already fused is returned as it is."""
+    schedules (``hgrt.compiler.lower_model``): same passes, same devices, placement and kernel
+    provider (``kernels``, as ``build``'s: the ops oneDNN computes are no TVM kernels, so there
+    is nothing of them to tune), so the functions, their structural hashes and targets are the
+    ones ``build`` looks up. A module that is already fused is returned as it is."""
     if isinstance(model, tvm.IRModule) and prim_funcs(model):
         return model
-    return lower_model(model, devices, placement, params, input_shapes=input_shapes)[0]
+    return lower_model(model, devices, placement, params, input_shapes=input_shapes,
+                       kernels=kernels)[0]
+
+
+def onednn_calls(mod: tvm.IRModule) -> int:
+    """How many calls of ``mod``'s ``main`` go to oneDNN kernels (no TVM kernel to tune)."""
+    return sum(1 for b in bindings(mod["main"]) if op_name(b.value) == CALL_DPS_PACKED
+               and callee(b.value)[1].get("provider") == "onednn")
 
 
 def tuning_tasks(mod: tvm.IRModule, target: tvm.target.Target | str) -> list:
@@ -240,7 +250,8 @@ def tune(model: Any, db_dir: str, trials_per_task: int = 16, *, devices: Any = "
          input_shapes: dict[str, Any] | None = None, trials_per_round: int = 16,
          population_size: int = 128, builder_timeout_sec: float = 60.0,
          max_workers: int | None = None, seed: int = 0, cost_model: str = "auto",
-         verify: bool = True, log: Callable[[str], None] | None = print) -> list[TuneSummary]:
+         kernels: str = "auto", verify: bool = True,
+         log: Callable[[str], None] | None = print) -> list[TuneSummary]:
     """Tune every distinct kernel of ``model`` placed on ``devices`` into ``db_dir``.
 
     ``model``: an ONNX model or Relax IRModule, placed and fused as ``hgrt.build`` does with
@@ -252,13 +263,20 @@ def tune(model: Any, db_dir: str, trials_per_task: int = 16, *, devices: Any = "
     one by more than the measurement noise. ``cost_model``: ``"xgb"`` (needs xgboost, the
     ``tune`` extra: it learns from each round of ``trials_per_round`` which candidates to
     measure next), ``"random"``, or ``"auto"`` (xgb when xgboost is installed).
+    ``kernels``: the provider the model will be built with (``build``'s ``kernels``; default
+    ``"auto"``, as ``build``'s): what oneDNN computes there is not tuned, and a database tuned
+    with ``"tvm"`` covers a build with any provider.
     ``verify``: then time each tuned kernel inside the model against the default schedule and
     keep the default where it is faster there (``verify_in_model``).
     """
     log = log or (lambda _m: None)
     if cost_model == "auto":
         cost_model = "xgb" if importlib.util.find_spec("xgboost") else "random"
-    mod = fuse_for_tuning(model, devices, placement, params, input_shapes=input_shapes)
+    mod = fuse_for_tuning(model, devices, placement, params, input_shapes=input_shapes,
+                          kernels=kernels)
+    if onednn_calls(mod):
+        log(f"kernels={kernels}: {onednn_calls(mod)} calls go to oneDNN and are not tuned "
+            f"(tune with kernels='tvm' to tune every op)")
     targets = tuning_db.module_targets(mod)
     if not targets:
         raise BuildError("nothing to tune: the module's kernels carry no target")
@@ -268,7 +286,7 @@ def tune(model: Any, db_dir: str, trials_per_task: int = 16, *, devices: Any = "
     summaries = [tuner.target(mod, target) for target in targets]
     if verify:
         verify_in_model(model, db_dir, devices=devices, placement=placement, params=params,
-                        input_shapes=input_shapes, fused=mod, log=log)
+                        input_shapes=input_shapes, fused=mod, kernels=kernels, log=log)
     return summaries
 
 
@@ -276,7 +294,7 @@ def verify_in_model(model: Any, db_dir: str, *, devices: Any = "cpu", placement:
                     params: dict[str, Any] | None = None,
                     input_shapes: dict[str, Any] | None = None, repeat: int = 20,
                     margin: float = 0.02, fused: tvm.IRModule | None = None,
-                    log: Callable[[str], None] | None = print
+                    kernels: str = "auto", log: Callable[[str], None] | None = print
                     ) -> dict[str, tuple[float, float]]:
     """Time every tuned kernel inside the model against its default schedule; where the tuned
     one is slower (by more than ``margin``), record that the default wins, so that
@@ -288,18 +306,19 @@ def verify_in_model(model: Any, db_dir: str, *, devices: Any = "cpu", placement:
     the default they beat in isolation). Both builds are profiled with hgrt's profiler (median
     of ``repeat`` runs per node) on the local devices. Returns name -> (default µs, tuned µs)
     summed over the kernel's calls; nothing is done for models that are not all on CPUs.
-    ``fused``: the model's ``fuse_for_tuning`` module when the caller has it already.
+    ``fused``: the model's ``fuse_for_tuning`` module when the caller has it already;
+    ``kernels``: the provider both builds use (``build``'s).
     """
     log = log or (lambda _m: None)
     if isinstance(model, tvm.IRModule) and prim_funcs(model):
         log("verify: given an already fused module, not a model: nothing to build and re-time")
         return {}
     mod = fused if fused is not None else fuse_for_tuning(
-        model, devices, placement, params, input_shapes=input_shapes)
+        model, devices, placement, params, input_shapes=input_shapes, kernels=kernels)
     if any(t.kind.name != "llvm" for t in tuning_db.module_targets(mod)):
         log("verify: not every device is a CPU; tuned kernels are not re-timed in the model")
         return {}
-    kwargs = {"params": params, "input_shapes": input_shapes}
+    kwargs = {"params": params, "input_shapes": input_shapes, "kernels": kernels}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         default = build(model, devices, placement, **kwargs)

@@ -22,7 +22,7 @@ from hgrt.relay_passes.tuning_db import (
     module_targets,
 )
 from hgrt.testing import run_lowered_vm
-from hgrt.tune import fuse_for_tuning, tune, tuning_tasks, verify_in_model
+from hgrt.tune import fuse_for_tuning, onednn_calls, tune, tuning_tasks, verify_in_model
 
 TARGET = host_target()
 
@@ -210,3 +210,58 @@ def test_a_kernel_slower_in_the_model_keeps_the_default_schedule(tuned):
         assert name in everything.tuned
     finally:
         progress.set_default_wins(saved)
+
+
+def _conv_sigmoid():
+    """x → Conv + bias → Relu → Sigmoid: oneDNN can take the conv and relu, not the sigmoid."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(2)
+    inits = [numpy_helper.from_array(rng.standard_normal((16, 8, 3, 3)).astype("float32"), "w"),
+             numpy_helper.from_array(rng.standard_normal(16).astype("float32"), "b")]
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"]), helper.make_node("Sigmoid", ["r"], ["y"])]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 9, 9])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    graph = helper.make_graph(nodes, "conv_sigmoid", [x], [y], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+def _needs_onednn():
+    from hgrt.runtime import onednn
+
+    if onednn.unavailable_reason():
+        pytest.skip(f"oneDNN unavailable: {onednn.unavailable_reason()}")
+
+
+def test_what_onednn_computes_is_not_tuned():
+    """Tuning follows the kernel provider of the build: a conv that oneDNN computes is no task
+    (it would be tuned for nothing), the same conv left to TVM is."""
+    _needs_onednn()
+    model = _conv_sigmoid()
+    with_tvm = fuse_for_tuning(model, kernels="tvm")
+    with_onednn = fuse_for_tuning(model, kernels="onednn")
+    assert onednn_calls(with_tvm) == 0 and onednn_calls(with_onednn) >= 1
+    tvm_tasks = [t.task_name for t in tuning_tasks(with_tvm, TARGET)]
+    onednn_tasks = [t.task_name for t in tuning_tasks(with_onednn, TARGET)]
+    assert any("conv2d" in n for n in tvm_tasks), tvm_tasks
+    assert onednn_tasks and not any("conv2d" in n for n in onednn_tasks), onednn_tasks
+    assert any("sigmoid" in n for n in onednn_tasks), onednn_tasks
+
+
+def test_tune_with_onednn_kernels_tunes_and_verifies_the_rest(tmp_path):
+    _needs_onednn()
+    model, lines = _conv_sigmoid(), []
+    summary = tune(model, str(tmp_path), trials_per_task=1, kernels="onednn",
+                   log=lines.append)[0]
+    assert summary.tasks == len(tuning_tasks(fuse_for_tuning(model, kernels="onednn"), TARGET))
+    assert not any("conv2d" in n for n in summary.trials), summary.trials
+    assert any("go to oneDNN and are not tuned" in line for line in lines), lines
+    assert any(line.startswith("verify in the model") for line in lines), lines
+    # the database builds a oneDNN model: its TVM kernels tuned, its conv still oneDNN's
+    res = hgrt.build(model, ["cpu"], kernels="onednn", tuning_db=str(tmp_path))
+    assert res.tuning.tuned and not any("conv2d" in n for n in res.tuning.tuned)
+    assert any((n.func_name or "").startswith("hgrt.onednn.") for n in res.graph.nodes)
+    x = np.random.default_rng(3).standard_normal((1, 8, 9, 9)).astype("float32")
+    ref = hgrt.build(model, ["cpu"], kernels="tvm")
+    np.testing.assert_allclose(_run(res, {"x": x}), _run(ref, {"x": x}), rtol=1e-4, atol=1e-4)
