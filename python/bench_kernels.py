@@ -1,16 +1,18 @@
 """Kernel quality on CPU: light squeezenet / resnet50 (random weights) built by hgrt with
 unscheduled kernels, with the default CPU schedule, and with a tuned database, against
-onnxruntime's CPU provider at the same thread count, in one process.
+onnxruntime's CPU provider at the same thread count, in one process. The tuned build has TVM
+kernels only, so its database is tuned with ``--kernels tvm`` (``hgrt tune``'s default, like
+``compile``'s, leaves what oneDNN computes untuned):
 
-    hgrt zoo squeezenet -o sq.onnx && hgrt tune sq.onnx --device cpu --db tuning/sq
+    hgrt zoo squeezenet -o sq.onnx && hgrt tune sq.onnx --device cpu --kernels tvm --db tuning/sq
     python python/bench_kernels.py --models squeezenet --db squeezenet=tuning/sq
 
 The databases behind BENCHMARKS.md (64 trials per task; 19 min for squeezenet, 21 min for
 resnet50 on 2 cores):
 
-    hgrt zoo squeezenet -o sq.onnx && hgrt tune sq.onnx --device cpu --db tuning/squeezenet
+    hgrt zoo squeezenet -o sq.onnx && hgrt tune sq.onnx --device cpu --kernels tvm --db tuning/squeezenet
         --trials-per-task 64
-    hgrt zoo resnet50 -o r50.onnx && hgrt tune r50.onnx --device cpu --db tuning/resnet50
+    hgrt zoo resnet50 -o r50.onnx && hgrt tune r50.onnx --device cpu --kernels tvm --db tuning/resnet50
         --trials-per-task 64
 
 With the ``onednn`` extra installed, ``--kernels tvm onednn`` (the default then) adds a build
