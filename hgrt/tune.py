@@ -264,8 +264,9 @@ def tune(model: Any, db_dir: str, trials_per_task: int = 16, *, devices: Any = "
     ``tune`` extra: it learns from each round of ``trials_per_round`` which candidates to
     measure next), ``"random"``, or ``"auto"`` (xgb when xgboost is installed).
     ``kernels``: the provider the model will be built with (``build``'s ``kernels``; default
-    ``"auto"``, as ``build``'s): what oneDNN computes there is not tuned, and a database tuned
-    with ``"tvm"`` covers a build with any provider.
+    ``"auto"``, as ``build``'s): what oneDNN computes there is not tuned. Tune with the provider
+    you build with: the TVM kernels left in a oneDNN build are not all those of a TVM-only
+    build (the ops between oneDNN kernels run on NHWC tensors there).
     ``verify``: then time each tuned kernel inside the model against the default schedule and
     keep the default where it is faster there (``verify_in_model``).
     """
