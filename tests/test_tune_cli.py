@@ -27,14 +27,16 @@ def test_tune_compile_run(tmp_path, capsys):
     w = _matmul_model(model)
     db = str(tmp_path / "db")
     assert main(["tune", model, "--device", "cpu", "--db", db, "--trials-per-task", "2",
-                 "--cost-model", "random"]) == 0
+                 "--cost-model", "random", "--kernels", "tvm"]) == 0
     out = capsys.readouterr().out
     assert "task 1/1" in out and "default schedule" in out and "--tuning-db" in out
+    assert "--kernels tvm --tuning-db" in out  # the build it tells of uses the same kernels
     assert os.path.exists(os.path.join(db, "database_tuning_record.json"))
 
     # again: nothing left to do, nothing measured
     records = open(os.path.join(db, "database_tuning_record.json")).read()
-    assert main(["tune", model, "--device", "cpu", "--db", db, "--trials-per-task", "2"]) == 0
+    assert main(["tune", model, "--device", "cpu", "--db", db, "--trials-per-task", "2",
+                 "--kernels", "tvm"]) == 0
     assert "done before" in capsys.readouterr().out
     assert open(os.path.join(db, "database_tuning_record.json")).read() == records
 
