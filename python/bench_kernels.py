@@ -7,13 +7,13 @@ kernels only, so its database is tuned with ``--kernels tvm`` (``hgrt tune``'s d
     hgrt zoo squeezenet -o sq.onnx && hgrt tune sq.onnx --device cpu --kernels tvm --db tuning/sq
     python python/bench_kernels.py --models squeezenet --db squeezenet=tuning/sq
 
-The databases behind BENCHMARKS.md (64 trials per task; 19 min for squeezenet, 21 min for
+The databases behind BENCHMARKS.md (64 trials per task; 14 min for squeezenet, 20 min for
 resnet50 on 2 cores):
 
-    hgrt zoo squeezenet -o sq.onnx && hgrt tune sq.onnx --device cpu --kernels tvm --db tuning/squeezenet
-        --trials-per-task 64
-    hgrt zoo resnet50 -o r50.onnx && hgrt tune r50.onnx --device cpu --kernels tvm --db tuning/resnet50
-        --trials-per-task 64
+    hgrt zoo squeezenet -o sq.onnx && hgrt tune sq.onnx --device cpu --kernels tvm
+        --db tuning/squeezenet --trials-per-task 64
+    hgrt zoo resnet50 -o r50.onnx && hgrt tune r50.onnx --device cpu --kernels tvm
+        --db tuning/resnet50 --trials-per-task 64
 
 With the ``onednn`` extra installed, ``--kernels tvm onednn`` (the default then) adds a build
 whose convolutions and dense layers are oneDNN kernels (``hgrt.build(..., kernels="onednn")``);
