@@ -2,9 +2,10 @@
 ``build(..., tuning_db=)`` reads back (``hgrt.relay_passes.tuning_db``).
 
 >>> tune("model.onnx", "tuning/", trials_per_task=16, devices=["cpu:0", "cpu:1"],
-...      placement=hgrt.Placement(rules={"nn.conv2d": "cpu:1"}))  # doctest: +SKIP
+...      placement=hgrt.Placement(rules={"nn.conv2d": "cpu:1"}),
+...      kernels="tvm")  # doctest: +SKIP
 task 1/18 fused_conv2d_add_relu (weight 1): 16 trials (16 in db), best 0.412 ms
->>> res = hgrt.build("model.onnx", ["cpu:0", "cpu:1"], placement,
+>>> res = hgrt.build("model.onnx", ["cpu:0", "cpu:1"], placement, kernels="tvm",
 ...                  tuning_db="tuning/")  # doctest: +SKIP
 >>> print(res.tuning.summary())  # doctest: +SKIP
 tuned 18 of 38 kernels from tuning/; 20 fall back to the default schedule (...)
@@ -275,8 +276,9 @@ def tune(model: Any, db_dir: str, trials_per_task: int = 16, *, devices: Any = "
         cost_model = "xgb" if importlib.util.find_spec("xgboost") else "random"
     mod = fuse_for_tuning(model, devices, placement, params, input_shapes=input_shapes,
                           kernels=kernels)
-    if onednn_calls(mod):
-        log(f"kernels={kernels}: {onednn_calls(mod)} calls go to oneDNN and are not tuned "
+    claimed = onednn_calls(mod)
+    if claimed:
+        log(f"kernels={kernels}: {claimed} calls go to oneDNN and are not tuned "
             f"(tune with kernels='tvm' to tune every op)")
     targets = tuning_db.module_targets(mod)
     if not targets:

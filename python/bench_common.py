@@ -163,9 +163,10 @@ def hgrt_outputs(m) -> list[np.ndarray]:
 
 def vm_on_hgrt_kernels(model, inputs: dict[str, np.ndarray], tuning_db: str | None = None,
                        target: dict | None = None) -> Callable[[], list[np.ndarray]]:
-    """The Relax VM running the very kernels ``hgrt.build(model, ["cpu"], target=target)``
-    compiles (same fusion, same schedules, same CPU target), so a latency ratio compares the
-    runtimes and nothing else."""
+    """The Relax VM running the very kernels ``hgrt.build(model, ["cpu"], target=target,
+    kernels="tvm")`` compiles (same fusion, same schedules, same CPU target), so a latency
+    ratio compares the runtimes and nothing else. ``tuning_db``: one tuned with ``hgrt tune
+    --kernels tvm`` (the VM runs no oneDNN kernel)."""
     import tvm
     from tvm import relax
 

@@ -259,7 +259,10 @@ def test_tune_with_onednn_kernels_tunes_and_verifies_the_rest(tmp_path):
     assert any("go to oneDNN and are not tuned" in line for line in lines), lines
     assert any(line.startswith("verify in the model") for line in lines), lines
     # the database builds a oneDNN model: its TVM kernels tuned, its conv still oneDNN's
-    res = hgrt.build(model, ["cpu"], kernels="onednn", tuning_db=str(tmp_path))
+    # (tuning_verdicts=False: whether a ~1 us sigmoid tuned beats its default in the model is
+    # timing; verify_in_model's own test covers the verdicts)
+    res = hgrt.build(model, ["cpu"], kernels="onednn", tuning_db=str(tmp_path),
+                     tuning_verdicts=False)
     assert res.tuning.tuned and not any("conv2d" in n for n in res.tuning.tuned)
     assert any((n.func_name or "").startswith("hgrt.onednn.") for n in res.graph.nodes)
     x = np.random.default_rng(3).standard_normal((1, 8, 9, 9)).astype("float32")

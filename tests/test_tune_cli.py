@@ -38,6 +38,11 @@ def test_tune_compile_run(tmp_path, capsys):
     assert main(["tune", model, "--device", "cpu", "--db", db, "--trials-per-task", "2",
                  "--kernels", "tvm"]) == 0
     assert "done before" in capsys.readouterr().out
+    # the default provider (auto) leaves this small matmul to TVM too: the same task, done;
+    # the build it tells of needs no --kernels (compile's default is the same)
+    assert main(["tune", model, "--device", "cpu", "--db", db, "--trials-per-task", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "done before" in out and "--kernels" not in out.split("build with")[-1]
     assert open(os.path.join(db, "database_tuning_record.json")).read() == records
 
     art = str(tmp_path / "out")
