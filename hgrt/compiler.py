@@ -145,8 +145,9 @@ def lower_model(model: Any, devices: Any = "cpu", placement: Placement | None = 
 
     Unscheduled (the default) it is what ``hgrt tune`` tunes (given tune's ``kernels``): each
     PrimFunc carries the ``target`` of its device, so the structural hashes and targets of its
-    kernels are the ones ``build(..., tuning_db=)`` looks up. With ``schedule=True`` the kernels are the ones
-    ``build`` compiles (tuned from ``tuning_db``, else default), e.g. to hand to the Relax VM.
+    kernels are the ones ``build(..., tuning_db=)`` looks up. With ``schedule=True`` the
+    kernels are the ones ``build`` compiles (tuned from ``tuning_db``, else default), e.g. to
+    hand to the Relax VM.
     ``kernels``: as ``build``'s; the default ``"tvm"`` leaves every op to TVM kernels (the Relax
     VM runs no oneDNN kernel), ``"auto"`` / ``"onednn"`` leave out the ops oneDNN computes.
     """
