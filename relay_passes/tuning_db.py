@@ -34,12 +34,21 @@ def target_key(target: tvm.target.Target) -> tuple:
             str(a["arch"]) if "arch" in a else "")
 
 
-def bare_func(func: tirx.PrimFunc) -> tirx.PrimFunc:
-    """``func`` without the attrs that differ between a module's copy and a record's."""
-    for attr in ("global_symbol", "target", "tirx.noalias", "op_pattern"):
+# attrs a tuning record never carries: lowering adds them (``op_pattern`` for the graph; a
+# database tuned before it was added still matches)
+_NOT_RECORDED = ("target", "op_pattern")
+
+
+def _without(func: tirx.PrimFunc, attrs: tuple[str, ...]) -> tirx.PrimFunc:
+    for attr in attrs:
         if func.attrs is not None and attr in func.attrs:
             func = func.without_attr(attr)
     return func
+
+
+def bare_func(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """``func`` without the attrs that differ between a module's copy and a record's."""
+    return _without(func, ("global_symbol", "tirx.noalias", *_NOT_RECORDED))
 
 
 def kernel_key(func: tirx.PrimFunc, target: tvm.target.Target) -> str:
@@ -67,10 +76,7 @@ def functions_for(mod: tvm.IRModule, target: tvm.target.Target) -> dict[str, tir
 
 def as_recorded(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """``func`` without the attrs a tuning record never carries (see ``functions_for``)."""
-    for attr in ("target", "op_pattern"):
-        if func.attrs is not None and attr in func.attrs:
-            func = func.without_attr(attr)
-    return func
+    return _without(func, _NOT_RECORDED)
 
 
 def open_database(db_dir: str):
