@@ -40,7 +40,9 @@ NODE_ATTRS = {"func_name": r"\S+", "num_inputs": r"\d+", "num_outputs": r"\d+",
               "flatten_data": r"[01]", "op_pattern": r"\d"}
 # TVM's op pattern kinds (``op_pattern``, a kernel's): up to kInjective a kernel only maps or
 # moves elements (elementwise, broadcast, reshape, transpose, concatenate); above it reduces.
+ELEMWISE_MAX = 1  # kElemWise, kBroadcast: what FuseOps folds into the kernel before
 INJECTIVE = 2
+OPAQUE = 8  # kOpaque: FuseOps fuses nothing into or after such a call
 
 
 @dataclass

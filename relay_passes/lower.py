@@ -20,6 +20,7 @@ import tvm
 from tvm import relax
 
 from hgrt.errors import BuildError
+from hgrt.graph import ELEMWISE_MAX, OPAQUE
 from hgrt.relay_passes.context import BuildContext
 from hgrt.relay_passes.pipeline import located
 from hgrt.relay_passes.relax_util import (
@@ -152,10 +153,6 @@ def rebound(mod: tvm.IRModule, func: relax.Function,
                 super().visit_var_binding_(binding)
 
     return _Swap(mod).visit_expr(func)
-
-
-OPAQUE = 8  # TVM's kOpaque: FuseOps fuses nothing into or after such a call
-ELEMWISE_MAX = 1  # kElemWise, kBroadcast: what FuseOps would fold into the kernel before
 
 
 @tvm.transform.module_pass(opt_level=0, name="hgrt.KeepDeviceJoinsApart")

@@ -72,8 +72,8 @@ def set_thread_count(n: int) -> None:
     if getattr(_local, "threads", None) != n:
         _config_threadpool(_SHARE_ALL_CORES, int(n), _CPUS)
         _local.threads = n
-        got = _num_threads()
-        if got < n and not _warned:
+        got = n if _warned else _num_threads()
+        if got < n:
             # TVM sizes a thread's pool once, when it starts (TVM_NUM_THREADS, else its own
             # default: one thread on a 2-vCPU VM); configuring asks for no more than that
             _warned.append(True)
