@@ -64,6 +64,16 @@ TO_NCHW = relax.ExternFunc("hgrt.onednn.to_nchw").with_attr("provider", "onednn"
     .with_attr("onednn_op", "reorder").with_attr("onednn_layouts", "acdb, plain")
 
 
+def pool_window(a: Any) -> list[int] | None:
+    """A 2-D pool's window as POOL_ATTRS has it after the algorithm: kernel h, w, strides h, w,
+    pads top, left, bottom, right, dilations h, w (None: not a 2-D window)."""
+    pads = [int(v) for v in a.padding]
+    pads = pads * 2 if len(pads) == 2 else pads
+    window = [*(int(v) for v in a.pool_size), *(int(v) for v in a.strides), *pads,
+              *(int(v) for v in a.dilation)]
+    return window if len(window) == len(POOL_ATTRS) - 1 else None
+
+
 def nhwc_type(var: relax.Var) -> relax.TensorType:
     n, c, h, w = _shape(var)
     return relax.TensorType((n, h, w, c), "float32", var.ty.vdevice)
@@ -311,12 +321,10 @@ class Plan:
         if include_pad and bool(a.ceil_mode):  # windows past the pad: counted unlike TVM
             return None
         algo = 0 if name.endswith("max_pool2d") else 1 if include_pad else 2
-        pads = [int(v) for v in a.padding]
-        pads = pads * 2 if len(pads) == 2 else pads
-        attrs = np.array([algo, *(int(v) for v in a.pool_size), *(int(v) for v in a.strides),
-                          *pads, *(int(v) for v in a.dilation)], "int64")
-        if attrs.size != len(POOL_ATTRS):
+        window = pool_window(a)
+        if window is None:
             return None
+        attrs = np.array([algo, *window], "int64")
 
         def build(rw: Rewriter) -> relax.Expr:
             return rw.pool(x, (out, "pool"), f"{out.name}.pool", attrs, nhwc_type(out))

@@ -47,7 +47,10 @@ def lowering_passes() -> list[tvm.transform.Pass]:
         # inference batch_norm → elementwise ops that fuse into the convolution before it
         relax.transform.DecomposeOpsForInference("main"),
         relax.transform.CanonicalizeBindings(),  # (y, mean, var)[0] → y: relu may fuse too
-        merge_reshapes,
+        # reshape(reshape(x, a), b) -> reshape(x, b): two reshapes in a row fuse into one
+        # copying kernel that RewriteDataflowReshape does not see as a view (squeezenet's
+        # mean, kept N,C,1,1, then flattened: 28 us a run for 4 KB); one becomes a view
+        relax.transform.RemoveRedundantReshape(),
         relax.transform.DeadCodeElimination(["main"]),
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
@@ -60,31 +63,6 @@ def lowering_passes() -> list[tvm.transform.Pass]:
         relax.transform.RewriteDataflowReshape(),  # reshape kernels → views (graph "__nop")
         reshape_outputs_as_views,
     ]
-
-
-@tvm.transform.module_pass(opt_level=0, name="hgrt.MergeReshapes")
-def merge_reshapes(mod: tvm.IRModule, _ctx=None) -> tvm.IRModule:
-    """``reshape(reshape(x, a), b)`` -> ``reshape(x, b)`` (the same row-major bytes). Two
-    reshapes in a row fuse into one copying kernel that RewriteDataflowReshape does not see as
-    a view (squeezenet's mean, kept N,C,1,1, then flattened: 28 us a run for 4 KB); one
-    reshape becomes a view (``__nop``). The inner one goes if nothing else reads it."""
-    reshape = tvm.ir.Op.get("relax.reshape")
-
-    @relax.expr_functor.mutator
-    class _Merge(relax.PyExprMutator):
-        def visit_call_(self, call: relax.Call) -> relax.Expr:
-            call = super().visit_call_(call)
-            if call.op.same_as(reshape) and isinstance(call.args[0], relax.Var):
-                inner = self.lookup_binding(call.args[0])
-                if isinstance(inner, relax.Call) and inner.op.same_as(reshape):
-                    return relax.op.reshape(inner.args[0], call.args[1])
-            return call
-
-    out = mod.clone()
-    for gv, func in mod.functions.items():
-        if isinstance(func, relax.Function):
-            out[gv] = _Merge(mod).visit_expr(func)
-    return out
 
 
 @tvm.transform.module_pass(opt_level=0, name="hgrt.ReshapeOutputsAsViews")

@@ -68,7 +68,8 @@ def bind_steps(graph: Graph, lib, storage: StoragePools) -> tuple[Step, ...]:
 
 
 # Up to this many bytes of output, an injective kernel gains less from more threads than it
-# loses waiting for a core (measured on 2 vCPUs only: shufflenet's shuffles, 0.4-1.5 MB)
+# loses waiting for a core (measured on 2 vCPUs only: shufflenet's shuffles, 0.4-1.5 MB,
+# when they were TVM kernels; densenet121's batch norms, 0.1-3.2 MB)
 SOLO_MAX_BYTES = 4 << 20
 
 

@@ -21,6 +21,7 @@
 #include <tvm/ffi/string.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -548,8 +549,8 @@ std::shared_ptr<T> Cached(const std::vector<int64_t>& key, Make make) {
 // first call on a thread, pointed at each call's buffers with set_data_handle after. Making
 // them per call cost ~0.5 us a handle (a convolution's six and its map ~3 us, as much as a
 // small convolution computes). Keyed by the owner's address; a freed owner's slot is found
-// expired and remade, and dropped when the cache is full (a live owner's slots never are: a
-// caller may hold a reference into them while asking for another stage).
+// expired and remade. Freed owners' slots are dropped when the cache has doubled since the
+// last sweep (a live owner's slots never are: the caller holds a reference into them).
 class Args {
  public:
   // the handle for `arg`, made on first use with `md`, pointed at `data`
@@ -565,22 +566,26 @@ class Args {
   std::unordered_map<int, memory> map_;
 };
 
+// the stages of a convolution kernel, each with its own arguments (other kernels use one)
+enum Stage : int { kToSrc, kConv, kResidual, kPool, kFromDst, kStages };
+using StageArgs = std::array<Args, kStages>;
+
+// The argument maps of `owner`'s stages on this thread: one lookup per call.
 template <typename Owner>
-Args& BoundArgs(const std::shared_ptr<Owner>& owner, int stage = 0) {
-  thread_local std::map<std::pair<const void*, int>, std::pair<std::weak_ptr<const void>, Args>>
+StageArgs& BoundArgs(const std::shared_ptr<Owner>& owner) {
+  thread_local std::unordered_map<const void*, std::pair<std::weak_ptr<const void>, StageArgs>>
       bound;
-  if (bound.size() >= kMaxEntries) {  // only the freed owners' slots: a caller may hold the rest
+  thread_local size_t sweep_at = kMaxEntries;
+  if (bound.size() >= sweep_at) {
     for (auto it = bound.begin(); it != bound.end();) {
       it = it->second.first.expired() ? bound.erase(it) : std::next(it);
     }
+    sweep_at = std::max(kMaxEntries, 2 * bound.size());
   }
-  auto& slot = bound[{owner.get(), stage}];
-  if (slot.first.expired()) slot = {std::weak_ptr<const void>(owner), Args()};
+  auto& slot = bound[owner.get()];
+  if (slot.first.expired()) slot = {std::weak_ptr<const void>(owner), StageArgs()};
   return slot.second;
 }
-
-// the stages of a convolution kernel, each with its own arguments
-enum Stage : int { kToSrc, kConv, kResidual, kPool, kFromDst };
 
 void Run(const ffi::TensorView& x, const ffi::TensorView& blob,
          const ffi::TensorView* residual, const ffi::TensorView& out) {
@@ -600,21 +605,22 @@ void Run(const ffi::TensorView& x, const ffi::TensorView& blob,
   }
   thread_local Scratch s;
   dnnl::stream& stream = Stream();
+  StageArgs& args = BoundArgs(e);
   void* src = e->reorder_src ? s.src.get(e->src.get_size()) : DataOf(x);
   void* dst = e->reorder_dst || h.pooled() ? s.dst.get(e->dst.get_size()) : DataOf(out);
   if (e->reorder_src) {
-    Args& a = BoundArgs(e, kToSrc);
+    Args& a = args[kToSrc];
     a.Set(DNNL_ARG_FROM, e->src_user, DataOf(x));
     a.Set(DNNL_ARG_TO, e->src, src);
     e->to_src.execute(stream, a.map());
   }
-  Args& conv = BoundArgs(e, kConv);
+  Args& conv = args[kConv];
   if (e->residual_arg) {  // read in place; a residual in the output's own buffer, copied first
     void* res = DataOf(*residual);
     if (res == dst) res = std::memcpy(s.res.get(e->res_user.get_size()), res, e->res_user.get_size());
     conv.Set(e->residual_arg, e->res_user, res);
   } else if (e->reorder_res) {
-    Args& a = BoundArgs(e, kResidual);
+    Args& a = args[kResidual];
     a.Set(DNNL_ARG_FROM, e->res_user, DataOf(*residual));
     a.Set(DNNL_ARG_TO, e->dst, dst);
     e->residual_to_dst.execute(stream, a.map());
@@ -630,7 +636,7 @@ void Run(const ffi::TensorView& x, const ffi::TensorView& blob,
   e->prim.execute(stream, conv.map());
   if (h.pooled()) {
     void* pooled = e->reorder_dst ? s.pooled.get(e->pooled.get_size()) : DataOf(out);
-    Args& a = BoundArgs(e, kPool);
+    Args& a = args[kPool];
     a.Set(DNNL_ARG_SRC, e->dst, dst);
     a.Set(DNNL_ARG_DST, e->pooled, pooled);
     a.Set(DNNL_ARG_SCRATCHPAD, e->pool_scratch,
@@ -639,7 +645,7 @@ void Run(const ffi::TensorView& x, const ffi::TensorView& blob,
     dst = pooled;
   }
   if (e->reorder_dst) {
-    Args& a = BoundArgs(e, kFromDst);
+    Args& a = args[kFromDst];
     a.Set(DNNL_ARG_FROM, h.pooled() ? e->pooled : e->dst, dst);
     a.Set(DNNL_ARG_TO, e->dst_user, DataOf(out));
     e->from_dst.execute(stream, a.map());
@@ -685,7 +691,7 @@ void Concat(ffi::PackedArgs args) {
     for (size_t i = 0; i + 1 < ts.size(); ++i) srcs.push_back(Nhwc(ts[i]));
     return dnnl::concat(dnnl::concat::primitive_desc(Engine(), Nhwc(out), 1, srcs));
   });
-  Args& a = BoundArgs(prim);
+  Args& a = BoundArgs(prim)[0];
   for (size_t i = 0; i + 1 < ts.size(); ++i) {
     a.Set(DNNL_ARG_MULTIPLE_SRC + static_cast<int>(i), Nhwc(ts[i]), DataOf(ts[i]));
   }
@@ -733,7 +739,7 @@ void Pool(const ffi::TensorView& x, const ffi::TensorView& attrs, const ffi::Ten
     return std::make_pair(dnnl::primitive(dnnl::pooling_forward(pd)), pd.scratchpad_desc());
   });
   thread_local Buffer pad;
-  Args& args = BoundArgs(entry);
+  Args& args = BoundArgs(entry)[0];
   args.Set(DNNL_ARG_SRC, src, DataOf(x));
   args.Set(DNNL_ARG_DST, dst, DataOf(out));
   args.Set(DNNL_ARG_SCRATCHPAD, entry->second, pad.get(entry->second.get_size() + 64));
@@ -761,7 +767,7 @@ void RunSameShape(const ffi::TensorView& x, const ffi::TensorView& out, const ch
   key.push_back(threads);
   memory::desc md = Nhwc(x);
   auto prim = Cached<dnnl::primitive>(key, [&] { return make(md); });
-  Args& args = BoundArgs(prim);
+  Args& args = BoundArgs(prim)[0];
   args.Set(DNNL_ARG_SRC, md, DataOf(x));
   args.Set(DNNL_ARG_DST, md, DataOf(out));
   prim->execute(Stream(), args.map());
@@ -828,7 +834,7 @@ void ToNchw(const ffi::TensorView& x, const ffi::TensorView& out) {
   auto prim = Cached<dnnl::reorder>({o[0], o[1], o[2], o[3], UseBudgetThreads()}, [&] {
     return dnnl::reorder(dnnl::reorder::primitive_desc(Engine(), from, Engine(), to));
   });
-  Args& args = BoundArgs(prim);
+  Args& args = BoundArgs(prim)[0];
   args.Set(DNNL_ARG_FROM, from, DataOf(x));
   args.Set(DNNL_ARG_TO, to, DataOf(out));
   prim->execute(Stream(), args.map());
