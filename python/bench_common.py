@@ -108,13 +108,21 @@ def time_onnxruntime(model, inputs: dict[str, np.ndarray], repeat: int
     None when it is not installed. Call it last: onnxruntime's pool threads spin for a long
     while after each run (its default) and a TVM kernel started meanwhile runs up to twice as
     slow, so nothing of TVM's may be timed after it in the same process."""
+    ort_run = _ort_runner(model, inputs)
+    if ort_run is None:
+        return None
+    time.sleep(0.2)  # TVM's workers spin briefly after a parallel kernel
+    outs = ort_run()
+    return median_time(ort_run, repeat), outs
+
+
+def _ort_runner(model, inputs: dict[str, np.ndarray]) -> Callable[[], list] | None:
+    """One onnxruntime run on ``inputs`` at TVM_NUM_THREADS threads (None: not installed)."""
     sess = ort_session(model, int(os.environ.get("TVM_NUM_THREADS", "1")))
     if sess is None:
         return None
     feed = ort_feed(sess, model, inputs)
-    time.sleep(0.2)  # TVM's workers spin briefly after a parallel kernel
-    outs = sess.run(None, feed)
-    return median_time(lambda: sess.run(None, feed), repeat), outs
+    return lambda: sess.run(None, feed)
 
 
 def time_against_onnxruntime(run: Callable[[], object], model, inputs: dict[str, np.ndarray],
@@ -125,12 +133,11 @@ def time_against_onnxruntime(run: Callable[[], object], model, inputs: dict[str,
     ``repeat`` runs that take turns ``rounds`` times after a pause: after a run, onnxruntime's
     pool threads spin for a while, and so do oneDNN's OpenMP threads and TVM's pool; the one
     timed next while they spin loses a core (interleaving single runs cost hgrt 6-20 %)."""
-    sess = ort_session(model, int(os.environ.get("TVM_NUM_THREADS", "1")))
-    if sess is None:
+    ort_run = _ort_runner(model, inputs)
+    if ort_run is None:
         return None
-    feed = ort_feed(sess, model, inputs)
-    outs = sess.run(None, feed)
-    fns = {"run": run, "ort": lambda: sess.run(None, feed)}
+    outs = ort_run()
+    fns = {"run": run, "ort": ort_run}
     samples: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(rounds):
         for k, fn in fns.items():
