@@ -23,6 +23,7 @@ from hgrt.lifetimes import DeviceMemory, memory_report
 from hgrt.relay_passes.assign_streams import assign_streams
 from hgrt.relay_passes.claim_onednn import claim_onednn
 from hgrt.relay_passes.context import BuildContext, LoweringOptions, PlacementRow, Weights
+from hgrt.relay_passes.fold_batch_norm import fold_batch_norm
 from hgrt.relay_passes.graph_codegen import graph_codegen, static_shape
 from hgrt.relay_passes.insert_copies import insert_copies
 from hgrt.relay_passes.lower import assign_targets, build_library, legalize_and_fuse, schedule_gpu
@@ -39,6 +40,7 @@ PASSES: tuple = (
     ("place_devices", place_devices),
     ("insert_copies", insert_copies),
     ("claim_onednn", claim_onednn),  # lower_model's default kernels="tvm" leaves all to TVM
+    ("fold_batch_norm", fold_batch_norm),
     ("legalize_and_fuse", legalize_and_fuse),
     ("assign_targets", assign_targets),  # lower_model stops here unscheduled: what is tuned
     ("apply_tuning", apply_tuning),

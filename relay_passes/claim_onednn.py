@@ -41,7 +41,6 @@ from tvm import relax
 from hgrt.errors import BuildError
 from hgrt.relay_passes import channels_last
 from hgrt.relay_passes.context import BuildContext
-from hgrt.relay_passes.insert_copies import _identifier
 from hgrt.relay_passes.relax_util import bindings, copied_in, op_name, per_channel
 from hgrt.relay_passes.relax_util import float32_shape as _shape
 
@@ -402,12 +401,7 @@ def _new_weight(g: _Graph, pname: str, value: np.ndarray, vdevice: Any, taken: s
         pname += ".onednn"
         while pname in w.source:
             pname += "_"
-    rname = _identifier(pname, {**w.graph_names, **dict.fromkeys(taken)})
-    taken.add(rname)
-    w.graph_names[rname] = pname
-    w.source[pname] = key = f"{pname} (oneDNN)"  # a value of its own, not the model's weight
-    w.values[key] = value
-    return relax.Var(rname, relax.TensorType(value.shape, str(value.dtype), vdevice))
+    return w.new_param(pname, value, vdevice, taken, "oneDNN")
 
 
 def _blob_param(chain: Chain, blob: np.ndarray, g: _Graph, taken: set[str]) -> relax.Var:

@@ -5,6 +5,7 @@ small groups, each written by one pass (or the caller) and read by the passes af
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,29 @@ class Weights:
     values: dict[str, np.ndarray] = field(default_factory=dict)
     source: dict[str, str] = field(default_factory=dict)  # graph param -> weight it holds
     graph_names: dict[str, str] = field(default_factory=dict)  # main param -> graph node name
+
+    def new_param(self, pname: str, value: np.ndarray, vdevice: Any, taken: set[str],
+                  origin: str) -> relax.Var:
+        """A new parameter of ``main`` holding ``value``, made by a pass (``origin``), under
+        the graph name ``pname`` (a weight of that name is replaced: its value is no longer
+        the model's); ``taken``: the names ``main`` already uses, the new one added."""
+        rname = param_identifier(pname, {**self.graph_names, **dict.fromkeys(taken)})
+        taken.add(rname)
+        self.graph_names[rname] = pname
+        self.source[pname] = key = f"{pname} ({origin})"  # a value of its own
+        self.values[key] = value
+        return relax.Var(rname, relax.TensorType(value.shape, str(value.dtype), vdevice))
+
+
+def param_identifier(name: str, taken: dict[str, str]) -> str:
+    """A C identifier for a param name ("1", "w@cpu:1"): TVM names kernel arguments after it."""
+    ident = re.sub(r"\W", "_", name)
+    if not ident or ident[0].isdigit():
+        ident = f"p_{ident}"
+    base, k = ident, 1
+    while ident in taken:
+        ident, k = f"{base}_{k}", k + 1
+    return ident
 
 
 @dataclass

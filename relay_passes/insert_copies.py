@@ -19,13 +19,11 @@ Reads ``ctx.placed`` (from place_devices) and ``ctx.weights.values``; fills
 
 from __future__ import annotations
 
-import re
-
 import tvm
 from tvm import relax
 
 from hgrt.errors import BuildError
-from hgrt.relay_passes.context import BuildContext
+from hgrt.relay_passes.context import BuildContext, param_identifier
 from hgrt.relay_passes.pipeline import located
 from hgrt.relay_passes.relax_util import bindings, called, moved_to, site
 
@@ -114,17 +112,6 @@ class _Rebuilder:
         self.at[(name, dev)] = value
 
 
-def _identifier(name: str, taken: dict[str, str]) -> str:
-    """A C identifier for a param name ("1", "w@cpu:1"): TVM names kernel arguments after it."""
-    ident = re.sub(r"\W", "_", name)
-    if not ident or ident[0].isdigit():
-        ident = f"p_{ident}"
-    base, k = ident, 1
-    while ident in taken:
-        ident, k = f"{base}_{k}", k + 1
-    return ident
-
-
 def _param_devices(func: relax.Function, ctx: BuildContext) -> dict[str, list[int]]:
     """Devices that read each function param, in order of first use."""
     alias: dict[str, str] = {}
@@ -164,7 +151,7 @@ def insert_copies(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
             input_device.get(p.name, (uses[p.name] or [0])[0])]
         for k, dev in enumerate(devs):
             pname = p.name if k == 0 else f"{p.name}@{ctx.devices[dev].name}"
-            rname = _identifier(pname, weights.graph_names)
+            rname = param_identifier(pname, weights.graph_names)
             weights.graph_names[rname] = pname
             var = relax.Var(rname, relax.TensorType(p.ty.shape, p.ty.dtype, vdevices[dev]))
             params.append(var)

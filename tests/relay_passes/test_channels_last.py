@@ -98,8 +98,13 @@ def test_ops_between_onednn_kernels_run_nhwc_and_equal_the_relax_vm():
         (1, 6, 6, 16)
     assert [c.attrs["onednn_layouts"] for c in convs] == \
         ["plain, acdb"] + ["acdb, acdb"] * 3  # the model's input NCHW, the rest NHWC
-    # batch norm + relu ran NHWC (one TVM kernel), the LRN (eight ops as imported) is one
-    # oneDNN kernel on NHWC; reorders feed only the softmax and the output z
+    # batch norm + relu ran NHWC (one TVM kernel) as x * scale + shift (two per-channel
+    # weights made at build, no square root per element), the LRN (eight ops as imported) is
+    # one oneDNN kernel on NHWC; reorders feed only the softmax and the output z
+    (bn,) = [n for n in g.nodes if "relu" in (n.func_name or "") and n.op == "tvm_op"
+             and "onednn" not in n.func_name]
+    assert "sqrt" not in bn.func_name and "multiply" in bn.func_name
+    assert {"g.bn_scale", "g.bn_shift"} <= set(res.params) and "m" not in res.params
     (lrn,) = _by_func(res, "lrn")
     assert shape(lrn) == (1, 6, 6, 32)
     assert not [n for n in g.nodes if "power" in (n.func_name or "")]

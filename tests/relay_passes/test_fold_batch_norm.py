@@ -1,0 +1,102 @@
+"""fold_batch_norm: a batch norm whose statistics are weights runs as x * scale + shift (no
+square root or division per element), with TVM kernels and on two devices; one whose
+statistics arrive as inputs is left as it is; outputs equal the Relax VM's."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import hgrt
+from hgrt.testing import run_hgrt, run_relax_vm
+
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+C = 8
+
+
+def _model(stats_as_inputs: bool = False):
+    """x -> batch norm -> relu -> conv -> batch norm (no scale flag in ONNX: gamma given) = y;
+    with ``stats_as_inputs`` the first batch norm's mean and var are model inputs."""
+    rng = np.random.default_rng(0)
+    inits, inputs = [], [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, C, 6, 6])]
+
+    def vec(name, positive=False):
+        v = rng.standard_normal(C).astype("float32")
+        inits.append(numpy_helper.from_array(np.abs(v) + 0.5 if positive else v, name))
+        return name
+
+    w = rng.standard_normal((C, C, 3, 3)).astype("float32") / 9
+    inits.append(numpy_helper.from_array(w, "w"))
+    if stats_as_inputs:
+        inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, [C]) for n in ("m0", "v0")]
+        m0, v0 = "m0", "v0"
+    else:
+        m0, v0 = vec("m0"), vec("v0", True)
+    nodes = [
+        helper.make_node("BatchNormalization", ["x", vec("g0"), vec("b0"), m0, v0], ["bn0"],
+                         epsilon=1e-3),
+        helper.make_node("Relu", ["bn0"], ["r"]),
+        helper.make_node("Conv", ["r", "w"], ["c"], pads=[1] * 4),
+        helper.make_node("BatchNormalization", ["c", vec("g1"), vec("b1"), vec("m1"),
+                                                vec("v1", True)], ["y"]),
+    ]
+    graph = helper.make_graph(nodes, "bn", inputs, [helper.make_tensor_value_info(
+        "y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+def _check(model, devices, feeds):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = hgrt.build(model, devices, kernels="tvm")
+        want = run_relax_vm(model, list(feeds.values()))
+    (got,) = run_hgrt(res, feeds)
+    np.testing.assert_allclose(got, want[0], **TOL)
+    return res
+
+
+def _kernels(res) -> list[str]:
+    return [n.func_name for n in res.graph.nodes if n.op == "tvm_op"]
+
+
+@pytest.mark.parametrize("devices", [["cpu"], ["cpu:0", "cpu:1"]])
+def test_batch_norms_with_weight_statistics_become_scale_and_shift(devices):
+    """On one device each folds into its neighbour's kernel; on two (batch norms on cpu:1,
+    the rest on cpu:0) the new weights live where their batch norm runs."""
+    x = np.random.default_rng(1).standard_normal((1, C, 6, 6)).astype("float32")
+    two = len(devices) == 2
+    placement = hgrt.Placement(rules={"nn.batch_norm": "cpu:1"}, fallback="cpu:0") if two \
+        else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = hgrt.build(_model(), devices, placement, kernels="tvm")
+    (got,) = run_hgrt(res, {"x": x})
+    np.testing.assert_allclose(got, run_relax_vm(_model(), [x])[0], **TOL)
+    kernels = _kernels(res)
+    assert not [k for k in kernels if "sqrt" in k or "divide" in k], kernels
+    names = set(res.params)
+    assert {"g0.bn_scale", "g0.bn_shift", "g1.bn_scale", "g1.bn_shift"} <= names, names
+    assert not names & {"g0", "b0", "m0", "v0", "g1", "b1", "m1", "v1"}, names
+    g = res.graph
+    if not two:  # one kernel per batch norm: with the relu after it, with the conv before it
+        assert any("multiply" in k and "relu" in k for k in kernels), kernels
+        assert any("conv2d" in k and "multiply" in k for k in kernels), kernels
+        return
+    on = {g.nodes[i].name: g.device_index[g.entry_id(i)] for i, n in enumerate(g.nodes)}
+    assert {on[f"{p}.{k}"] for p in ("g0", "g1") for k in ("bn_scale", "bn_shift")} == {1}
+    assert {g.device_index[g.entry_id(i)] for i, n in enumerate(g.nodes)
+            if "multiply" in (n.func_name or "")} == {1}
+
+
+def test_statistics_given_as_inputs_are_left_to_lowering():
+    rng = np.random.default_rng(2)
+    feeds = {"x": rng.standard_normal((1, C, 6, 6)).astype("float32"),
+             "m0": rng.standard_normal(C).astype("float32"),
+             "v0": np.abs(rng.standard_normal(C)).astype("float32") + 0.5}
+    res = _check(_model(stats_as_inputs=True), ["cpu"], feeds)
+    kernels = _kernels(res)
+    assert [k for k in kernels if "sqrt" in k], kernels  # the first: per element, as before
+    assert {"g1.bn_scale", "g1.bn_shift"} <= set(res.params)  # the second folded
