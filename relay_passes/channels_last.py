@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 from tvm import relax
 
-from hgrt.relay_passes.relax_util import bindings, op_name, per_channel
+from hgrt.relay_passes.relax_util import bindings, op_name, per_channel, reads_only_item0
 from hgrt.relay_passes.relax_util import float32_shape as _shape
 
 UNARY = frozenset({"relax.nn.relu", "relax.clip", "relax.sigmoid", "relax.tanh",
@@ -281,10 +281,8 @@ class Plan:
                 rw.new[x], *args[1:], axis=3, epsilon=float(a.epsilon), center=bool(a.center),
                 scale=bool(a.scale), momentum=float(a.momentum),
                 training=bool(getattr(a, "training", False)))), "tuple"
-        if name == "relax.nn.dropout" and all(  # inference: item 0 is x itself, no kernel
-                u is not None and isinstance(u.value, relax.TupleGetItem)
-                and (u.value.index == 0 or not self.g.users.get(u.var))
-                for u in self.g.users.get(b.var, [])):
+        if name == "relax.nn.dropout" and reads_only_item0(self.g.users, b.var):
+            # inference: item 0 is x itself, no kernel
             return (lambda rw: rw.new[x]), "tuple"
         if name == "relax.mean":
             return self._mean(call, x)

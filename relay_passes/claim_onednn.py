@@ -41,7 +41,13 @@ from tvm import relax
 from hgrt.errors import BuildError
 from hgrt.relay_passes import channels_last
 from hgrt.relay_passes.context import BuildContext
-from hgrt.relay_passes.relax_util import bindings, copied_in, op_name, per_channel
+from hgrt.relay_passes.relax_util import (
+    bindings,
+    copied_in,
+    op_name,
+    per_channel,
+    reads_only_item0,
+)
 from hgrt.relay_passes.relax_util import float32_shape as _shape
 
 KERNELS = ("auto", "tvm", "onednn")
@@ -219,13 +225,12 @@ def _multiply(g: _Graph, c: Chain, b: relax.VarBinding) -> bool:
 
 def _outputs(g: _Graph, b: relax.VarBinding) -> tuple[relax.Var | None, list[relax.Var]]:
     """The variable that takes output 0 of the tuple ``b`` makes, and the unused others."""
-    items = g.users.get(b.var, [])
-    if not all(u is not None and isinstance(u.value, relax.TupleGetItem) for u in items):
+    if not reads_only_item0(g.users, b.var):
         return None, []
+    items = g.users[b.var]
     first = [u.var for u in items if u.value.index == 0]
-    unused = [u.var for u in items if u.value.index != 0 and not g.users.get(u.var)]
-    return (first[0], unused) if len(first) == 1 and len(first) + len(unused) == len(items) \
-        else (None, [])
+    unused = [u.var for u in items if u.value.index != 0]
+    return (first[0], unused) if len(first) == 1 else (None, [])
 
 
 def _batch_norm(g: _Graph, c: Chain, b: relax.VarBinding) -> bool:

@@ -40,7 +40,8 @@ class Placed:
 @dataclass
 class Weights:
     """``values`` from the model (by main param name); insert_copies fills ``source`` and
-    ``graph_names``, graph_codegen adds the inline constants to all three."""
+    ``graph_names``; claim_onednn and fold_batch_norm add weights of their own (``new_param``)
+    and remove those they replaced; graph_codegen adds the inline constants to all three."""
 
     values: dict[str, np.ndarray] = field(default_factory=dict)
     source: dict[str, str] = field(default_factory=dict)  # graph param -> weight it holds

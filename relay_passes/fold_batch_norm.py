@@ -13,7 +13,10 @@ fused with one 18.2 -> 17.3 ms.
 Runs after ``claim_onednn`` (which folds the batch norms after its convolutions into their
 weights, and keeps the others, NHWC between its kernels) and before lowering, so placement
 rules that name ``nn.batch_norm`` still see it. A batch norm is left as it is when a statistic
-is not a weight, or when anything reads more of its result than item 0 (the normalized tensor).
+is neither a weight nor a constant, when something other than batch norms reads a statistic, or
+when anything reads more of its result than item 0 (the normalized tensor). Folded statistics
+are fixed at build: the model's weights of those names are gone (``load_params`` of them is an
+unknown name), their values live on in ``<gamma's name>.bn_scale`` and ``.bn_shift``.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import tvm
 from tvm import relax
 
 from hgrt.relay_passes.context import BuildContext
-from hgrt.relay_passes.relax_util import bindings, op_name
+from hgrt.relay_passes.relax_util import bindings, op_name, reads_only_item0
 
 
 def _affine(call: relax.Call, values: list[np.ndarray | None], channels: int
@@ -63,16 +66,18 @@ def fold_batch_norm(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     for v in relax.analysis.free_vars(func.body.body):
         users.setdefault(v, []).append(None)
 
-    def only_item0(bn: relax.Var) -> bool:
-        """Only item 0 of ``bn`` is read (the importer also takes items 1 and 2, unread)."""
-        reads = users.get(bn, [])
-        return bool(reads) and all(
-            r is not None and isinstance(r.value, relax.TupleGetItem)
-            and (r.value.index == 0 or not users.get(r.var)) for r in reads)
+    def only_batch_norms_read(stat: relax.Expr) -> bool:
+        """A statistic read by anything else keeps its meaning there: not folded."""
+        return not isinstance(stat, relax.Var) or all(
+            u is not None and op_name(u.value) == "relax.nn.batch_norm"
+            for u in users.get(stat, []))
 
     folds: dict[relax.Var, tuple[relax.Expr, relax.Var, relax.Var]] = {}  # bn -> x, scale, shift
     taken = {b.var.name for b in bindings(func)} | {p.name for p in func.params}
     new_params: list[relax.Var] = []
+    folded_stats: set[relax.Var] = set()
+    # graph names in use: the model's inputs' and every weight's
+    graph_names = {p.name for p in func.params[:n_in]} | set(w.graph_names.values())
     for b in bindings(func):
         call = b.value
         if op_name(call) != "relax.nn.batch_norm" or not isinstance(b.var, relax.DataflowVar):
@@ -80,24 +85,31 @@ def fold_batch_norm(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
         x = call.args[0]
         shape = getattr(getattr(x, "ty", None), "shape", None)
         ndim = len(shape.values) if shape is not None and hasattr(shape, "values") else None
-        if ndim is None or str(x.ty.dtype) != "float32" or not only_item0(b.var):
+        stats = list(call.args[1:5])
+        if ndim is None or str(x.ty.dtype) != "float32" or not reads_only_item0(users, b.var) \
+                or not all(only_batch_norms_read(e) for e in stats):
             continue
         axis = int(call.attrs.axis) % ndim
         channels = int(shape.values[axis])
-        found = _affine(call, [value(e) for e in call.args[1:5]], channels)
+        found = _affine(call, [value(e) for e in stats], channels)
         if found is None:
             continue
         bshape = (channels,) + (1,) * (ndim - 1 - axis)  # broadcasts along ``axis``
         gamma = call.args[1]
         base = names.get(gamma, b.var.name) if isinstance(gamma, relax.Var) else b.var.name
+        # where the statistics live (the batch norm's device); an input's type may not say
+        vdevice = next((e.ty.vdevice for e in stats if isinstance(e, relax.Var)
+                        and getattr(e.ty, "vdevice", None) is not None), x.ty.vdevice)
         made = []
         for label, arr in zip(("bn_scale", "bn_shift"), found, strict=True):
             pname = f"{base}.{label}"
-            while pname in w.source:
+            while pname in w.source or pname in graph_names:
                 pname += "_"
-            made.append(w.new_param(pname, arr.astype("float32").reshape(bshape), x.ty.vdevice,
+            graph_names.add(pname)
+            made.append(w.new_param(pname, arr.astype("float32").reshape(bshape), vdevice,
                                     taken, "folded batch norm"))
         new_params += made
+        folded_stats.update(e for e in stats if isinstance(e, relax.Var))
         folds[b.var] = (x, *made)
     if not folds:
         return mod
@@ -126,7 +138,7 @@ def fold_batch_norm(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     used = set(relax.analysis.free_vars(body))
     params = list(func.params[:n_in])
     for p in func.params[n_in:]:
-        if p in used:
+        if p not in folded_stats or p in used:
             params.append(p)
         else:  # read only by folded batch norms: gone
             w.source.pop(w.graph_names.pop(p.name, p.name), None)

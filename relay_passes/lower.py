@@ -44,7 +44,8 @@ VIEW_OPS = ("relax.reshape",)
 def lowering_passes() -> list[tvm.transform.Pass]:
     """TVM's passes that legalize and fuse a placed module (what ``legalize_and_fuse`` runs)."""
     return [
-        # inference batch_norm → elementwise ops that fuse into the convolution before it
+        # inference batch_norm (one fold_batch_norm left: statistics not weights) →
+        # elementwise ops that fuse into the convolution before it
         relax.transform.DecomposeOpsForInference("main"),
         relax.transform.CanonicalizeBindings(),  # (y, mean, var)[0] → y: relu may fuse too
         # reshape(reshape(x, a), b) -> reshape(x, b): two reshapes in a row fuse into one

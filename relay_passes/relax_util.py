@@ -138,3 +138,13 @@ def per_channel(value: np.ndarray, out: tuple[int, ...]) -> np.ndarray | None:
     if shape[1] != out[1] or any(s != 1 for i, s in enumerate(shape) if i != 1):
         return None
     return value.reshape(out[1]).astype("float32")
+
+
+def reads_only_item0(users: dict, tup: relax.Var) -> bool:
+    """Every reader of the tuple ``tup`` (``users``: variable -> reading bindings, None for the
+    function's result) takes an item of it, and only item 0 is read further (TVM's ONNX
+    importer also takes items 1 and 2 of a batch norm, unread)."""
+    reads = users.get(tup, [])
+    return bool(reads) and all(
+        u is not None and isinstance(u.value, relax.TupleGetItem)
+        and (u.value.index == 0 or not users.get(u.var)) for u in reads)

@@ -16,8 +16,9 @@ their results as its weights (``fold_weight_transforms``). A model that places i
 (vdevices, ``R.to_vdevice``) has its transform run on this one CPU all the same; each result
 keeps, as a parameter of ``main``, the device the model gave it.
 
-(Lowering decomposes inference ``batch_norm`` into elementwise ops after placement, so that a
-rule naming ``nn.batch_norm`` still places it and it then fuses into the convolution before it.)
+(Inference ``batch_norm`` is left to after placement, so that a rule naming ``nn.batch_norm``
+still places it: ``fold_batch_norm`` makes it a per-channel multiply and add, or lowering
+decomposes it; either fuses into the convolution before it.)
 """
 
 from __future__ import annotations

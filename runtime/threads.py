@@ -100,8 +100,9 @@ def solo(func):
     kernel returns, its OpenMP threads spin on the other cores (GOMP_SPINCOUNT) and a TVM
     kernel on two threads waits for a core for its worker: shufflenet's 16 channel shuffles
     took 150 us each instead of 16 when they were TVM kernels. Measured again once the shuffles
-    became oneDNN's (2 vCPUs, AVX-512, ``run()`` medians of 40, solo vs shared): densenet121's
-    62 batch-norm + ReLU kernels 30.1 vs 33.8 ms, shufflenet's 3 ReLUs 2.57 vs 2.81 ms.
+    became oneDNN's (2 vCPUs, AVX-512, whole-model ``run()`` medians of 40 with these kernels
+    solo vs shared): densenet121 (62 batch-norm + ReLU kernels) 30.1 vs 33.8 ms, shufflenet
+    (3 ReLUs) 2.57 vs 2.81 ms.
     A kernel that reduces (a pool, LRN) keeps the share: there the spin is small beside it."""
 
     def call(*args):
