@@ -123,7 +123,11 @@ def fold_batch_norm(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
             if b.var in folds:
                 x, s, _ = folds[b.var]
                 expr = bb.normalize(relax.op.multiply(x, s))
-                scaled[b.var] = relax.DataflowVar(f"{b.var.name}_scaled", expr.ty)
+                name = f"{b.var.name}_scaled"
+                while name in taken:
+                    name += "_"
+                taken.add(name)
+                scaled[b.var] = relax.DataflowVar(name, expr.ty)
                 out.append(relax.VarBinding(scaled[b.var], expr))
             elif isinstance(b.value, relax.TupleGetItem) and b.value.tuple_value in folds:
                 if b.value.index != 0:  # unread: gone
