@@ -9,6 +9,8 @@ import warnings
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from tvm.script import ir as I
+from tvm.script import relax as R
 
 import hgrt
 from hgrt.testing import run_hgrt, run_relax_vm
@@ -114,3 +116,34 @@ def test_a_statistic_read_by_another_op_is_not_folded():
     assert [k for k in _kernels(res) if "sqrt" in k], _kernels(res)  # the first, as before
     names = set(res.params)
     assert "g0" in names and "g0.bn_scale" not in names and "g1.bn_scale" in names, names
+
+
+@pytest.mark.parametrize("axis", [3, -1])
+def test_a_channels_last_batch_norm_broadcasts_along_its_axis(axis):
+    """A Relax model's NHWC batch norm (what channels_last makes between oneDNN kernels, here
+    without oneDNN): scale and shift of shape (C,), the result equal to the Relax VM's."""
+
+    @I.ir_module
+    class Mod:
+        @R.function
+        def main(x: R.Tensor((1, 5, 5, C), "float32"), g: R.Tensor((C,), "float32"),
+                 b: R.Tensor((C,), "float32"), m: R.Tensor((C,), "float32"),
+                 v: R.Tensor((C,), "float32")):
+            with R.dataflow():
+                bn = R.nn.batch_norm(x, g, b, m, v, axis=axis, epsilon=1e-3, training=False)
+                y = R.nn.relu(bn[0])
+                R.output(y)
+            return y
+
+    rng = np.random.default_rng(4)
+    params = {k: rng.standard_normal(C).astype("float32") for k in "gbm"}
+    params["v"] = np.abs(rng.standard_normal(C)).astype("float32") + 0.5
+    x = rng.standard_normal((1, 5, 5, C)).astype("float32")
+    res = hgrt.build(Mod, ["cpu"], params=params, kernels="tvm")
+    (got,) = run_hgrt(res, {"x": x})
+    np.testing.assert_allclose(got, run_relax_vm(Mod, [x], params)[0], **TOL)
+    want = np.maximum((x - params["m"]) / np.sqrt(params["v"] + 1e-3) * params["g"]
+                      + params["b"], 0)
+    np.testing.assert_allclose(got, want, **TOL)
+    assert res.params["g.bn_scale"].shape == (C,) and not set(res.params) & set("gbmv")
+    assert not [k for k in _kernels(res) if "sqrt" in k], _kernels(res)
