@@ -7,7 +7,7 @@ kernels only, so its database is tuned with ``--kernels tvm`` (``hgrt tune``'s d
     hgrt zoo squeezenet -o sq.onnx && hgrt tune sq.onnx --device cpu --kernels tvm --db tuning/sq
     python python/bench_kernels.py --models squeezenet --db squeezenet=tuning/sq
 
-The databases behind BENCHMARKS.md (64 trials per task; 14 min for squeezenet, 20 min for
+The databases behind BENCHMARKS.md (64 trials per task; 14 min for squeezenet, 18 min for
 resnet50 on 2 cores):
 
     hgrt zoo squeezenet -o sq.onnx && hgrt tune sq.onnx --device cpu --kernels tvm

@@ -42,6 +42,7 @@ from hgrt.errors import BuildError
 from hgrt.relay_passes import channels_last
 from hgrt.relay_passes.context import BuildContext
 from hgrt.relay_passes.relax_util import (
+    MainReader,
     bindings,
     copied_in,
     op_name,
@@ -110,37 +111,15 @@ class Chain:
         return int(np.prod(out)) * (self.weight.size // max(self.weight.shape[0], 1))
 
 
-class _Graph:
-    """What matching needs to know about ``main``: who reads a variable, what is a weight."""
+class _Graph(MainReader):
+    """What matching needs to know about ``main``: who reads a variable, what is a weight
+    (``MainReader``), which chains claimed what, and what was copied in."""
 
     def __init__(self, func: relax.Function, ctx: BuildContext) -> None:
-        self.func, self.ctx = func, ctx
-        n_in = int(func.attrs["num_input"]) if "num_input" in (func.attrs or {}) else 0
-        self.weights = {p: ctx.weights.graph_names.get(p.name, p.name)
-                        for p in func.params[n_in:]}
-        self.users: dict[relax.Var, list[relax.VarBinding]] = {}
+        super().__init__(func, ctx)
         self.claimed: set[relax.Var] = set()
         # tensors copied in from another device: a chain never waits for one (see _add)
         self.copied = copied_in(func)
-        for b in bindings(func):
-            for v in relax.analysis.free_vars(b.value):
-                self.users.setdefault(v, []).append(b)
-        for v in relax.analysis.free_vars(func.body.body):
-            self.users.setdefault(v, []).append(None)  # the function's result
-
-    def value(self, expr: relax.Expr) -> np.ndarray | None:
-        """The value of a weight or constant, else None."""
-        if isinstance(expr, tvm.ir.expr.Constant):
-            return expr.value.numpy()
-        if isinstance(expr, relax.Var) and expr in self.weights:
-            w = self.ctx.weights
-            return w.values[w.source[self.weights[expr]]]
-        return None
-
-    def only_user(self, var: relax.Var) -> relax.VarBinding | None:
-        """The one binding that reads ``var`` (None: several, none, or the result reads it)."""
-        users = self.users.get(var, [])
-        return users[0] if len(users) == 1 and users[0] is not None else None
 
 
 def _ints(values: Any, n: int) -> list[int]:

@@ -26,7 +26,7 @@ import tvm
 from tvm import relax
 
 from hgrt.relay_passes.context import BuildContext
-from hgrt.relay_passes.relax_util import bindings, op_name, reads_only_item0
+from hgrt.relay_passes.relax_util import MainReader, bindings, op_name, reads_only_item0
 
 
 def _affine(call: relax.Call, values: list[np.ndarray | None], channels: int
@@ -50,21 +50,8 @@ def fold_batch_norm(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
         return mod
     n_in = int(func.attrs["num_input"])
     w = ctx.weights
-    names = {p: w.graph_names.get(p.name, p.name) for p in func.params[n_in:]}
-
-    def value(expr: relax.Expr) -> np.ndarray | None:
-        if isinstance(expr, tvm.ir.expr.Constant):
-            return expr.value.numpy()
-        if isinstance(expr, relax.Var) and expr in names and names[expr] in w.source:
-            return w.values[w.source[names[expr]]]
-        return None
-
-    users: dict[relax.Var, list[relax.VarBinding | None]] = {}  # None: the result reads it
-    for b in bindings(func):
-        for v in relax.analysis.free_vars(b.value):
-            users.setdefault(v, []).append(b)
-    for v in relax.analysis.free_vars(func.body.body):
-        users.setdefault(v, []).append(None)
+    g = MainReader(func, ctx)
+    names, users = g.weights, g.users
 
     def only_batch_norms_read(stat: relax.Expr) -> bool:
         """A statistic read by anything else keeps its meaning there: not folded."""
@@ -91,7 +78,7 @@ def fold_batch_norm(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
             continue
         axis = int(call.attrs.axis) % ndim
         channels = int(shape.values[axis])
-        found = _affine(call, [value(e) for e in stats], channels)
+        found = _affine(call, [g.value(e) for e in stats], channels)
         if found is None:
             continue
         bshape = (channels,) + (1,) * (ndim - 1 - axis)  # broadcasts along ``axis``

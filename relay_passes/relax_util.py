@@ -148,3 +148,35 @@ def reads_only_item0(users: dict, tup: relax.Var) -> bool:
     return bool(reads) and all(
         u is not None and isinstance(u.value, relax.TupleGetItem)
         and (u.value.index == 0 or not users.get(u.var)) for u in reads)
+
+
+class MainReader:
+    """Who reads what in ``func`` (a placed ``main``), and its weights: ``users`` maps a
+    variable to the bindings that read it (None: the function's result); ``weights`` maps a
+    weight parameter to its graph name; ``value`` gives a weight's or constant's value."""
+
+    def __init__(self, func: relax.Function, ctx: BuildContext) -> None:
+        self.func, self.ctx = func, ctx
+        n_in = int(func.attrs["num_input"]) if "num_input" in (func.attrs or {}) else 0
+        self.weights = {p: ctx.weights.graph_names.get(p.name, p.name)
+                        for p in func.params[n_in:]}
+        self.users: dict[relax.Var, list[relax.VarBinding | None]] = {}
+        for b in bindings(func):
+            for v in relax.analysis.free_vars(b.value):
+                self.users.setdefault(v, []).append(b)
+        for v in relax.analysis.free_vars(func.body.body):
+            self.users.setdefault(v, []).append(None)  # the function's result
+
+    def value(self, expr: relax.Expr) -> np.ndarray | None:
+        """The value of a weight or constant, else None."""
+        if isinstance(expr, tvm.ir.expr.Constant):
+            return expr.value.numpy()
+        w = self.ctx.weights
+        if isinstance(expr, relax.Var) and self.weights.get(expr) in w.source:
+            return w.values[w.source[self.weights[expr]]]
+        return None
+
+    def only_user(self, var: relax.Var) -> relax.VarBinding | None:
+        """The one binding that reads ``var`` (None: several, none, or the result reads it)."""
+        users = self.users.get(var, [])
+        return users[0] if len(users) == 1 and users[0] is not None else None
