@@ -37,7 +37,7 @@ NOP_FUNC = lifetimes.NOP_FUNC
 _KNOWN_OPS = ("null", "tvm_op")
 # node attrs hgrt reads, and the form their (string) values must have
 NODE_ATTRS = {"func_name": r"\S+", "num_inputs": r"\d+", "num_outputs": r"\d+",
-              "flatten_data": r"[01]", "op_pattern": r"\d"}
+              "flatten_data": r"[01]", "op_pattern": r"\d", "inplace": r"\d+"}
 # TVM's op pattern kinds (``op_pattern``, a kernel's): up to kInjective a kernel only maps or
 # moves elements (elementwise, broadcast, reshape, transpose, concatenate); above it reduces.
 ELEMWISE_MAX = 1  # kElemWise, kBroadcast: what FuseOps folds into the kernel before
@@ -65,6 +65,14 @@ class Node:
     @property
     def flatten_data(self) -> bool:
         return self.attrs.get("flatten_data", "0") == "1"
+
+    @property
+    def inplace(self) -> int | None:
+        """The input whose bytes output 0 may be written over (``attrs.inplace``): the kernel
+        reads each element of it before writing the same element of the output (oneDNN's sum
+        post-op). The memory plan takes the offer only where that input dies here."""
+        k = self.attrs.get("inplace") if self.op == "tvm_op" else None
+        return None if k is None else int(k)
 
     @property
     def injective(self) -> bool:
@@ -306,6 +314,9 @@ def _parse_node(nid: int, raw: Any) -> Node:
     if "num_inputs" in attrs and int(attrs["num_inputs"]) != len(inputs):
         raise GraphError(f"{where}: num_inputs = {attrs['num_inputs']} but the node lists "
                          f"{len(inputs)} inputs")
+    if "inplace" in attrs and int(attrs["inplace"]) >= len(inputs):
+        raise GraphError(f"{where}: attrs.inplace = {attrs['inplace']} names no input (it has "
+                         f"{len(inputs)})")
     return Node(op, name, inputs, attrs)
 
 

@@ -121,6 +121,8 @@ class Order:
 
     def before(self, a: int, b: int) -> bool:
         """Node ``a`` has finished before node ``b`` starts."""
+        if self.sequential:
+            return a < b
         return self.clock[b].get(self.stream[a], -1) >= self.pos[a]
 
     def precedes(self, a: Group, b: Group) -> bool:
@@ -140,6 +142,55 @@ class Order:
         if self.sequential:
             return a.overlaps(b)
         return not (self.precedes(a, b) or self.precedes(b, a))
+
+
+def inplace_pairs(g: Graph, groups: dict[int, Group] | None = None,
+                  order: Order | None = None) -> dict[int, int]:
+    """Output group root -> input group root, for every node that offers to write its output
+    over an input (``attrs.inplace``) where that is safe: the input is written by a step and
+    never read after this node (every other user happens before it, by ``order``), no other
+    operand of the node is the same bytes, neither is kept for the whole run (an input, a
+    param, a graph output), and both are the same bytes on one device. The planner gives such
+    a pair one storage; the verifier accepts their overlap (and only at the same offset)."""
+    groups = live_ranges(g) if groups is None else groups
+    order = Order(g) if order is None else order
+    root = g.alias_roots()
+    pairs: dict[int, int] = {}
+    taken: set[int] = set()
+    for nid, node in enumerate(g.nodes):
+        k = node.inplace
+        if k is None or not runs(node):
+            continue
+        src = g.entry_id(*node.inputs[k][:2])
+        out = g.entry_id(nid)
+        gi, go = groups[root[src]], groups[root[out]]
+        others = {root[g.entry_id(*i[:2])] for j, i in enumerate(node.inputs) if j != k}
+        if (gi.writer < 0 or gi.forever or go.forever or go.root != out or gi.root in taken
+                or gi.root in others or g.entry_device(src) != g.entry_device(out)
+                or group_bytes(g, gi) != g.entry_bytes(out) or g.dtypes[src] != g.dtypes[out]
+                or not all(u == nid or order.before(u, nid) for u in gi.users)):
+            continue
+        pairs[out] = gi.root
+        taken.add(gi.root)
+    return pairs
+
+
+def merged_ranges(g: Graph, order: Order | None = None) -> dict[int, Group]:
+    """``live_ranges`` with each in-place pair (``inplace_pairs``) as one group, under the
+    root of the first: the same bytes from the input's writer to the output's last use."""
+    groups = live_ranges(g)
+    pairs = inplace_pairs(g, groups, order)
+    if not pairs:
+        return groups
+    for out in sorted(pairs):  # node order: a chain's earlier link is merged first
+        into = pairs[out]
+        while into not in groups:  # merged already: follow to the chain's root
+            into = pairs[into]
+        a, b = groups[into], groups.pop(out)
+        groups[into] = Group(into, min(a.first, b.first), max(a.last, b.last),
+                             a.members + b.members, a.writer,
+                             tuple(sorted(set(a.users) | set(b.users))), a.forever or b.forever)
+    return groups
 
 
 def group_bytes(g: Graph, group: Group) -> int:
@@ -174,8 +225,10 @@ def find_overlap(g: Graph) -> tuple[int, int, int] | None:
     is its own buffer. With streams, "may be live at once" is the happens-before order of
     ``Order``, not the node order."""
     order = Order(g)
+    groups = live_ranges(g)
+    inplace = {frozenset(p) for p in inplace_pairs(g, groups, order).items()}
     regions = []  # (device, buffer, byte_start, byte_end, group)
-    for r, grp in live_ranges(g).items():
+    for r, grp in groups.items():
         nbytes = group_bytes(g, grp)
         if nbytes == 0:
             continue  # an empty tensor owns no byte
@@ -190,6 +243,8 @@ def find_overlap(g: Graph) -> tuple[int, int, int] | None:
     for reg in regions:  # sweep by bytes: the regions still open share bytes with this one
         active = [a for a in active if a[:2] == reg[:2] and a[3] > reg[2]]
         for a in active:
+            if a[2:4] == reg[2:4] and frozenset((a[4].root, reg[4].root)) in inplace:
+                continue  # an output written over its input, element by element
             if order.conflict(a[4], reg[4]):
                 return a[4].root, reg[4].root, max(a[4].first, reg[4].first)
         active.append(reg)
@@ -232,7 +287,7 @@ def memory_report(g: Graph) -> list[DeviceMemory]:
         n_dev = max(n_dev, len(g.pool_bytes))
     no_reuse = [0] * n_dev
     events: list[list[tuple[int, int]]] = [[] for _ in range(n_dev)]
-    for root, grp in live_ranges(g).items():
+    for root, grp in merged_ranges(g).items():
         dev = g.entry_device(root)
         nbytes = align(group_bytes(g, grp))
         no_reuse[dev] += nbytes

@@ -14,13 +14,15 @@ of the model's input: a stem, run in oneDNN's blocked layout), becomes one
 last variable. ``packed`` is a new weight (a uint8 blob): a header (``HEADER_SLOTS``), W with
 batch norms folded in, packed once in the layout oneDNN picks on this machine, then the bias.
 The residual add and the activation are oneDNN post-ops (a binary add that reads an NHWC
-residual in place, else ``sum``; ``eltwise``); per-channel multiplies and adds (batch norms,
+residual in place, else ``sum``; ``eltwise``); the node offers the output the residual's bytes
+(``attrs.inplace``), and where the memory plan takes the offer the kernel adds with ``sum``
+into them, reading the residual once. Per-channel multiplies and adds (batch norms,
 scale layers) are folded into W and the bias. Weights the chains read are dropped when nothing
 else reads them. Activations stay NHWC between oneDNN
 kernels and through the TVM ops between them where ``channels_last`` says so; a reorder node
-turns them back to NCHW before any other reader. The ExternFunc's attrs
-become graph node attrs (``provider``, ``onednn_op``, ``onednn_isa``, ``onednn_impl``,
-``onednn_layouts``), and the placement report's rows of claimed ops say ``kernels: onednn``.
+turns them back to NCHW before any other reader. The ExternFunc's attrs become graph node attrs
+(``provider``, ``onednn_op``, ``onednn_isa``, ``onednn_impl``, ``onednn_layouts``, ``inplace``),
+and the placement report's rows of claimed ops say ``kernels: onednn``.
 
 Reads ``ctx.options.kernels`` and ``ctx.options.onednn`` (the runtime side, handed down by the
 caller: ``unavailable_reason()``, ``pack()``, ``isa()``, ``implementation()``,
@@ -436,6 +438,12 @@ class _Emitter:
         attrs = {"provider": "onednn", "onednn_op": "+".join(chain.label),
                  "onednn_isa": self.isa, "onednn_impl": self.runtime.implementation(blob),
                  "onednn_layouts": ", ".join(layouts)}  # input, output[, residual]
+        if (chain.residual is not None and chain.pool is None
+                and self._tag(chain.residual) == self._tag(chain.end)
+                and _shape(chain.residual) == _shape(chain.end)):
+            # the output may take the residual's bytes where the residual dies here: oneDNN's
+            # sum post-op then adds into it in place (no separate read of the residual)
+            attrs["inplace"] = "2"
         func = relax.ExternFunc(FUNC_NAME[chain.kind])
         for key, value in attrs.items():
             func = func.with_attr(key, value)

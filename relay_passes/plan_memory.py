@@ -1,7 +1,9 @@
 """plan_memory: one arena per device, byte offsets by greedy first-fit, proved by a verifier.
 
 Every entry gets its own storage id, except a ``__nop`` output, which shares its input's storage
-(it is a view). A storage is live from the node that first writes it to the last node that reads
+(it is a view), and an output its kernel may write over an input that dies there
+(``lifetimes.inplace_pairs``: oneDNN's convolution adding a residual), which takes the
+input's. A storage is live from the node that first writes it to the last node that reads
 it; inputs and params are live for the whole run, graph outputs from their producer to the end
 (never overwritten). Per device, storages are placed one by one at the lowest offset that no
 storage live at the same time occupies (TFLite's arena planner / tinygrad's memory.py), in a few
@@ -20,17 +22,23 @@ from hgrt.lifetimes import (
     Order,
     align,
     check_lifetimes,
-    live_ranges,
+    inplace_pairs,
     memory_report,
+    merged_ranges,
     storage_devices,
 )
 
 
 def _assign_storage(g: Graph) -> list[int]:
-    """One storage per entry group: an entry and its ``__nop`` views share one, numbered densely
-    in order of first use."""
+    """One storage per entry group: an entry and its ``__nop`` views share one, and so does an
+    in-place output with its input; numbered densely in order of first use."""
+    root = g.alias_roots()
+    for out, into in sorted(inplace_pairs(g).items()):  # node order: chains resolve forward
+        for e, r in enumerate(root):
+            if r == out:
+                root[e] = root[into]
     dense: dict[int, int] = {}
-    return [dense.setdefault(r, len(dense)) for r in g.alias_roots()]
+    return [dense.setdefault(r, len(dense)) for r in root]
 
 
 # orders to place storages in; the plan with the smallest pool wins (largest-first alone is
@@ -78,7 +86,7 @@ def _layout(g: Graph, n_dev: int) -> tuple[list[int], list[int], list[int]]:
     items: list[list[tuple]] = [[] for _ in range(n_dev)]
     offsets = [0] * len(owner)
     weight_pools = [0] * n_dev
-    for root, grp in sorted(live_ranges(g).items()):
+    for root, grp in sorted(merged_ranges(g, live).items()):
         sid = g.storage_ids[root]
         size = align(max(g.entry_bytes(e) for e in grp.members))
         if sid in weights:

@@ -158,7 +158,9 @@ bool BinaryResidual(const Header& h) {
   return h[kKind] == kConv2d && h[kSrcTag] > 0 && h[kDstTag] > 0 && h[kResTag] == h[kDstTag];
 }
 
-dnnl::primitive_attr Attributes(const Header& h) {
+// `in_place`: the output buffer holds the residual already (the memory plan put the output
+// in the residual's bytes), so a sum post-op adds into it, whatever the layout.
+dnnl::primitive_attr Attributes(const Header& h, bool in_place = false) {
   dnnl::post_ops ops;
   for (int k = 0; k < kMaxPostOps; ++k) {
     int64_t kind = h[kPost0 + 3 * k];
@@ -166,7 +168,7 @@ dnnl::primitive_attr Attributes(const Header& h) {
     float beta = static_cast<float>(AsDouble(h[kPost0 + 3 * k + 2]));
     if (kind == kRelu) ops.append_eltwise(dnnl::algorithm::eltwise_relu, 0.f, 0.f);
     if (kind == kClip) ops.append_eltwise(dnnl::algorithm::eltwise_clip, alpha, beta);
-    if (kind == kSum && BinaryResidual(h)) {
+    if (kind == kSum && BinaryResidual(h) && !in_place) {
       ops.append_binary(dnnl::algorithm::binary_add, WithTag(DstDims(h), h[kDstTag]));
     } else if (kind == kSum) {
       ops.append_sum(1.f);
@@ -205,20 +207,21 @@ dnnl::pooling_forward::primitive_desc PoolDesc(dnnl::algorithm algo, const memor
 // and the kernel reorders them: forcing plain NCHW makes oneDNN fall back to im2col (gemm:jit).
 // A plain input leaves the output's layout to oneDNN too (then reordered to the graph's): the
 // first convolution of a model (3 channels) took 443 us writing NHWC, 240 us this way.
-dnnl::primitive_desc MakeDesc(const Header& h, const memory::desc& wei) {
+dnnl::primitive_desc MakeDesc(const Header& h, const memory::desc& wei, bool in_place = false) {
   auto any = [](memory::dims d) { return memory::desc(d, memory::data_type::f32, Tag::any); };
   auto conv_io = [&](memory::dims d, int64_t tag) { return tag > 0 ? WithTag(d, tag) : any(d); };
   memory::desc bias({h[kOC]}, memory::data_type::f32, Tag::a);
   auto kind = dnnl::prop_kind::forward_inference;
   if (h[kKind] == kDense) {
     return dnnl::inner_product_forward::primitive_desc(Engine(), kind, any(SrcDims(h)), wei, bias,
-                                                       any(DstDims(h)), Attributes(h));
+                                                       any(DstDims(h)), Attributes(h, in_place));
   }
   if (h[kKind] != kConv2d) TVM_FFI_THROW(RuntimeError) << "oneDNN: unknown op kind " << h[kKind];
   return dnnl::convolution_forward::primitive_desc(
       Engine(), kind, dnnl::algorithm::convolution_direct, conv_io(SrcDims(h), h[kSrcTag]), wei,
       bias, conv_io(DstDims(h), h[kSrcTag] > 0 ? h[kDstTag] : 0), {h[kSH], h[kSW]},
-      {h[kDilH] - 1, h[kDilW] - 1}, {h[kPadT], h[kPadL]}, {h[kPadB], h[kPadR]}, Attributes(h));
+      {h[kDilH] - 1, h[kDilW] - 1}, {h[kPadT], h[kPadL]}, {h[kPadB], h[kPadR]},
+      Attributes(h, in_place));
 }
 
 // The format tag whose layout is exactly `md` (0: none is). Stored in the header, so the run
@@ -375,6 +378,12 @@ struct Entry {
   memory::desc src, dst, wei, bias, scratch, src_user, dst_user, res_user;
   bool reorder_src = false, reorder_dst = false, reorder_res = false;
   int residual_arg = 0;  // the binary post-op's argument that reads the residual (else 0)
+  // the same convolution with a sum post-op, for calls whose output buffer is the residual's
+  // (made at the first such call; `has_in_place` false: none fits, the residual is copied)
+  std::once_flag in_place_once;
+  bool has_in_place = false;
+  dnnl::primitive in_place;
+  memory::desc in_place_scratch;
   // a pooled kernel: conv -> dst (oneDNN's layout) -> pool -> pooled -> reorder -> the output
   dnnl::primitive pool;
   memory::desc pooled, pool_scratch;
@@ -567,7 +576,7 @@ class Args {
 };
 
 // the stages of a convolution kernel, each with its own arguments (other kernels use one)
-enum Stage : int { kToSrc, kConv, kResidual, kPool, kFromDst, kStages };
+enum Stage : int { kToSrc, kConv, kConvInPlace, kResidual, kPool, kFromDst, kStages };
 using StageArgs = std::array<Args, kStages>;
 
 // The argument maps of `owner`'s stages on this thread: one lookup per call.
@@ -585,6 +594,26 @@ StageArgs& BoundArgs(const std::shared_ptr<Owner>& owner) {
   auto& slot = bound[owner.get()];
   if (slot.first.expired()) slot = {std::weak_ptr<const void>(owner), StageArgs()};
   return slot.second;
+}
+
+// The sum-post-op twin of a convolution that reads its residual with a binary add: same
+// source, destination and packed weights, or none (then the caller copies the residual away).
+bool InPlaceTwin(Entry& e) {
+  std::call_once(e.in_place_once, [&e] {
+    const Header& h = e.layout;
+    try {
+      dnnl::primitive_desc pd = MakeDesc(
+          h, memory::desc(WeightDims(h), memory::data_type::f32, Tag::any), true);
+      if (pd.weights_desc() != e.wei) pd = MakeDesc(h, e.wei, true);
+      std::string impl = pd.impl_info_str();
+      if (pd.src_desc() != e.src || pd.dst_desc() != e.dst || impl.rfind("ref", 0) == 0) return;
+      e.in_place = dnnl::primitive(pd);
+      e.in_place_scratch = pd.scratchpad_desc();
+      e.has_in_place = true;
+    } catch (const dnnl::error&) {
+    }
+  });
+  return e.has_in_place;
 }
 
 void Run(const ffi::TensorView& x, const ffi::TensorView& blob,
@@ -614,14 +643,19 @@ void Run(const ffi::TensorView& x, const ffi::TensorView& blob,
     a.Set(DNNL_ARG_TO, e->src, src);
     e->to_src.execute(stream, a.map());
   }
-  Args& conv = args[kConv];
-  if (e->residual_arg) {  // read in place; a residual in the output's own buffer, copied first
-    void* res = DataOf(*residual);
-    if (res == dst) res = std::memcpy(s.res.get(e->res_user.get_size()), res, e->res_user.get_size());
-    conv.Set(e->residual_arg, e->res_user, res);
+  // the output's buffer may hold the residual (the plan wrote the output over it, node attr
+  // `inplace`): a sum post-op adds into it; else a residual there is copied out first
+  bool twin = residual && DataOf(*residual) == dst && e->residual_arg && InPlaceTwin(*e);
+  Args& conv = args[twin ? kConvInPlace : kConv];
+  auto copied_out = [&](void* res) {
+    return res == dst ? std::memcpy(s.res.get(e->res_user.get_size()), res, e->res_user.get_size())
+                      : res;
+  };
+  if (e->residual_arg && !twin) {  // read by the binary post-op
+    conv.Set(e->residual_arg, e->res_user, copied_out(DataOf(*residual)));
   } else if (e->reorder_res) {
     Args& a = args[kResidual];
-    a.Set(DNNL_ARG_FROM, e->res_user, DataOf(*residual));
+    a.Set(DNNL_ARG_FROM, e->res_user, copied_out(DataOf(*residual)));
     a.Set(DNNL_ARG_TO, e->dst, dst);
     e->residual_to_dst.execute(stream, a.map());
   } else if (residual && DataOf(*residual) != dst) {  // same layout: copy
@@ -632,8 +666,9 @@ void Run(const ffi::TensorView& x, const ffi::TensorView& blob,
   conv.Set(DNNL_ARG_WEIGHTS, e->wei, weights + e->layout[kWeiOffset]);
   conv.Set(DNNL_ARG_BIAS, e->bias, weights + e->layout[kBiasOffset]);
   conv.Set(DNNL_ARG_DST, e->dst, dst);
-  conv.Set(DNNL_ARG_SCRATCHPAD, e->scratch, s.pad.get(e->scratch.get_size() + 64));
-  e->prim.execute(stream, conv.map());
+  const memory::desc& pad = twin ? e->in_place_scratch : e->scratch;
+  conv.Set(DNNL_ARG_SCRATCHPAD, pad, s.pad.get(pad.get_size() + 64));
+  (twin ? e->in_place : e->prim).execute(stream, conv.map());
   if (h.pooled()) {
     void* pooled = e->reorder_dst ? s.pooled.get(e->pooled.get_size()) : DataOf(out);
     Args& a = args[kPool];

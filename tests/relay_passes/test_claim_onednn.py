@@ -144,6 +144,63 @@ def test_results_between_onednn_kernels_stay_nhwc():
     assert len(_onednn_nodes(res)) == sum(n.op == "tvm_op" for n in g.nodes)  # no reorder node
 
 
+def _bottleneck_onnx():
+    """x → conv+relu = a → conv+relu = b → conv(b) + a → relu → conv → y: the residual ``a``
+    is read last by the add, so the add's result may take its bytes."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((rng.standard_normal((16, c, 3, 3)) / np.sqrt(9 * c))
+                                     .astype("float32"), f"w{i}")
+             for i, c in enumerate((8, 16, 16, 16))]
+    pads = {"pads": [1, 1, 1, 1]}
+    nodes = [helper.make_node("Conv", ["x", "w0"], ["c0"], **pads),
+             helper.make_node("Relu", ["c0"], ["a"]),
+             helper.make_node("Conv", ["a", "w1"], ["c1"], **pads),
+             helper.make_node("Relu", ["c1"], ["b"]),
+             helper.make_node("Conv", ["b", "w2"], ["c2"], **pads),
+             helper.make_node("Add", ["c2", "a"], ["s"]),
+             helper.make_node("Relu", ["s"], ["r"]),
+             helper.make_node("Conv", ["r", "w3"], ["y"], **pads)]
+    graph = helper.make_graph(nodes, "bottleneck", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, [1, 8, 12, 12])], [helper.make_tensor_value_info(
+            "y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+@needs_onednn
+def test_a_residual_add_writes_over_its_residual_where_it_dies():
+    """The kernel adding the residual offers its output the residual's bytes; the plan takes
+    them when the residual dies there (here, not in ``_block_onnx``, whose kernel reads it as
+    its input too), and the kernel then adds with a sum post-op into them: the same numbers
+    as the Relax VM and as the plan without the offer, in fewer pool bytes."""
+    import dataclasses
+
+    from hgrt.graph import Graph
+    from hgrt.relay_passes.plan_memory import plan_memory
+
+    res = _check(_bottleneck_onnx())
+    g = res.graph
+    add = next(n for n in _onednn_nodes(res) if "add" in n.attrs["onednn_op"])
+    nid = g.nodes.index(add)
+    residual = g.entry_id(*add.inputs[int(add.attrs["inplace"])][:2])
+    assert add.attrs["inplace"] == "2"
+    assert g.storage_ids[residual] == g.storage_ids[g.entry_id(nid)]
+    other = _check(_block_onnx()).graph  # the offer stands but is not taken
+    (second,) = [n for n in other.nodes if n.attrs.get("inplace")]
+    sid = other.storage_ids
+    assert sid[other.entry_id(*second.inputs[2][:2])] != sid[other.entry_id(
+        other.nodes.index(second))]
+
+    plain = Graph.from_json(res.graph_json)  # the same graph, planned without the offer
+    for n in plain.nodes:
+        n.attrs.pop("inplace", None)
+    plain = plan_memory(dataclasses.replace(plain, storage_ids=list(range(plain.num_entries))))
+    assert g.pool_bytes[0] < plain.pool_bytes[0]
+    inputs = _inputs(_bottleneck_onnx())
+    with_offer = run_hgrt(res, inputs)
+    without = run_hgrt(dataclasses.replace(res, graph_json=plain.to_json(), graph=plain), inputs)
+    np.testing.assert_allclose(with_offer[0], without[0], rtol=1e-6, atol=1e-6)
+
+
 def _stem_onnx(ceil_mode: int):
     """A model's stem: x → conv+relu → max pool → conv → max pool → y. The first pool follows
     a convolution of the model's input (absorbed into its kernel), the second one does not."""

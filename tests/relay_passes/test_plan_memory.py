@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hgrt.errors import PlanError
+from hgrt.errors import GraphError, PlanError
 from hgrt.graph import COPY_FUNC, NOP_FUNC, Graph, Node
 from hgrt.lifetimes import ALIGN, memory_report
 from hgrt.relay_passes.plan_memory import plan_memory, verify_memory
@@ -24,11 +25,12 @@ def make_graph(spec: list[tuple], n_inputs: int, heads: list[int], n_dev: int = 
         devs.append(i % 2 % n_dev)
         row.append(row[-1] + 1)
     entry_ref = [(i, 0, 0) for i in range(n_inputs)]
-    for func, ins, outs, dev in spec:
+    for func, ins, outs, dev, *extra in spec:
         nid = len(nodes)
         nodes.append(Node("tvm_op", f"n{nid}", [entry_ref[e] for e in ins],
                           {"func_name": func, "num_inputs": str(len(ins)),
-                           "num_outputs": str(len(outs)), "flatten_data": "0"}))
+                           "num_outputs": str(len(outs)), "flatten_data": "0",
+                           **(extra[0] if extra else {})}))
         for k, (shape, dtype) in enumerate(outs):
             shapes.append(shape)
             dtypes.append(dtype)
@@ -68,7 +70,11 @@ def random_graphs(draw):
         outs = [((draw(st.integers(0, 300)), draw(st.integers(1, 4))),
                  draw(st.sampled_from(["float32", "int8", "float16", "int64"])))
                 for _ in range(draw(st.integers(1, 2)))]
-        spec.append(("kernel", ins, outs, dev))
+        offer = len(outs) == 1 and draw(st.booleans())
+        if offer:  # writes its output over an input of the same bytes, if the plan lets it
+            outs = [entries[ins[0]][1]]
+            dev = entries[ins[0]][0]
+        spec.append(("kernel", ins, outs, dev, {"inplace": "0"} if offer else {}))
         entries.extend((dev, o) for o in outs)
     heads = draw(st.lists(st.integers(0, len(entries) - 1), min_size=1, max_size=3))
     return make_graph(spec, n_inputs, heads, n_dev)
@@ -87,14 +93,74 @@ def live_ranges(g: Graph) -> list[tuple[int, int]]:
             span[e][1] = max(span[e][1], nid)
     for nid, idx, _ in g.heads:
         span[g.entry_id(nid, idx)][1] = end
-    # a view keeps its source alive, and the source's bytes are the view's
-    for nid, node in enumerate(g.nodes):
-        if node.func_name == NOP_FUNC:
-            src = g.entry_id(*node.inputs[0][:2])
-            out = g.entry_id(nid)
-            lo, hi = min(span[src][0], span[out][0]), max(span[src][1], span[out][1])
-            span[src] = span[out] = [lo, hi]
+    # a view keeps its source alive, and the source's bytes are the view's; so are the bytes
+    # of an output written over its input (``inplace_ok``): one span per group of same bytes
+    group = byte_groups(g)
+    for members in _members(group).values():
+        lo, hi = min(span[e][0] for e in members), max(span[e][1] for e in members)
+        for e in members:
+            span[e] = [lo, hi]
     return [tuple(s) for s in span]
+
+
+def _members(group: list[int]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for e, grp in enumerate(group):
+        out.setdefault(grp, []).append(e)
+    return out
+
+
+def byte_groups(g: Graph) -> list[int]:
+    """Per entry, the smallest entry of the same bytes: views with their source, an output
+    written over its input where ``inplace_ok``."""
+    parent = list(range(g.num_entries))
+
+    def find(e: int) -> int:
+        while parent[e] != e:
+            e = parent[e]
+        return e
+
+    for nid, node in enumerate(g.nodes):
+        if node.func_name == NOP_FUNC or inplace_ok(g, nid):
+            a, b = find(g.entry_id(*node.inputs[node.inplace or 0][:2])), find(g.entry_id(nid))
+            parent[max(a, b)] = min(a, b)
+    return [find(e) for e in range(g.num_entries)]
+
+
+def _view_root(g: Graph, e: int) -> int:
+    while True:
+        node = g.nodes[g.node_of_entry(e)]
+        if node.func_name != NOP_FUNC:
+            return e
+        e = g.entry_id(*node.inputs[0][:2])
+
+
+def _same_bytes(g: Graph, e: int) -> set[int]:
+    """``e`` and its views (and theirs), and what it is a view of."""
+    root = _view_root(g, e)
+    return {x for x in range(g.num_entries) if _view_root(g, x) == root}
+
+
+def inplace_ok(g: Graph, nid: int) -> bool:
+    """Independently of hgrt.lifetimes: node ``nid`` offers its output the bytes of input k,
+    and may have them: the input (with its views) is written by a kernel, read by nothing after
+    ``nid`` and by no other operand of it, and neither it nor the output is an input, a param
+    or a graph output; same bytes, dtype and device. (No streams in these graphs.)"""
+    node = g.nodes[nid]
+    k = node.inplace
+    if k is None:
+        return False
+    src, out = g.entry_id(*node.inputs[k][:2]), g.entry_id(nid)
+    group = _same_bytes(g, src)
+    heads = {g.entry_id(n, i) for n, i, _ in g.heads}
+    readers = [(n, j) for n, other in enumerate(g.nodes) for j, i in enumerate(other.inputs)
+               if g.entry_id(*i[:2]) in group and other.func_name != NOP_FUNC]
+    root = _view_root(g, src)
+    return (g.nodes[g.node_of_entry(root)].op != "null" and not group & heads
+            and not _same_bytes(g, out) & heads
+            and g.entry_bytes(src) == g.entry_bytes(out) and g.dtypes[src] == g.dtypes[out]
+            and g.entry_device(src) == g.entry_device(out)
+            and all(n < nid or (n == nid and j == k) for n, j in readers))
 
 
 def overlaps(g: Graph) -> list[tuple[int, int]]:
@@ -127,6 +193,12 @@ def test_random_plans_have_no_overlap(g):
         if node.func_name == NOP_FUNC:
             src = planned.entry_id(*node.inputs[0][:2])
             assert planned.storage_ids[planned.entry_id(nid)] == planned.storage_ids[src]
+    # entries share a storage exactly when they are the same bytes: a view and its source, an
+    # output and the input it was offered and may have (and nothing else)
+    group = byte_groups(planned)
+    for a in range(planned.num_entries):
+        for b in range(a):
+            assert (planned.storage_ids[a] == planned.storage_ids[b]) == (group[a] == group[b])
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -196,3 +268,85 @@ def test_verifier_refuses_misaligned_and_out_of_pool():
         verify_memory(dataclasses.replace(g, pool_bytes=[g.pool_bytes[0] - 64]))
     with pytest.raises(PlanError, match="no memory plan"):
         verify_memory(dataclasses.replace(g, pool_bytes=None))
+
+
+def _offer_chain(reads_after: bool = False, heads=None) -> Graph:
+    """in0 -> a -> b (offers a's bytes) -> c; with ``reads_after`` c reads a too."""
+    f = ((256,), "float32")
+    spec = [("kernel", [0], [f], 0),
+            ("kernel", [1], [f], 0, {"inplace": "0"}),
+            ("kernel", [2, 1] if reads_after else [2], [f], 0)]
+    return make_graph(spec, 1, heads or [3])
+
+
+def _residual_block(offer: bool) -> Graph:
+    """a = k(in0); b = k(a); c = k(b, a), offering c a's bytes (a residual add); d = k(c)."""
+    f = ((256,), "float32")
+    return make_graph([("kernel", [0], [f], 0), ("kernel", [1], [f], 0),
+                       ("kernel", [2, 1], [f], 0, {"inplace": "1"} if offer else {}),
+                       ("kernel", [3], [f], 0)], 1, [4])
+
+
+def test_an_output_takes_the_bytes_of_the_input_that_dies_there():
+    g = plan_memory(_residual_block(offer=True))
+    assert g.storage_ids[g.entry_id(1)] == g.storage_ids[g.entry_id(3)]
+    (m,), (m0,) = memory_report(g), memory_report(plan_memory(_residual_block(offer=False)))
+    assert m.planned_bytes == m.lower_bound == m0.planned_bytes - 1024  # a 1 KiB tensor less
+    Graph.from_json(g.to_json())  # the loader's verifier accepts the overlap
+    chain = plan_memory(_offer_chain())  # in a chain too (no bytes saved there)
+    assert chain.storage_ids[chain.entry_id(1)] == chain.storage_ids[chain.entry_id(2)]
+
+
+@pytest.mark.parametrize("case", ["read later", "graph output", "graph input", "operand twice"])
+def test_an_offer_is_not_taken_where_the_input_lives_on(case):
+    f = ((256,), "float32")
+    if case == "read later":
+        g = _offer_chain(reads_after=True)
+    elif case == "graph output":
+        g = _offer_chain(heads=[1, 3])  # a is an output of the graph
+    elif case == "graph input":
+        g = make_graph([("kernel", [0], [((16,), "float32")], 0, {"inplace": "0"})], 1, [1])
+    else:  # b reads a twice: writing over one operand would change the other
+        g = make_graph([("kernel", [0], [f], 0), ("kernel", [1, 1], [f], 0, {"inplace": "0"}),
+                        ("kernel", [2], [f], 0)], 1, [3])
+    planned = plan_memory(g)
+    src = planned.entry_id(*planned.nodes[2].inputs[0][:2]) if case != "graph input" else 0
+    assert planned.storage_ids[src] != planned.storage_ids[planned.entry_id(
+        2 if case != "graph input" else 1)]
+
+
+def test_a_plan_that_writes_over_an_input_still_read_is_refused():
+    """The offer stands in the graph, but c reads a after b wrote over it: a hand-made plan
+    putting b in a's bytes is refused, naming both entries, by the planner's verifier and by
+    the graph loader."""
+    good = plan_memory(_offer_chain(reads_after=True))
+    a, b = good.entry_id(1), good.entry_id(2)
+    sids = list(good.storage_ids)
+    sids[b] = sids[a]
+    bad = dataclasses.replace(good, storage_ids=sids)
+    with pytest.raises(PlanError, match=f"entries {a} and {b}"):
+        verify_memory(bad)
+    with pytest.raises(GraphError, match="share pool bytes"):
+        Graph.from_json(bad.to_json())
+
+
+def test_an_offer_across_streams_is_taken_only_after_the_other_readers():
+    """in0 -> a (stream 0); r reads a on stream 1; b offers to write over a on stream 0; c reads
+    b and r. Without an event from r before b, r may still read a while b writes: not taken;
+    with one, taken."""
+    f = ((256,), "float32")
+    spec = [("kernel", [0], [f], 0), ("kernel", [1], [f], 0),
+            ("kernel", [1], [f], 0, {"inplace": "0"}), ("kernel", [3, 2], [f], 0)]
+    base = make_graph(spec, 1, [4])
+    for waits, taken in (([[], [], [1], [], [2]], False), ([[], [], [1], [2], [2]], True)):
+        g = plan_memory(dataclasses.replace(base, streams=[-1, 0, 1, 0, 0], waits=waits))
+        assert (g.storage_ids[g.entry_id(1)] == g.storage_ids[g.entry_id(3)]) == taken
+        Graph.from_json(g.to_json())
+
+
+def test_the_graph_refuses_an_offer_of_an_input_it_does_not_have():
+    g = _offer_chain()
+    doc = json.loads(g.to_json())
+    doc["nodes"][2]["attrs"]["inplace"] = "3"
+    with pytest.raises(GraphError, match="inplace = 3 names no input"):
+        Graph.from_json(doc)

@@ -88,6 +88,27 @@ def test_an_nhwc_residual_is_read_in_place_even_from_the_output_buffer():
     np.testing.assert_allclose(same.numpy(), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("res_layout", ["plain", "nhwc"])
+def test_a_residual_in_the_output_buffer_in_another_layout_is_read_before_it_is_overwritten(
+        res_layout):
+    """NHWC in and out; the residual in the output's own buffer (a plan that wrote the output
+    over it), NCHW (reordered into the result: read out first) or NCHW as a plain sum."""
+    from hgrt.relay_passes.claim_onednn import SLOT
+
+    x, w, b, _ = _case()
+    h = make_header("conv2d", x.shape, (1, 24, 7, 7), post=[("sum", 0, 0)])
+    for slot in ("src_tag", "dst_tag"):
+        h[SLOT[slot]] = onednn.nhwc_tag()
+    h[SLOT["res_tag"]] = onednn.nhwc_tag() if res_layout == "nhwc" else 0
+    blob = _t(onednn.pack(h, w, b))
+    r = RNG.standard_normal((1, 24, 7, 7)).astype("float32")  # N, C, H, W
+    held = r if res_layout == "plain" else r.transpose(0, 2, 3, 1)
+    want = (_conv1x1(x, w, b, []) + r).transpose(0, 2, 3, 1)
+    same = _t(held)
+    onednn.kernel_function("hgrt.onednn.conv2d")(_t(x.transpose(0, 2, 3, 1)), blob, same, same)
+    np.testing.assert_allclose(same.numpy().reshape(want.shape), want, rtol=1e-4, atol=1e-4)
+
+
 def test_dense_equals_numpy():
     x = RNG.standard_normal((3, 40)).astype("float32")
     w = RNG.standard_normal((10, 40)).astype("float32")  # (out, in): oneDNN's inner product
