@@ -37,7 +37,8 @@ NOP_FUNC = lifetimes.NOP_FUNC
 _KNOWN_OPS = ("null", "tvm_op")
 # node attrs hgrt reads, and the form their (string) values must have
 NODE_ATTRS = {"func_name": r"\S+", "num_inputs": r"\d+", "num_outputs": r"\d+",
-              "flatten_data": r"[01]", "op_pattern": r"\d", "inplace": r"\d+"}
+              "flatten_data": r"[01]", "op_pattern": r"\d", "inplace": r"\d+",
+              "flops": r"\d+"}
 # TVM's op pattern kinds (``op_pattern``, a kernel's): up to kInjective a kernel only maps or
 # moves elements (elementwise, broadcast, reshape, transpose, concatenate); above it reduces.
 ELEMWISE_MAX = 1  # kElemWise, kBroadcast: what FuseOps folds into the kernel before

@@ -21,7 +21,8 @@ scale layers) are folded into W and the bias. Weights the chains read are droppe
 else reads them. Activations stay NHWC between oneDNN
 kernels and through the TVM ops between them where ``channels_last`` says so; a reorder node
 turns them back to NCHW before any other reader. The ExternFunc's attrs become graph node attrs
-(``provider``, ``onednn_op``, ``onednn_isa``, ``onednn_impl``, ``onednn_layouts``, ``inplace``),
+(``provider``, ``onednn_op``, ``onednn_isa``, ``onednn_impl``, ``onednn_layouts``, ``flops``,
+``inplace``),
 and the placement report's rows of claimed ops say ``kernels: onednn``.
 
 Reads ``ctx.options.kernels`` and ``ctx.options.onednn`` (the runtime side, handed down by the
@@ -437,7 +438,8 @@ class _Emitter:
                    for v in (chain.x, chain.end, chain.residual) if v is not None]
         attrs = {"provider": "onednn", "onednn_op": "+".join(chain.label),
                  "onednn_isa": self.isa, "onednn_impl": self.runtime.implementation(blob),
-                 "onednn_layouts": ", ".join(layouts)}  # input, output[, residual]
+                 "onednn_layouts": ", ".join(layouts),  # input, output[, residual]
+                 "flops": str(2 * chain.macs)}  # the profiler's GFLOP/s: no weight shape here
         if (chain.residual is not None and chain.pool is None
                 and self._tag(chain.residual) == self._tag(chain.end)
                 and _shape(chain.residual) == _shape(chain.end)):

@@ -129,11 +129,15 @@ class ProfileReport:
 
 
 def _work(g, node, out: int) -> tuple[float, float]:
-    """FLOPs and bytes of a kernel from its entries' shapes: a convolution's output x its
-    weight's per-channel size, a matmul's output x its reduction length, x2; 0 FLOPs else."""
+    """FLOPs and bytes of a kernel: the node's ``flops`` attr where the compiler knew them (a
+    oneDNN kernel, whose weights are a packed blob), else from its entries' shapes: a
+    convolution's output x its weight's per-channel size, a matmul's output x its reduction
+    length, x2; 0 FLOPs else."""
     ins = [g.entry_id(i, k) for i, k, _ in node.inputs]
     elems = float(np.prod(g.shapes[out], dtype=np.float64))
     nbytes = float(sum(g.entry_bytes(e) for e in ins) + g.entry_bytes(out))
+    if "flops" in node.attrs:
+        return float(node.attrs["flops"]), nbytes
     label = op_label(node.func_name or "")
     if "conv" in label and len(ins) > 1 and len(g.shapes[ins[1]]) > 2:  # (not a packed blob)
         return 2 * elems * float(np.prod(g.shapes[ins[1]][1:], dtype=np.float64)), nbytes

@@ -386,3 +386,22 @@ def test_unknown_kernels_and_foreign_targets_are_refused():
 def test_tvm_kernels_claim_nothing():
     res = hgrt.build(conv_onnx(), ["cpu"], kernels="tvm")
     assert not _onednn_nodes(res)
+
+
+@needs_onednn
+def test_the_profiler_counts_a_onednn_kernels_flops():
+    """A oneDNN node's weights are a packed blob (no weight shape to count from): the node
+    carries its FLOPs, and the profile's rates count its convolution as FLOPs."""
+    import tvm
+
+    res = _check(conv_onnx(c=8, oc=16, hw=9, k=3, bias=True, relu=True))
+    (node,) = _onednn_nodes(res)
+    assert int(node.attrs["flops"]) == 2 * (16 * 9 * 9) * (8 * 3 * 3)  # out x (C x KH x KW)
+    m = hgrt.create(res.graph_json, res.lib, [tvm.cpu(0)])
+    m.load_params(res.params)
+    m.set_input(**_inputs(conv_onnx(c=8, oc=16, hw=9, k=3)))
+    rep = m.profile(repeat=3)
+    (op,) = [o for o in rep.ops if o.func == "hgrt.onednn.conv2d"]
+    assert op.flops == 2 * (16 * 9 * 9) * (8 * 3 * 3)
+    (rates,) = rep.rates().values()
+    assert rates["flops_per_s"] > 0
