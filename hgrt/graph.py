@@ -39,6 +39,9 @@ _KNOWN_OPS = ("null", "tvm_op")
 NODE_ATTRS = {"func_name": r"\S+", "num_inputs": r"\d+", "num_outputs": r"\d+",
               "flatten_data": r"[01]", "op_pattern": r"\d", "inplace": r"\d+",
               "flops": r"\d+"}
+# kernel providers whose kernels may be written over an input (``attrs.inplace``): a TVM
+# kernel's schedule may read an input element after writing the output element of its address
+INPLACE_PROVIDERS = ("onednn",)
 # TVM's op pattern kinds (``op_pattern``, a kernel's): up to kInjective a kernel only maps or
 # moves elements (elementwise, broadcast, reshape, transpose, concatenate); above it reduces.
 ELEMWISE_MAX = 1  # kElemWise, kBroadcast: what FuseOps folds into the kernel before
@@ -318,6 +321,10 @@ def _parse_node(nid: int, raw: Any) -> Node:
     if "inplace" in attrs and int(attrs["inplace"]) >= len(inputs):
         raise GraphError(f"{where}: attrs.inplace = {attrs['inplace']} names no input (it has "
                          f"{len(inputs)})")
+    if "inplace" in attrs and attrs.get("provider") not in INPLACE_PROVIDERS:
+        raise GraphError(f"{where}: attrs.inplace on a kernel of provider "
+                         f"{attrs.get('provider', 'tvm')!r}: only {list(INPLACE_PROVIDERS)} "
+                         f"kernels read each element of the input before writing it")
     return Node(op, name, inputs, attrs)
 
 

@@ -149,8 +149,9 @@ def inplace_pairs(g: Graph, groups: dict[int, Group] | None = None,
     """Output group root -> input group root, for every node that offers to write its output
     over an input (``attrs.inplace``) where that is safe: the input is written by a step and
     never read after this node (every other user happens before it, by ``order``), no other
-    operand of the node is the same bytes, neither is kept for the whole run (an input, a
-    param, a graph output), and both are the same bytes on one device. The planner gives such
+    operand of the node is the same bytes, no view of it comes after the node, neither is kept
+    for the whole run (an input, a param, a graph output), and both are the same bytes on one
+    device. The planner gives such
     a pair one storage; the verifier accepts their overlap (and only at the same offset)."""
     groups = live_ranges(g) if groups is None else groups
     order = Order(g) if order is None else order
@@ -168,6 +169,7 @@ def inplace_pairs(g: Graph, groups: dict[int, Group] | None = None,
         if (gi.writer < 0 or gi.forever or go.forever or go.root != out or gi.root in taken
                 or gi.root in others or g.entry_device(src) != g.entry_device(out)
                 or group_bytes(g, gi) != g.entry_bytes(out) or g.dtypes[src] != g.dtypes[out]
+                or gi.last > nid  # a view of it after this node, read or not
                 or not all(u == nid or order.before(u, nid) for u in gi.users)):
             continue
         pairs[out] = gi.root

@@ -126,24 +126,31 @@ def _ort_runner(model, inputs: dict[str, np.ndarray]) -> Callable[[], list] | No
 
 
 def time_against_onnxruntime(run: Callable[[], object], model, inputs: dict[str, np.ndarray],
-                              repeat: int, rounds: int = 3, pause: float = 0.5
+                              repeat: int, rounds: int = 5, pause: float = 0.5,
+                              min_block_s: float = 0.25
                               ) -> tuple[float, float, list[np.ndarray]] | None:
     """(``run``'s median seconds, onnxruntime's, onnxruntime's outputs) at TVM_NUM_THREADS
-    threads, or None when onnxruntime is not installed. Each is timed alone, in blocks of
-    ``repeat`` runs that take turns ``rounds`` times after a pause: after a run, onnxruntime's
-    pool threads spin for a while, and so do oneDNN's OpenMP threads and TVM's pool; the one
-    timed next while they spin loses a core (interleaving single runs cost hgrt 6-20 %)."""
+    threads, or None when onnxruntime is not installed. Each is timed alone, in blocks of at
+    least ``repeat`` runs and ``min_block_s`` seconds that take turns ``rounds`` times after a
+    pause: after a run, onnxruntime's pool threads spin for a while, and so do oneDNN's OpenMP
+    threads and TVM's pool; the one timed next while they spin loses a core (interleaving
+    single runs cost hgrt 6-20 %). (Blocks of 10 runs of a 3 ms model, 3 rounds, read the same
+    two modules 1.00-1.08 apart across processes on this VM.)"""
     ort_run = _ort_runner(model, inputs)
     if ort_run is None:
         return None
     outs = ort_run()
     fns = {"run": run, "ort": ort_run}
+    t = time.perf_counter()
+    run()
+    once = time.perf_counter() - t
+    block = max(repeat, int(min_block_s / max(once, 1e-6)) + 1)
     samples: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(rounds):
         for k, fn in fns.items():
             time.sleep(pause)
             fn()  # warm-up
-            for _ in range(repeat):
+            for _ in range(block):
                 t = time.perf_counter()
                 fn()
                 samples[k].append(time.perf_counter() - t)

@@ -182,8 +182,8 @@ def main() -> None:
     note = (f"ISA: the vector ISA of the target hgrt and the VM built for; kernels: who computed "
             f"the convolutions and dense layers; onnxruntime runs the host's ISA "
             f"({vector_isa(host_target()).name}); hgrt ms: timed in turns with the VM and the "
-            f"split run (hgrt/VM); hgrt alone ms: timed in blocks taking turns with onnxruntime's, "
-            f"a pause before each (hgrt/ORT)")
+            f"split run (hgrt/VM); hgrt alone ms: timed in blocks (>= --repeat runs and 0.25 s) "
+            f"taking turns with onnxruntime's 5 times, a pause before each (hgrt/ORT)")
     print()
     print(text_table(table))
     print(note)

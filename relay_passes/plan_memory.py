@@ -32,11 +32,10 @@ from hgrt.lifetimes import (
 def _assign_storage(g: Graph) -> list[int]:
     """One storage per entry group: an entry and its ``__nop`` views share one, and so does an
     in-place output with its input; numbered densely in order of first use."""
-    root = g.alias_roots()
+    merged: dict[int, int] = {}  # an in-place output's root -> its chain's first input's
     for out, into in sorted(inplace_pairs(g).items()):  # node order: chains resolve forward
-        for e, r in enumerate(root):
-            if r == out:
-                root[e] = root[into]
+        merged[out] = merged.get(into, into)
+    root = [merged.get(r, r) for r in g.alias_roots()]
     dense: dict[int, int] = {}
     return [dense.setdefault(r, len(dense)) for r in root]
 

@@ -15,6 +15,11 @@ from hgrt.lifetimes import ALIGN, memory_report
 from hgrt.relay_passes.plan_memory import plan_memory, verify_memory
 
 
+def offer(k: str) -> dict[str, str]:
+    """Node attrs offering output 0 the bytes of input ``k`` (a oneDNN kernel's offer)."""
+    return {"inplace": k, "provider": "onednn"}
+
+
 def make_graph(spec: list[tuple], n_inputs: int, heads: list[int], n_dev: int = 2) -> Graph:
     """spec: (func, [input entry ids], [(shape, dtype)] outputs, device) per op node."""
     nodes, shapes, dtypes, devs, row = [], [], [], [], [0]
@@ -70,11 +75,11 @@ def random_graphs(draw):
         outs = [((draw(st.integers(0, 300)), draw(st.integers(1, 4))),
                  draw(st.sampled_from(["float32", "int8", "float16", "int64"])))
                 for _ in range(draw(st.integers(1, 2)))]
-        offer = len(outs) == 1 and draw(st.booleans())
-        if offer:  # writes its output over an input of the same bytes, if the plan lets it
+        offering = len(outs) == 1 and draw(st.booleans())
+        if offering:  # writes its output over an input of the same bytes, if the plan lets it
             outs = [entries[ins[0]][1]]
             dev = entries[ins[0]][0]
-        spec.append(("kernel", ins, outs, dev, {"inplace": "0"} if offer else {}))
+        spec.append(("kernel", ins, outs, dev, offer("0") if offering else {}))
         entries.extend((dev, o) for o in outs)
     heads = draw(st.lists(st.integers(0, len(entries) - 1), min_size=1, max_size=3))
     return make_graph(spec, n_inputs, heads, n_dev)
@@ -144,8 +149,9 @@ def _same_bytes(g: Graph, e: int) -> set[int]:
 def inplace_ok(g: Graph, nid: int) -> bool:
     """Independently of hgrt.lifetimes: node ``nid`` offers its output the bytes of input k,
     and may have them: the input (with its views) is written by a kernel, read by nothing after
-    ``nid`` and by no other operand of it, and neither it nor the output is an input, a param
-    or a graph output; same bytes, dtype and device. (No streams in these graphs.)"""
+    ``nid`` and by no other operand of it, has no view made after ``nid`` (read or not), and
+    neither it nor the output is an input, a param or a graph output; same bytes, dtype and
+    device. (No streams in these graphs.)"""
     node = g.nodes[nid]
     k = node.inplace
     if k is None:
@@ -155,12 +161,14 @@ def inplace_ok(g: Graph, nid: int) -> bool:
     heads = {g.entry_id(n, i) for n, i, _ in g.heads}
     readers = [(n, j) for n, other in enumerate(g.nodes) for j, i in enumerate(other.inputs)
                if g.entry_id(*i[:2]) in group and other.func_name != NOP_FUNC]
+    views = [g.node_of_entry(e) for e in group if e != _view_root(g, src)]
     root = _view_root(g, src)
     return (g.nodes[g.node_of_entry(root)].op != "null" and not group & heads
             and not _same_bytes(g, out) & heads
             and g.entry_bytes(src) == g.entry_bytes(out) and g.dtypes[src] == g.dtypes[out]
             and g.entry_device(src) == g.entry_device(out)
-            and all(n < nid or (n == nid and j == k) for n, j in readers))
+            and all(n < nid or (n == nid and j == k) for n, j in readers)
+            and all(n < nid for n in views))
 
 
 def overlaps(g: Graph) -> list[tuple[int, int]]:
@@ -274,23 +282,23 @@ def _offer_chain(reads_after: bool = False, heads=None) -> Graph:
     """in0 -> a -> b (offers a's bytes) -> c; with ``reads_after`` c reads a too."""
     f = ((256,), "float32")
     spec = [("kernel", [0], [f], 0),
-            ("kernel", [1], [f], 0, {"inplace": "0"}),
+            ("kernel", [1], [f], 0, offer("0")),
             ("kernel", [2, 1] if reads_after else [2], [f], 0)]
     return make_graph(spec, 1, heads or [3])
 
 
-def _residual_block(offer: bool) -> Graph:
+def _residual_block(offers: bool) -> Graph:
     """a = k(in0); b = k(a); c = k(b, a), offering c a's bytes (a residual add); d = k(c)."""
     f = ((256,), "float32")
     return make_graph([("kernel", [0], [f], 0), ("kernel", [1], [f], 0),
-                       ("kernel", [2, 1], [f], 0, {"inplace": "1"} if offer else {}),
+                       ("kernel", [2, 1], [f], 0, offer("1") if offers else {}),
                        ("kernel", [3], [f], 0)], 1, [4])
 
 
 def test_an_output_takes_the_bytes_of_the_input_that_dies_there():
-    g = plan_memory(_residual_block(offer=True))
+    g = plan_memory(_residual_block(offers=True))
     assert g.storage_ids[g.entry_id(1)] == g.storage_ids[g.entry_id(3)]
-    (m,), (m0,) = memory_report(g), memory_report(plan_memory(_residual_block(offer=False)))
+    (m,), (m0,) = memory_report(g), memory_report(plan_memory(_residual_block(offers=False)))
     assert m.planned_bytes == m.lower_bound == m0.planned_bytes - 1024  # a 1 KiB tensor less
     Graph.from_json(g.to_json())  # the loader's verifier accepts the overlap
     chain = plan_memory(_offer_chain())  # in a chain too (no bytes saved there)
@@ -305,9 +313,9 @@ def test_an_offer_is_not_taken_where_the_input_lives_on(case):
     elif case == "graph output":
         g = _offer_chain(heads=[1, 3])  # a is an output of the graph
     elif case == "graph input":
-        g = make_graph([("kernel", [0], [((16,), "float32")], 0, {"inplace": "0"})], 1, [1])
+        g = make_graph([("kernel", [0], [((16,), "float32")], 0, offer("0"))], 1, [1])
     else:  # b reads a twice: writing over one operand would change the other
-        g = make_graph([("kernel", [0], [f], 0), ("kernel", [1, 1], [f], 0, {"inplace": "0"}),
+        g = make_graph([("kernel", [0], [f], 0), ("kernel", [1, 1], [f], 0, offer("0")),
                         ("kernel", [2], [f], 0)], 1, [3])
     planned = plan_memory(g)
     src = planned.entry_id(*planned.nodes[2].inputs[0][:2]) if case != "graph input" else 0
@@ -336,7 +344,7 @@ def test_an_offer_across_streams_is_taken_only_after_the_other_readers():
     with one, taken."""
     f = ((256,), "float32")
     spec = [("kernel", [0], [f], 0), ("kernel", [1], [f], 0),
-            ("kernel", [1], [f], 0, {"inplace": "0"}), ("kernel", [3, 2], [f], 0)]
+            ("kernel", [1], [f], 0, offer("0")), ("kernel", [3, 2], [f], 0)]
     base = make_graph(spec, 1, [4])
     for waits, taken in (([[], [], [1], [], [2]], False), ([[], [], [1], [2], [2]], True)):
         g = plan_memory(dataclasses.replace(base, streams=[-1, 0, 1, 0, 0], waits=waits))
@@ -349,4 +357,24 @@ def test_the_graph_refuses_an_offer_of_an_input_it_does_not_have():
     doc = json.loads(g.to_json())
     doc["nodes"][2]["attrs"]["inplace"] = "3"
     with pytest.raises(GraphError, match="inplace = 3 names no input"):
+        Graph.from_json(doc)
+
+
+def test_a_view_after_the_offer_keeps_the_input_and_the_plan_verifies():
+    """a -> b (over a) -> c (over b), and a view of a that nothing reads after c: the view keeps
+    a live past b, so neither offer on a's bytes is taken by a plan its verifier refuses."""
+    f = ((256,), "float32")
+    g = plan_memory(make_graph([("kernel", [0], [f], 0), ("kernel", [1], [f], 0, offer("0")),
+                                ("kernel", [2], [f], 0, offer("0")), (NOP_FUNC, [1], [f], 0),
+                                ("kernel", [3], [f], 0)], 1, [5]))
+    sid = g.storage_ids
+    assert sid[g.entry_id(1)] != sid[g.entry_id(2)]  # a lives on in its view
+    assert sid[g.entry_id(2)] == sid[g.entry_id(3)]  # b dies at c
+    Graph.from_json(g.to_json())
+
+
+def test_only_kernels_that_read_before_they_write_may_offer():
+    doc = json.loads(_offer_chain().to_json())
+    del doc["nodes"][2]["attrs"]["provider"]  # a TVM kernel: its schedule may read late
+    with pytest.raises(GraphError, match="inplace on a kernel of provider 'tvm'"):
         Graph.from_json(doc)
