@@ -11,7 +11,7 @@ import subprocess
 from collections import Counter
 
 from hgrt.graph import COPY_FUNC, NOP_FUNC, Graph, op_label
-from hgrt.lifetimes import group_bytes, live_ranges, memory_report
+from hgrt.lifetimes import group_bytes, memory_report, merged_ranges
 
 # One colour per device position (Graphviz / matplotlib names).
 PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#b07aa1", "#76b7b2"]
@@ -223,7 +223,7 @@ def draw_memory(g: Graph, device: int, path_png: str) -> str | None:
     fig, ax = plt.subplots(figsize=(10, 5))
     offsets: dict[int, int] = {}
     next_sid_base = 0
-    for root, grp in sorted(live_ranges(g).items()):
+    for root, grp in sorted(merged_ranges(g).items()):  # an in-place pair: one box
         if g.entry_device(root) != device:
             continue
         lo, hi = grp.first, grp.last
