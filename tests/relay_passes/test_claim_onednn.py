@@ -110,24 +110,32 @@ def test_conv_chains_equal_the_relax_vm(case):
     assert sum(n.op == "tvm_op" for n in res.graph.nodes) == 1
 
 
-def _block_onnx():
-    """x → conv+relu = a → conv(a)+a → relu → conv → y: ``a`` is read by two oneDNN kernels
-    (as input and as residual), the second result by the third conv only."""
+def _conv3x3_model(name: str, steps: list[tuple[str, list[str], str]]):
+    """x (1, 8, 12, 12) through ``steps`` (op, inputs, output), the last output ``y``; each Conv
+    is 3x3, padded, 16 output channels, with the next weight ``w<i>``."""
     rng = np.random.default_rng(0)
-    inits = [numpy_helper.from_array((rng.standard_normal((16, c, 3, 3)) / np.sqrt(9 * c))
-                                     .astype("float32"), f"w{i}")
-             for i, c in enumerate((8, 16, 16))]
-    pads = {"pads": [1, 1, 1, 1]}
-    nodes = [helper.make_node("Conv", ["x", "w0"], ["c0"], **pads),
-             helper.make_node("Relu", ["c0"], ["a"]),
-             helper.make_node("Conv", ["a", "w1"], ["c1"], **pads),
-             helper.make_node("Add", ["c1", "a"], ["s"]),
-             helper.make_node("Relu", ["s"], ["b"]),
-             helper.make_node("Conv", ["b", "w2"], ["y"], **pads)]
-    graph = helper.make_graph(nodes, "block", [helper.make_tensor_value_info(
+    nodes, inits = [], []
+    for op, ins, out in steps:
+        if op == "Conv":
+            c = 8 if not inits else 16
+            w = f"w{len(inits)}"
+            inits.append(numpy_helper.from_array(
+                (rng.standard_normal((16, c, 3, 3)) / np.sqrt(9 * c)).astype("float32"), w))
+            nodes.append(helper.make_node("Conv", [*ins, w], [out], pads=[1, 1, 1, 1]))
+        else:
+            nodes.append(helper.make_node(op, ins, [out]))
+    graph = helper.make_graph(nodes, name, [helper.make_tensor_value_info(
         "x", TensorProto.FLOAT, [1, 8, 12, 12])], [helper.make_tensor_value_info(
             "y", TensorProto.FLOAT, None)], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+def _block_onnx():
+    """x → conv+relu = a → conv(a)+a → relu → conv → y: ``a`` is read by two oneDNN kernels
+    (as input and as residual), the second result by the third conv only."""
+    return _conv3x3_model("block", [("Conv", ["x"], "c0"), ("Relu", ["c0"], "a"),
+                                    ("Conv", ["a"], "c1"), ("Add", ["c1", "a"], "s"),
+                                    ("Relu", ["s"], "b"), ("Conv", ["b"], "y")])
 
 
 @needs_onednn
@@ -147,23 +155,10 @@ def test_results_between_onednn_kernels_stay_nhwc():
 def _bottleneck_onnx():
     """x → conv+relu = a → conv+relu = b → conv(b) + a → relu → conv → y: the residual ``a``
     is read last by the add, so the add's result may take its bytes."""
-    rng = np.random.default_rng(0)
-    inits = [numpy_helper.from_array((rng.standard_normal((16, c, 3, 3)) / np.sqrt(9 * c))
-                                     .astype("float32"), f"w{i}")
-             for i, c in enumerate((8, 16, 16, 16))]
-    pads = {"pads": [1, 1, 1, 1]}
-    nodes = [helper.make_node("Conv", ["x", "w0"], ["c0"], **pads),
-             helper.make_node("Relu", ["c0"], ["a"]),
-             helper.make_node("Conv", ["a", "w1"], ["c1"], **pads),
-             helper.make_node("Relu", ["c1"], ["b"]),
-             helper.make_node("Conv", ["b", "w2"], ["c2"], **pads),
-             helper.make_node("Add", ["c2", "a"], ["s"]),
-             helper.make_node("Relu", ["s"], ["r"]),
-             helper.make_node("Conv", ["r", "w3"], ["y"], **pads)]
-    graph = helper.make_graph(nodes, "bottleneck", [helper.make_tensor_value_info(
-        "x", TensorProto.FLOAT, [1, 8, 12, 12])], [helper.make_tensor_value_info(
-            "y", TensorProto.FLOAT, None)], inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    return _conv3x3_model("bottleneck", [
+        ("Conv", ["x"], "c0"), ("Relu", ["c0"], "a"), ("Conv", ["a"], "c1"),
+        ("Relu", ["c1"], "b"), ("Conv", ["b"], "c2"), ("Add", ["c2", "a"], "s"),
+        ("Relu", ["s"], "r"), ("Conv", ["r"], "y")])
 
 
 @needs_onednn
