@@ -221,6 +221,7 @@ def draw_memory(g: Graph, device: int, path_png: str) -> str | None:
         return -1 if nid < 0 else step[min(nid, n_steps)]
 
     fig, ax = plt.subplots(figsize=(10, 5))
+    pool = g.pool_bytes[device] if g.pool_bytes is not None and device < len(g.pool_bytes) else 0
     offsets: dict[int, int] = {}
     next_sid_base = 0
     for root, grp in sorted(merged_ranges(g).items()):  # an in-place pair: one box
@@ -229,8 +230,8 @@ def draw_memory(g: Graph, device: int, path_png: str) -> str | None:
         lo, hi = grp.first, grp.last
         sid = g.storage_ids[root]
         nbytes = group_bytes(g, grp)
-        if g.pool_bytes is not None:
-            y = g.storage_offset[sid]
+        if g.pool_bytes is not None:  # the weight pool drawn above the activations'
+            y = g.storage_offset[sid] + (pool if g.pool_of(root)[1] else 0)
         else:  # classic layout: storages stacked in id order
             if sid not in offsets:
                 offsets[sid] = next_sid_base
@@ -242,12 +243,16 @@ def draw_memory(g: Graph, device: int, path_png: str) -> str | None:
         ax.add_patch(Rectangle((x0, y / 2**20), x1 - x0 + 1, nbytes / 2**20, fc=colour,
                                ec="black", lw=0.4, alpha=0.85))
     top = max(mem.planned_bytes, 1) / 2**20
+    if mem.weight_bytes:
+        ax.axhline(pool / 2**20, color="black", lw=0.8)
+        ax.text(n_kernels + 1.4, pool / 2**20, "weight pool above ", ha="right", va="bottom",
+                fontsize=8)
     ax.axhline(mem.lower_bound / 2**20, color="#d62728", ls="--", lw=1,
                label=f"lower bound {mem.lower_bound / 2**20:.2f} MiB")
     ax.set_xlim(-1.5, n_kernels + 1.5)
     ax.set_ylim(0, top * 1.05)
     ax.set_xlabel("kernel step of run() (inputs and weights live from -1 to the end, grey)")
-    ax.set_ylabel("offset in the device pool, MiB")
+    ax.set_ylabel("offset in the device's pools, MiB")
     name = (g.device_names or [f"device {device}"] * (device + 1))[device]
     ax.set_title(f"memory plan of {name}: {mem.planned_bytes / 2**20:.2f} MiB planned, "
                  f"lower bound {mem.lower_bound / 2**20:.2f} MiB\n"
