@@ -151,8 +151,8 @@ def inplace_pairs(g: Graph, groups: dict[int, Group] | None = None,
     never read after this node (every other user happens before it, by ``order``), no other
     operand of the node is the same bytes, no view of it comes after the node, neither is kept
     for the whole run (an input, a param, a graph output), and both are the same bytes on one
-    device. The planner gives such
-    a pair one storage; the verifier accepts their overlap (and only at the same offset)."""
+    device. The planner gives such a pair one storage; the verifier accepts their overlap (and
+    only at the same offset)."""
     groups = live_ranges(g) if groups is None else groups
     order = Order(g) if order is None else order
     root = g.alias_roots()

@@ -22,8 +22,7 @@ else reads them. Activations stay NHWC between oneDNN
 kernels and through the TVM ops between them where ``channels_last`` says so; a reorder node
 turns them back to NCHW before any other reader. The ExternFunc's attrs become graph node attrs
 (``provider``, ``onednn_op``, ``onednn_isa``, ``onednn_impl``, ``onednn_layouts``, ``flops``,
-``inplace``),
-and the placement report's rows of claimed ops say ``kernels: onednn``.
+``inplace``), and the placement report's rows of claimed ops say ``kernels: onednn``.
 
 Reads ``ctx.options.kernels`` and ``ctx.options.onednn`` (the runtime side, handed down by the
 caller: ``unavailable_reason()``, ``pack()``, ``isa()``, ``implementation()``,
@@ -440,11 +439,10 @@ class _Emitter:
                  "onednn_isa": self.isa, "onednn_impl": self.runtime.implementation(blob),
                  "onednn_layouts": ", ".join(layouts),  # input, output[, residual]
                  "flops": str(2 * chain.macs)}  # the profiler's GFLOP/s: no weight shape here
-        if (chain.residual is not None and chain.pool is None
-                and self._tag(chain.residual) == self._tag(chain.end)
-                and _shape(chain.residual) == _shape(chain.end)):
-            # the output may take the residual's bytes where the residual dies here: oneDNN's
-            # sum post-op then adds into it in place (no separate read of the residual)
+        if chain.residual is not None and self._tag(chain.residual) == self._tag(chain.end):
+            # the output (of the residual's shape, and never pooled: _add, _max_pool) may take
+            # the residual's bytes where the residual dies here: oneDNN's sum post-op then adds
+            # into it in place (no separate read of the residual)
             attrs["inplace"] = "2"
         func = relax.ExternFunc(FUNC_NAME[chain.kind])
         for key, value in attrs.items():
