@@ -31,6 +31,7 @@ from hgrt.relay_passes.pipeline import located, run_passes
 from hgrt.relay_passes.place_devices import Placement, place_devices
 from hgrt.relay_passes.plan_memory import plan_memory
 from hgrt.relay_passes.schedule_cpu import schedule_cpu
+from hgrt.relay_passes.split_concat import split_concat
 from hgrt.relay_passes.tuning_db import ApplyReport, apply_tuning
 from hgrt.runtime import onednn
 
@@ -39,6 +40,7 @@ __all__ = ["BuildResult", "Placement", "build", "lower_model"]
 PASSES: tuple = (
     ("place_devices", place_devices),
     ("insert_copies", insert_copies),
+    ("split_concat", split_concat),
     ("claim_onednn", claim_onednn),  # lower_model's default kernels="tvm" leaves all to TVM
     ("fold_batch_norm", fold_batch_norm),
     ("legalize_and_fuse", legalize_and_fuse),

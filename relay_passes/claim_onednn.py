@@ -168,8 +168,9 @@ def _add(g: _Graph, c: Chain, b: relax.VarBinding) -> bool:
         return False
     other = rhs if lhs.same_as(c.end) else lhs
     value = g.value(other)
-    if value is not None:  # a per-channel weight: into the bias, before any post-op
-        bias = None if c.post else per_channel(value, _shape(c.end))
+    if value is not None:  # a per-channel weight: into the bias, before any post-op but a
+        # sum (it adds either side of a residual: split_concat puts the bias after the sum)
+        bias = None if any(p[0] != "sum" for p in c.post) else per_channel(value, _shape(c.end))
         if bias is None:
             return False
         c.bias, c.label = c.bias + bias, [*c.label, "bias"]
