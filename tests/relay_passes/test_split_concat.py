@@ -22,8 +22,8 @@ CA, CB, OC = 8, 12, 10  # unequal parts: a cut at the wrong channel gives wrong 
 
 def fire_onnx(pool=False, parts=2, concat_out=False, second_reader=False, groups=1, seed=0):
     """x -> [1x1 conv, 3x3 conv (, 1x1 conv)] -> Relu each -> Concat(axis 1) -> [MaxPool 3x3/2]
-    -> Conv 1x1 (weight ``w``, bias ``b``) -> Relu -> Conv 1x1 -> y; optionally the concat also an output,
-    or also read by a Sigmoid (output ``s``)."""
+    -> Conv 1x1 (weight ``w``, bias ``b``) -> Relu -> Conv 1x1 -> y; optionally the concat
+    also an output, or also read by a Sigmoid (output ``s``)."""
     rng = np.random.default_rng(seed)
     inits: list = []
 
