@@ -3,10 +3,11 @@
 The kernel provider is chosen per build (``hgrt.build(..., kernels=)``): ``"tvm"`` leaves every
 op to TVM; ``"onednn"`` claims what oneDNN supports and is a ``BuildError`` where oneDNN cannot
 run; ``"auto"`` claims where it can and otherwise says once why not. Runs after insert_copies
-(devices known, weights per device), before legalization. A chain
+(devices known, weights per device) and split_concat, before legalization. A chain
 
-    conv2d(x, W)  [+ per-channel weight | batch_norm]*  [+ residual]  [relu | clip]  [max_pool]
-    matmul(x, W)  [+ bias]                                             [relu | clip]
+    conv2d(x, W)  [+ per-channel weight | batch_norm]*  [+ residual [+ bias]]  [relu | clip]
+                  [max_pool]
+    matmul(x, W)  [+ bias]                                                      [relu | clip]
 
 on a CPU device, W a weight, each intermediate read once (the max pool only after a convolution
 of the model's input: a stem, run in oneDNN's blocked layout), becomes one
