@@ -22,7 +22,14 @@ from hgrt.relay_passes.tuning_db import (
     module_targets,
 )
 from hgrt.testing import run_lowered_vm
-from hgrt.tune import fuse_for_tuning, onednn_calls, tune, tuning_tasks, verify_in_model
+from hgrt.tune import (
+    fuse_for_tuning,
+    onednn_calls,
+    tune,
+    tuning_tasks,
+    verify_in_model,
+    verify_whole_runs,
+)
 
 TARGET = host_target()
 
@@ -189,11 +196,13 @@ def test_missing_database_is_a_build_error(tmp_path):
         hgrt.build(TwoKernels, ["cpu"], tuning_db=str(tmp_path / "nothing"))
 
 
-def test_a_kernel_slower_in_the_model_keeps_the_default_schedule(tuned):
+def test_a_kernel_slower_in_the_model_keeps_the_default_schedule(tuned, monkeypatch):
     mod, db_dir, *_ = tuned
     progress = TuningProgress(db_dir)
     saved = progress.default_wins()
     name = "fused_matmul_llvm_add_llvm"
+    # the kernels kept make whole runs faster (the whole-run verdict: the next test)
+    monkeypatch.setattr(hgrt.tune, "whole_runs", lambda a, b, repeat: (1.0, 0.5))
     try:
         times = verify_in_model(TwoKernels, db_dir, log=None)
         assert sorted(times) == ["fused_matmul_llvm_add_llvm", "fused_matmul_llvm_relu_llvm"]
@@ -208,6 +217,36 @@ def test_a_kernel_slower_in_the_model_keeps_the_default_schedule(tuned):
         assert "tirx.is_scheduled" not in (new[name].attrs or {})  # left to the default pass
         _, everything = apply_database(mod, db_dir, use_verdicts=False)
         assert name in everything.tuned
+    finally:
+        progress.set_default_wins(saved)
+
+
+@pytest.mark.parametrize("tuned_s, keeps", [(0.99, False), (0.9, True)])
+def test_tuned_kernels_that_do_not_speed_up_whole_runs_keep_the_default(tuned, monkeypatch,
+                                                                       tuned_s, keeps):
+    """With every tuned kernel kept by the profiled verdicts, whole runs of the tuned build
+    decide: 1 % faster than the default build (within the 2 % margin) and every kernel keeps
+    the default, saying so; 10 % faster and the tuned ones stay."""
+    mod, db_dir, *_ = tuned
+    progress = TuningProgress(db_dir)
+    saved = progress.default_wins()
+    timed: list = []
+
+    def whole_runs(a, b, repeat):
+        timed.append((a, b))
+        return 1.0, tuned_s
+
+    monkeypatch.setattr(hgrt.tune, "whole_runs", whole_runs)
+    lines: list[str] = []
+    try:
+        progress.set_default_wins(set())
+        assert verify_whole_runs(TwoKernels, db_dir, log=lines.append) is keeps
+        assert len(timed) == 1 and timed[0][0] is not timed[0][1]
+        report = apply_database(mod, db_dir)[1]
+        both = ["fused_matmul_llvm_add_llvm", "fused_matmul_llvm_relu_llvm"]
+        assert sorted(report.default_faster) == ([] if keeps else both)
+        assert sorted(report.tuned) == (both if keeps else [])
+        assert ("every kernel keeps the default schedule" in lines[-1]) is not keeps
     finally:
         progress.set_default_wins(saved)
 
