@@ -362,8 +362,11 @@ def verify_whole_runs(model: Any, db_dir: str, *, devices: Any = "cpu", placemen
     """Time whole runs of the model built with the tuned kernels the database keeps (its
     verdicts applied) against the default schedule's build; unless the tuned build is
     ``margin`` faster, record that every kernel keeps the default. True when the tuned ones
-    stay. ``default``, ``fused``: the default build and ``fuse_for_tuning``'s module when the
-    caller has them."""
+    stay. It starts from the verdicts recorded (``verify_in_model`` sets them just before);
+    after a loss recorded here, no tuned kernel is left to time until they are set again. A
+    kernel that several models sharing a database have in common keeps the verdict of the
+    model verified last. ``default``, ``fused``: the default build and ``fuse_for_tuning``'s
+    module when the caller has them."""
     log = log or (lambda _m: None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

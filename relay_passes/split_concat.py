@@ -9,18 +9,21 @@ and a max pool between them (per channel) goes to the parts:
 ``max_pool(concat([a, b])) == concat([max_pool(a), max_pool(b)])``. The concat's copy of every
 element of ``a`` and ``b`` goes; the convolutions do the same multiply-adds, one more call, and
 the sum is the residual add that both kernel providers fuse (oneDNN's ``sum`` post-op, written in
-place where the plan lets it: ``claim_onednn``; TVM's fused elementwise tail). squeezenet's
-eight fire modules are exactly this; measured there (2 threads, AVX-512, the split written into
-the ONNX model and built beside the original, ``GraphModule.run`` interleaved 200x3): oneDNN
-kernels 2.64-2.75 -> 2.48-2.58 ms (0.94x), TVM kernels 4.25-4.41 -> 3.92-4.07 ms (0.92x); without
-moving the two max pools, 0.98x: a pool of the concat read 2x the bytes of one part's.
+place where the plan lets it: ``claim_onednn``; TVM's fused elementwise tail). Seven of
+squeezenet's eight fire modules are this (the eighth's concat is read through a dropout);
+measured there (2 threads, AVX-512, one build with the pass and one without, ``run()``
+interleaved 3 x 200 times in one process): oneDNN kernels 2.64-2.69 -> 2.45-2.50 ms (0.93x),
+TVM kernels 3.99-4.08 -> 3.77-3.89 ms (0.94-0.95x); the same split written into the ONNX model
+but with the two max pools left on the concat gained only 0.98x.
 
 Taken only where it costs one extra call per concat: exactly two parts, the concat (or the max
 pool of it) read by one convolution and nothing else, all on one CPU device (a GPU's concat is
 cheap next to a kernel launch: not measured, not taken), static float32 NCHW shapes, the
-convolution's weight known at build. The weight's halves are new weights (``<name>.split0``,
-``.split1``); the original goes when nothing else reads it. Runs after insert_copies (devices
-known) and before claim_onednn; the new bindings join ``ctx.placed`` (device, report rows).
+convolution's weight known at build, no per-channel scale after it (a batch norm or a multiply,
+which oneDNN folds into one convolution's weights, not into a sum's). The weight's halves are
+new weights (``<name>.split0``, ``.split1``); the original goes when nothing else reads it.
+Runs after insert_copies (devices known) and before claim_onednn; the new bindings join
+``ctx.placed`` (device, report rows), the concat's and the pool's leave it.
 """
 
 from __future__ import annotations
@@ -75,9 +78,23 @@ def _match(g: MainReader, b: relax.VarBinding, ctx: BuildContext) -> _Split | No
         return None
     weight = g.value(reader.value.args[1])
     if weight is None or weight.ndim != 4 or weight.dtype != np.float32 or weight.shape[1] != \
-            out[1]:
+            out[1] or _scaled_after(g, reader.var):
         return None
     return _Split(b, pool, reader, weight, device)
+
+
+def _scaled_after(g: MainReader, var: relax.Var) -> bool:
+    """Whether a per-channel scale (a batch norm, a multiply) follows the convolution ``var``,
+    past bias adds: oneDNN folds it into the weights of one convolution, not after the sum of
+    two (``claim_onednn``), so splitting would cost a kernel of its own."""
+    while (user := g.only_user(var)) is not None:
+        op = op_name(user.value)
+        if op in ("relax.nn.batch_norm", "relax.multiply"):
+            return True
+        if op != "relax.add" or not any(g.value(a) is not None for a in user.value.args):
+            return False
+        var = user.var
+    return False
 
 
 class _Names:
@@ -138,8 +155,9 @@ def split_concat(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
             pname = f"{wname}.split{k}"
             while pname in w.source:
                 pname += "_"
-            param = w.new_param(pname, half, getattr(wvar.ty, "vdevice", None), names.taken,
-                                "split_concat")
+            # the weight's device; an inline constant has none: the part's
+            vdevice = getattr(wvar.ty, "vdevice", None) or part.ty.vdevice
+            param = w.new_param(pname, half, vdevice, names.taken, "split_concat")
             new_params.append(param)
             expr = relax.Call(conv.value.op, [part, param], conv.value.attrs)
             var = bind(conv.var, f"part{k}", expr, why)
@@ -150,8 +168,16 @@ def split_concat(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
         out.append(relax.VarBinding(conv.var, bb.normalize(relax.op.add(summands[0],
                                                                         summands[1]))))
         replaced[conv.var] = out
+        row = rows.get(conv.var.name)
+        if row is not None:  # the convolution's variable is the sum now
+            row.op, row.reason = "relax.add", f"{row.reason}; {why}"
         ctx.log(f"split_concat: {conv.var.name} = conv2d of {s.concat.var.name}'s two parts"
                 + (f", through {s.pool.var.name}" if s.pool is not None else ""))
+    ctx.placed.report[:] = [r for r in ctx.placed.report
+                            if r.node not in {v.name for v in gone if v is not None}]
+    for v in gone:
+        if v is not None:
+            ctx.placed.op_device.pop(v.name, None)
     blocks = []
     for block in func.body.blocks:
         kept = []
