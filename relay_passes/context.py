@@ -59,6 +59,20 @@ class Weights:
         self.values[key] = value
         return relax.Var(rname, relax.TensorType(value.shape, str(value.dtype), vdevice))
 
+    def kept_params(self, func: relax.Function, body: relax.SeqExpr,
+                    replaced: set[relax.Var]) -> list[relax.Var]:
+        """``func``'s parameters for its new ``body``: the inputs, and every weight but those of
+        ``replaced`` that ``body`` no longer reads (those leave the weights too)."""
+        used = set(relax.analysis.free_vars(body))
+        n_in = int(func.attrs["num_input"])
+        params = list(func.params[:n_in])
+        for p in func.params[n_in:]:
+            if p in used or p not in replaced:
+                params.append(p)
+            else:
+                self.source.pop(self.graph_names.pop(p.name, p.name), None)
+        return params
+
 
 def param_identifier(name: str, taken: dict[str, str]) -> str:
     """A C identifier for a param name ("1", "w@cpu:1"): TVM names kernel arguments after it."""

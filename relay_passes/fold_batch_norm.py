@@ -126,13 +126,7 @@ def fold_batch_norm(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
                 out.append(b)
         blocks.append(type(block)(out))
     body = relax.SeqExpr(blocks, func.body.body)
-    used = set(relax.analysis.free_vars(body))
-    params = list(func.params[:n_in])
-    for p in func.params[n_in:]:
-        if p not in folded_stats or p in used:
-            params.append(p)
-        else:  # read only by folded batch norms: gone
-            w.source.pop(w.graph_names.pop(p.name, p.name), None)
+    params = w.kept_params(func, body, folded_stats)  # those only folded ones read: gone
     new = mod.clone()
     new.update_func(new.get_global_var("main"), relax.Function(
         params + new_params, body, func.ret_ty, func.is_pure, func.attrs))

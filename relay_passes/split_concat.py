@@ -187,14 +187,7 @@ def split_concat(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
             kept.extend(replaced.get(b.var, [b]))
         blocks.append(type(block)(kept))
     body = relax.SeqExpr(blocks, func.body.body)
-    used = set(relax.analysis.free_vars(body))
-    n_in = int(func.attrs["num_input"])
-    params = list(func.params[:n_in])
-    for p in func.params[n_in:]:
-        if p in used or p not in old_weights:
-            params.append(p)
-        else:  # read only by the split convolutions: gone
-            w.source.pop(w.graph_names.pop(p.name, p.name), None)
+    params = w.kept_params(func, body, old_weights)  # those only the split ones read: gone
     new = mod.clone()
     new.update_func(new.get_global_var("main"), relax.Function(
         params + new_params, body, func.ret_ty, func.is_pure, func.attrs))
