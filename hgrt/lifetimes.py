@@ -177,17 +177,23 @@ def inplace_pairs(g: Graph, groups: dict[int, Group] | None = None,
     return pairs
 
 
-def merged_ranges(g: Graph, order: Order | None = None) -> dict[int, Group]:
-    """``live_ranges`` with each in-place pair (``inplace_pairs``) as one group, under the
-    root of the first: the same bytes from the input's writer to the output's last use."""
+def inplace_chains(pairs: dict[int, int]) -> dict[int, int]:
+    """In-place output root -> the root of its chain's first input (``inplace_pairs``: an
+    output that is in turn written over resolves to where its chain began)."""
+    first: dict[int, int] = {}
+    for out, into in sorted(pairs.items()):  # node order: a chain's earlier link first
+        first[out] = first.get(into, into)
+    return first
+
+
+def merged_ranges(g: Graph, order: Order | None = None,
+                  pairs: dict[int, int] | None = None) -> dict[int, Group]:
+    """``live_ranges`` with each in-place chain (``inplace_pairs``, or ``pairs`` when the
+    caller has them) as one group, under the root of its first input: the same bytes from the
+    input's writer to the last output's last use."""
     groups = live_ranges(g)
-    pairs = inplace_pairs(g, groups, order)
-    if not pairs:
-        return groups
-    for out in sorted(pairs):  # node order: a chain's earlier link is merged first
-        into = pairs[out]
-        while into not in groups:  # merged already: follow to the chain's root
-            into = pairs[into]
+    pairs = inplace_pairs(g, groups, order) if pairs is None else pairs
+    for out, into in inplace_chains(pairs).items():  # node order: earlier links first
         a, b = groups[into], groups.pop(out)
         groups[into] = Group(into, min(a.first, b.first), max(a.last, b.last),
                              a.members + b.members, a.writer,

@@ -386,9 +386,7 @@ def _new_weight(g: _Graph, pname: str, value: np.ndarray, vdevice: Any, taken: s
     ``.onednn``."""
     w = g.ctx.weights
     if not (takes_over and pname in w.source):  # a name of its own
-        pname += ".onednn"
-        while pname in w.source:
-            pname += "_"
+        pname = w.free_name(pname + ".onednn")
     return w.new_param(pname, value, vdevice, taken, "oneDNN")
 
 

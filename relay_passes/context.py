@@ -47,6 +47,13 @@ class Weights:
     source: dict[str, str] = field(default_factory=dict)  # graph param -> weight it holds
     graph_names: dict[str, str] = field(default_factory=dict)  # main param -> graph node name
 
+    def free_name(self, pname: str, taken: set[str] | frozenset[str] = frozenset()) -> str:
+        """``pname``, or it with ``_`` appended until no weight (nor ``taken``) has the name:
+        a graph name for a new weight that replaces none."""
+        while pname in self.source or pname in taken:
+            pname += "_"
+        return pname
+
     def new_param(self, pname: str, value: np.ndarray, vdevice: Any, taken: set[str],
                   origin: str) -> relax.Var:
         """A new parameter of ``main`` holding ``value``, made by a pass (``origin``), under

@@ -89,9 +89,7 @@ def fold_batch_norm(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
                         and getattr(e.ty, "vdevice", None) is not None), x.ty.vdevice)
         made = []
         for label, arr in zip(("bn_scale", "bn_shift"), found, strict=True):
-            pname = f"{base}.{label}"
-            while pname in w.source or pname in graph_names:
-                pname += "_"
+            pname = w.free_name(f"{base}.{label}", graph_names)
             graph_names.add(pname)
             made.append(w.new_param(pname, arr.astype("float32").reshape(bshape), vdevice,
                                     taken, "folded batch norm"))

@@ -22,6 +22,7 @@ from hgrt.lifetimes import (
     Order,
     align,
     check_lifetimes,
+    inplace_chains,
     inplace_pairs,
     memory_report,
     merged_ranges,
@@ -29,12 +30,11 @@ from hgrt.lifetimes import (
 )
 
 
-def _assign_storage(g: Graph) -> list[int]:
+def _assign_storage(g: Graph, pairs: dict[int, int]) -> list[int]:
     """One storage per entry group: an entry and its ``__nop`` views share one, and so does an
-    in-place output with its input; numbered densely in order of first use."""
-    merged: dict[int, int] = {}  # an in-place output's root -> its chain's first input's
-    for out, into in sorted(inplace_pairs(g).items()):  # node order: chains resolve forward
-        merged[out] = merged.get(into, into)
+    in-place output (``pairs``: ``inplace_pairs``) with its input; numbered densely in order of
+    first use."""
+    merged = inplace_chains(pairs)
     root = [merged.get(r, r) for r in g.alias_roots()]
     dense: dict[int, int] = {}
     return [dense.setdefault(r, len(dense)) for r in root]
@@ -76,16 +76,17 @@ def _greedy_offsets(items: list[tuple], live: Order) -> tuple[dict[int, int], in
     return min(plans, key=lambda plan: plan[1])
 
 
-def _layout(g: Graph, n_dev: int) -> tuple[list[int], list[int], list[int]]:
+def _layout(g: Graph, n_dev: int, pairs: dict[int, int]
+            ) -> tuple[list[int], list[int], list[int]]:
     """Offsets per storage, activation pool and weight pool bytes per device of ``g`` (which
-    has its storage ids), under the happens-before order of its streams."""
+    has its storage ids, ``pairs`` merged), under the happens-before order of its streams."""
     owner = storage_devices(g, PlanError)
     weights = g.weight_storages
     live = Order(g)
     items: list[list[tuple]] = [[] for _ in range(n_dev)]
     offsets = [0] * len(owner)
     weight_pools = [0] * n_dev
-    for root, grp in sorted(merged_ranges(g, live).items()):
+    for root, grp in sorted(merged_ranges(g, live, pairs).items()):
         sid = g.storage_ids[root]
         size = align(max(g.entry_bytes(e) for e in grp.members))
         if sid in weights:
@@ -101,19 +102,21 @@ def _layout(g: Graph, n_dev: int) -> tuple[list[int], list[int], list[int]]:
     return offsets, pools, weight_pools
 
 
-def _with_storage(graph: Graph, ctx: object = None) -> tuple[Graph, int]:
-    g = dataclasses.replace(graph, storage_ids=_assign_storage(graph))
+def _with_storage(graph: Graph, ctx: object = None) -> tuple[Graph, int, dict[int, int]]:
+    """``graph`` with its storage ids, its device count and its in-place pairs (which do not
+    depend on storage: found once, for the ids and the layout)."""
+    pairs = inplace_pairs(graph)
+    g = dataclasses.replace(graph, storage_ids=_assign_storage(graph, pairs))
     n_dev = max(storage_devices(g, PlanError).values(), default=0) + 1
     if g.device_index is not None and ctx is not None and hasattr(ctx, "devices"):
         n_dev = max(n_dev, len(ctx.devices))
-    return g, n_dev
+    return g, n_dev, pairs
 
 
 def pool_bytes(graph: Graph) -> list[int]:
     """The activation pool bytes per device that ``plan_memory`` gives ``graph`` (with its
     streams and waits, if any), without writing the plan: what stream assignment weighs."""
-    g, n_dev = _with_storage(graph)
-    return _layout(g, n_dev)[1]
+    return _layout(*_with_storage(graph))[1]
 
 
 def plan_memory(graph: Graph, ctx: object = None) -> Graph:
@@ -122,8 +125,8 @@ def plan_memory(graph: Graph, ctx: object = None) -> Graph:
     Per device two pools: the weights (parameters, live always, one after another) and the
     activations (everything else, reused by lifetime), so that a call frame or a second module
     allocates activations only."""
-    g, n_dev = _with_storage(graph, ctx)
-    offsets, pools, weight_pools = _layout(g, n_dev)
+    g, n_dev, pairs = _with_storage(graph, ctx)
+    offsets, pools, weight_pools = _layout(g, n_dev, pairs)
     g = dataclasses.replace(g, pool_bytes=pools, storage_offset=offsets,
                             weight_pool_bytes=weight_pools)
     verify_memory(g)

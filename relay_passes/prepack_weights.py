@@ -103,9 +103,7 @@ def _packed_param(p: relax.Var, lanes: int, ctx: BuildContext, taken: set[str]) 
     rname = f"{p.name}_oc{lanes}"
     while rname in taken or rname in w.graph_names:
         rname += "_"
-    pname = f"{w.graph_names.get(p.name, p.name)}_oc{lanes}"
-    while pname in w.source:
-        pname += "_"
+    pname = w.free_name(f"{w.graph_names.get(p.name, p.name)}_oc{lanes}")
     w.graph_names[rname] = pname
     w.source[pname] = pname
     w.values[pname] = value

@@ -152,9 +152,7 @@ def split_concat(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
                 out.append(relax.VarBinding(pooled, bb.normalize(expr)))
                 part = pooled
             half = np.ascontiguousarray(s.weight[:, :cut] if k == 0 else s.weight[:, cut:])
-            pname = f"{wname}.split{k}"
-            while pname in w.source:
-                pname += "_"
+            pname = w.free_name(f"{wname}.split{k}")
             # the weight's device; an inline constant has none: the part's
             vdevice = getattr(wvar.ty, "vdevice", None) or part.ty.vdevice
             param = w.new_param(pname, half, vdevice, names.taken, "split_concat")
