@@ -21,6 +21,7 @@ from hgrt.frontend import import_model
 from hgrt.graph import Graph
 from hgrt.lifetimes import DeviceMemory, memory_report
 from hgrt.relay_passes.assign_streams import assign_streams
+from hgrt.relay_passes.claim_affine import claim_affine
 from hgrt.relay_passes.claim_onednn import claim_onednn
 from hgrt.relay_passes.context import BuildContext, LoweringOptions, PlacementRow, Weights
 from hgrt.relay_passes.fold_batch_norm import fold_batch_norm
@@ -43,6 +44,7 @@ PASSES: tuple = (
     ("split_concat", split_concat),
     ("claim_onednn", claim_onednn),  # lower_model's default kernels="tvm" leaves all to TVM
     ("fold_batch_norm", fold_batch_norm),
+    ("claim_affine", claim_affine),  # what is left between oneDNN kernels: one oneDNN call
     ("legalize_and_fuse", legalize_and_fuse),
     ("assign_targets", assign_targets),  # lower_model stops here unscheduled: what is tuned
     ("apply_tuning", apply_tuning),

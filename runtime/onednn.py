@@ -42,7 +42,7 @@ INSTALL_HINT = "pip install -e '.[onednn]'"
 PREFIX = "hgrt.onednn."
 # what graph nodes call
 FUNCTIONS = tuple(PREFIX + f for f in ("conv2d", "dense", "concat", "pool", "shuffle", "lrn",
-                                           "to_nchw"))
+                                           "affine", "to_nchw"))
 SOURCE = Path(__file__).with_name("onednn_shim.cc")
 _WHEELS = ("onednn-cpu-gomp", "onednn-devel-cpu-gomp")  # libdnnl.so + libgomp; headers
 _lock = threading.Lock()

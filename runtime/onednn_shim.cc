@@ -850,6 +850,68 @@ void Lrn(const ffi::TensorView& x, const ffi::TensorView& attrs, const ffi::Tens
   });
 }
 
+// ---- per-channel affine + activation of channels-last tensors ------------------------------
+
+// `fn(x, params, out)`: out = act(x * scale + shift), scale and shift one number per channel,
+// the LAST axis of x (NHWC as channels_last keeps it; any rank >= 1, the leading axes seen as
+// rows). params float32 [3 + 2C]: the activation (0 none, 1 ReLU, 2 clip), its alpha and beta
+// (clip's lower and upper bound), scale[C], shift[C]. A chain of batch norms and scale layers
+// folded at build (relay_passes/claim_affine.py): oneDNN's binary multiply with a binary add
+// and an eltwise post-op, on its OpenMP threads (a lone TVM kernel between oneDNN kernels runs
+// on one thread: threads.solo). x and out may be one buffer.
+enum AffineAct : int64_t { kActNone = 0, kActRelu = 1, kActClip = 2 };
+constexpr int kAffineHead = 3;
+
+void Affine(const ffi::TensorView& x, const ffi::TensorView& params, const ffi::TensorView& out) {
+  CheckTensor(x, "affine input", kF32, -1);
+  CheckTensor(out, "affine output", kF32, x.numel());
+  if (x.ndim() < 1 || out.ndim() != x.ndim() ||
+      !std::equal(x.shape().begin(), x.shape().end(), out.shape().begin())) {
+    TVM_FFI_THROW(ValueError) << "oneDNN affine: expected input and output of one shape";
+  }
+  int64_t channels = x.shape()[x.ndim() - 1];
+  CheckTensor(params, "affine parameters", kF32, kAffineHead + 2 * channels);
+  const float* a = static_cast<const float*>(DataOf(params));
+  int64_t act = a[0] == 0.f ? kActNone : a[0] == 1.f ? kActRelu : a[0] == 2.f ? kActClip : -1;
+  if (act < 0 || (act == kActClip && !(a[1] <= a[2]))) {
+    TVM_FFI_THROW(ValueError) << "oneDNN affine: bad activation (" << a[0] << ", " << a[1]
+                              << ", " << a[2] << ")";
+  }
+  int threads = UseBudgetThreads();
+  FlushDenormals flush(threads);
+  int64_t rows = channels > 0 ? x.numel() / channels : 0;
+  if (rows == 0) return;
+  std::vector<int64_t> key{rows, channels, act};
+  for (int i = 1; i < kAffineHead; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, a + i, 4);
+    key.push_back(bits);
+  }
+  key.push_back(threads);
+  // rows x C as oneDNN's N=1, C, H=rows, W=1 in NHWC: the per-channel broadcast its jit
+  // binary kernels take (a 2-D or plain 4-D view of the same bytes ran its reference code)
+  memory::desc md({1, channels, rows, 1}, memory::data_type::f32, Tag::nhwc);
+  memory::desc per_channel({1, channels, 1, 1}, memory::data_type::f32, Tag::nchw);
+  auto prim = Cached<dnnl::primitive>(key, [&] {
+    dnnl::post_ops ops;
+    ops.append_binary(dnnl::algorithm::binary_add, per_channel);
+    if (act == kActRelu) ops.append_eltwise(dnnl::algorithm::eltwise_relu, 0.f, 0.f);
+    if (act == kActClip) ops.append_eltwise(dnnl::algorithm::eltwise_clip, a[1], a[2]);
+    dnnl::primitive_attr attr;
+    attr.set_post_ops(ops);
+    return dnnl::primitive(dnnl::binary(dnnl::binary::primitive_desc(
+        Engine(), dnnl::algorithm::binary_mul, md, per_channel, md, attr)));
+  });
+  float* scale = const_cast<float*>(a + kAffineHead);
+  Args& args = BoundArgs(prim)[0];
+  args.Set(DNNL_ARG_SRC_0, md, DataOf(x));
+  args.Set(DNNL_ARG_SRC_1, per_channel, scale);
+  args.Set(DNNL_ARG_ATTR_MULTIPLE_POST_OP(0) | DNNL_ARG_SRC_1, per_channel, scale + channels);
+  args.Set(DNNL_ARG_DST, md, DataOf(out));
+  prim->execute(Stream(), args.map());
+  Stream().wait();
+}
+
 // ---- NHWC back to NCHW ----------------------------------------------------------------------
 
 // `fn(x, out)`: x N x H x W x C (NHWC, as channels_last keeps it), out N x C x H x W: the
@@ -970,6 +1032,10 @@ TVM_FFI_STATIC_INIT_BLOCK() {
       .def("hgrt.onednn.lrn",
            [](ffi::TensorView x, ffi::TensorView attrs, ffi::TensorView out) {
              Catch([&] { Lrn(x, attrs, out); });
+           })
+      .def("hgrt.onednn.affine",
+           [](ffi::TensorView x, ffi::TensorView params, ffi::TensorView out) {
+             Catch([&] { Affine(x, params, out); });
            })
       .def("hgrt.onednn.to_nchw",
            [](ffi::TensorView x, ffi::TensorView out) { Catch([&] { ToNchw(x, out); }); })

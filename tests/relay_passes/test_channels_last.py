@@ -18,10 +18,10 @@ pytestmark = pytest.mark.skipif(REASON is not None, reason=f"oneDNN unavailable:
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 
 
-def _branchy_onnx(lrn: bool = True):
-    """conv → max pool → two convs → concat → avg pool → batch norm → relu → conv → global
-    average pool (output ``y``); with ``lrn`` the avg pool's result also feeds an LRN (output
-    ``z``) and a softmax over channels (an op with no NHWC form: output ``s``)."""
+def _branchy_onnx(lrn: bool = True, sigmoid: bool = False):
+    """conv → max pool → two convs → concat → avg pool → batch norm [→ sigmoid] → relu → conv →
+    global average pool (output ``y``); with ``lrn`` the avg pool's result also feeds an LRN
+    (output ``z``) and a softmax over channels (an op with no NHWC form: output ``s``)."""
     rng = np.random.default_rng(0)
     inits = []
 
@@ -47,7 +47,8 @@ def _branchy_onnx(lrn: bool = True):
                          pads=[1] * 4, count_include_pad=0),
         helper.make_node("BatchNormalization", ["ap", vec("g", 32), vec("be", 32),
                                                 vec("m", 32), vec("v", 32, True)], ["bn"]),
-        helper.make_node("Relu", ["bn"], ["r"]),
+        *([helper.make_node("Sigmoid", ["bn"], ["sg"])] if sigmoid else []),
+        helper.make_node("Relu", ["sg" if sigmoid else "bn"], ["r"]),
         helper.make_node("Conv", ["r", w("w3", 16, 32, 1, 1)], ["d"]),
         helper.make_node("GlobalAveragePool", ["d"], ["y"]),
     ]
@@ -98,13 +99,12 @@ def test_ops_between_onednn_kernels_run_nhwc_and_equal_the_relax_vm():
         (1, 6, 6, 16)
     assert [c.attrs["onednn_layouts"] for c in convs] == \
         ["plain, acdb"] + ["acdb, acdb"] * 3  # the model's input NCHW, the rest NHWC
-    # batch norm + relu ran NHWC (one TVM kernel) as x * scale + shift (two per-channel
-    # weights made at build, no square root per element), the LRN (eight ops as imported) is
-    # one oneDNN kernel on NHWC; reorders feed only the softmax and the output z
-    (bn,) = [n for n in g.nodes if "relu" in (n.func_name or "") and n.op == "tvm_op"
-             and "onednn" not in n.func_name]
-    assert "sqrt" not in bn.func_name and "multiply" in bn.func_name
-    assert {"g.bn_scale", "g.bn_shift"} <= set(res.params) and "m" not in res.params
+    # batch norm + relu ran NHWC as x * scale + shift (per-channel values made at build, no
+    # square root per element) + relu, one oneDNN kernel (claim_affine); the LRN (eight ops
+    # as imported) is one oneDNN kernel on NHWC; reorders feed only the softmax and the output z
+    (bn,) = _by_func(res, "affine")
+    assert bn.attrs["onednn_op"] == "multiply+add+relu" and shape(bn) == (1, 6, 6, 32)
+    assert "g.bn_scale.affine" in res.params and not {"m", "g.bn_scale"} & set(res.params)
     (lrn,) = _by_func(res, "lrn")
     assert shape(lrn) == (1, 6, 6, 32)
     assert not [n for n in g.nodes if "power" in (n.func_name or "")]
@@ -177,15 +177,16 @@ def test_a_channel_shuffle_between_convolutions_is_one_nhwc_kernel():
 
 
 def test_tvm_kernels_beside_onednn_kernels_run_solo_when_they_only_move_elements():
-    """Injective TVM kernels (op pattern <= 2 in the graph) on a device with oneDNN kernels run
-    on their caller's thread alone; a reducing one (the softmax) keeps the thread share."""
+    """Injective TVM kernels (op pattern <= 2 in the graph: the sigmoid + relu) on a device with
+    oneDNN kernels run on their caller's thread alone; a reducing one (the softmax) keeps the
+    thread share."""
     import tvm
 
     from hgrt.runtime.frames import bind_steps
     from hgrt.runtime.pools import StoragePools
     from hgrt.runtime.threads import restore_thread_count, set_thread_count, solo
 
-    res = _build_and_check(_branchy_onnx())
+    res = _build_and_check(_branchy_onnx(sigmoid=True))
     g = res.graph
     patterns = {n.func_name: int(n.attrs["op_pattern"]) for n in g.nodes
                 if n.op == "tvm_op" and not n.func_name.startswith(("hgrt.", "__"))}

@@ -288,3 +288,35 @@ def test_shuffle_and_lrn_refuse_what_does_not_fit():
     with pytest.raises(ValueError, match="of one shape"):
         onednn.kernel_function("hgrt.onednn.lrn")(
             a, _t(np.array([5, 1e-4, 0.75, 1], "float32")), _t(np.zeros((1, 5, 7, 8), "float32")))
+
+
+@pytest.mark.parametrize("act", [(0, 0.0, 0.0), (1, 0.0, 0.0), (2, -0.5, 0.7)],
+                         ids=["none", "relu", "clip"])
+@pytest.mark.parametrize("shape", [(1, 5, 7, 24), (3, 10), (17,)], ids=["nhwc", "2d", "1d"])
+def test_affine_equals_numpy_also_in_place(shape, act):
+    x = RNG.standard_normal(shape).astype("float32")
+    scale, shift = RNG.standard_normal((2, shape[-1])).astype("float32")
+    params = np.concatenate([act, scale, shift]).astype("float32")
+    want = x * scale + shift
+    want = np.maximum(want, 0) if act[0] == 1 else np.clip(want, act[1], act[2]) if act[0] == 2 \
+        else want
+    out = _t(np.zeros_like(x))
+    affine = onednn.kernel_function("hgrt.onednn.affine")
+    affine(_t(x), _t(params), out)
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-6, atol=1e-6)
+    xt = _t(x)
+    affine(xt, _t(params), xt)  # the plan may give the output x's bytes
+    np.testing.assert_array_equal(xt.numpy(), out.numpy())
+
+
+def test_affine_refuses_what_does_not_fit():
+    a = _t(np.zeros((1, 5, 7, 16), "float32"))
+    affine = onednn.kernel_function("hgrt.onednn.affine")
+    good = np.zeros(3 + 32, "float32")
+    with pytest.raises(ValueError, match="affine parameters has 20 elements, expected 35"):
+        affine(a, _t(np.zeros(20, "float32")), a)
+    with pytest.raises(ValueError, match="of one shape"):
+        affine(a, _t(good), _t(np.zeros((1, 5, 16, 7), "float32")))
+    for bad in ([3, 0, 0], [np.nan, 0, 0], [2, 1.0, -1.0]):  # unknown kind; clip lo > hi
+        with pytest.raises(ValueError, match="bad activation"):
+            affine(a, _t(np.concatenate([bad, good[3:]]).astype("float32")), a)
