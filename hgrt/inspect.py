@@ -64,7 +64,15 @@ def _streams(g: Graph, names: list[str]) -> dict[str, dict]:
 def format_summary(s: dict) -> str:
     lines = ["kernels per device:"]
     lines += [f"  {d:<10} {n}" for d, n in s["kernels_per_device"].items()]
-    lines += [f"  of which {p}: {n}" for p, n in s.get("providers", {}).items()]
+    by_provider: dict[str, list] = {}
+    for key, n in s.get("providers", {}).items():  # "onednn avx512_core": packed for that ISA
+        provider, _, isa = key.partition(" ")
+        row = by_provider.setdefault(provider, [0, []])
+        row[0] += n
+        if isa:
+            row[1].append(f"{n} with weights packed for {isa}")
+    lines += [f"  of which {p}: {n}" + (f" ({', '.join(packed)})" if packed else "")
+              for p, (n, packed) in by_provider.items()]
     lines.append(f"copies: {s['num_copies']}")
     lines += [f"  {k}: {b} bytes per run" for k, b in s["copies"].items()]
     lines.append("streams: " + (", ".join(f"{k} on {v['device']}: {v['steps']} steps, waits "

@@ -86,3 +86,16 @@ def test_cli_reports_errors_without_traceback(tmp_path, capsys):
     assert main(["run", path]) == 2
     assert "no value for inputs ['x']" in capsys.readouterr().err
     assert main(["run", str(tmp_path / "nothing")]) == 2
+
+
+def test_summary_counts_kernels_by_provider_and_the_isa_their_weights_were_packed_for():
+    from hgrt.inspect import format_summary
+
+    summary = {"kernels_per_device": {"cpu:0": 9}, "num_copies": 0, "copies": {},
+               "streams": {}, "memory": {},
+               "providers": {"onednn avx2": 4, "onednn": 3, "onednn avx512_core": 1}}
+    lines = format_summary(summary).splitlines()
+    assert "  of which onednn: 8 (4 with weights packed for avx2, 1 with weights packed for " \
+           "avx512_core)" in lines
+    summary["providers"] = {"onednn": 2}  # weightless kernels only (concat, pool, affine)
+    assert "  of which onednn: 2" in format_summary(summary).splitlines()
