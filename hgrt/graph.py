@@ -33,6 +33,7 @@ from hgrt.errors import GraphError
 
 FORMAT_VERSION = 1
 COPY_FUNC = "__copy"
+ONEDNN_PREFIX = "hgrt.onednn."  # the functions oneDNN kernels' nodes name (runtime/onednn.py)
 NOP_FUNC = lifetimes.NOP_FUNC
 _KNOWN_OPS = ("null", "tvm_op")
 # node attrs hgrt reads, and the form their (string) values must have

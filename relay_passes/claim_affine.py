@@ -16,14 +16,17 @@ process, 25.6 -> 22.6 ms (0.88x); hgrt / onnxruntime 0.83 -> 0.73, and 1.21 -> 1
 build (``bench_models.py --kernels onednn``).
 
 Taken where ``x`` is the result of a oneDNN kernel (so the build uses oneDNN on that device,
-and no TVM kernel before it loses an epilogue it would have fused), every link's constant is a
-weight or constant known at build that broadcasts along the LAST axis only (channels-last, as
-``channels_last`` keeps tensors between oneDNN kernels), each intermediate is read by the next
-link alone, all on one device and float32 with static shapes; the chain ends after its
-activation. A divisor with a zero is not folded. The folded values live in a new weight
-``<first constant's name>.affine`` (float32: activation kind, its two bounds, scale, shift);
-constants nothing else reads go. The node may write over ``x`` (``attrs.inplace``: the plan
-takes it where ``x`` dies there). Runs after ``fold_batch_norm``, before lowering.
+and no TVM kernel before it loses an epilogue it would have fused), every reader of the chain's
+result is a oneDNN kernel, a copy or the function's result (a TVM kernel reading it would fuse
+the chain into itself: one kernel and one pass over the tensor, against two claimed), every
+link's constant is a weight or constant known at build that broadcasts along the LAST axis only
+(channels-last, as ``channels_last`` keeps tensors between oneDNN kernels), each intermediate
+is read by the next link alone, all on one device and float32 with static shapes; the chain
+ends after its activation. A divisor with a zero does not fold, nor does a constant divided by
+the tensor. The folded values live in a new weight ``<first constant's name>.affine`` (float32:
+activation kind, its two bounds, scale, shift); constants nothing else reads go. The node may
+write over ``x`` (``attrs.inplace``: the plan takes it where ``x`` dies there). Runs after
+``fold_batch_norm``, before lowering.
 """
 
 from __future__ import annotations
@@ -34,11 +37,21 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from hgrt.graph import ONEDNN_PREFIX
 from hgrt.relay_passes.context import BuildContext
-from hgrt.relay_passes.relax_util import CALL_DPS_PACKED, MainReader, bindings, callee, op_name
+from hgrt.relay_passes.relax_util import (
+    CALL_DPS_PACKED,
+    TO_VDEVICE,
+    MainReader,
+    bindings,
+    callee,
+    op_name,
+    per_channel,
+    scalar,
+)
 from hgrt.relay_passes.relax_util import float32_shape as _shape
 
-FUNC_NAME = "hgrt.onednn.affine"
+FUNC_NAME = ONEDNN_PREFIX + "affine"
 ACT = {"none": 0, "relu": 1, "clip": 2}  # runtime/onednn_shim.cc AffineAct
 LINKS = frozenset({"relax.multiply", "relax.add", "relax.subtract", "relax.divide"})
 ACTIVATIONS = frozenset({"relax.nn.relu", "relax.clip"})
@@ -60,24 +73,6 @@ class _Chain:
         return self.members[-1]
 
 
-def _per_last_axis(value: np.ndarray, shape: tuple[int, ...]) -> np.ndarray | None:
-    """``value`` as one float64 number per entry of ``shape``'s last axis, if it broadcasts
-    along that axis only."""
-    if value.dtype.kind != "f" or value.ndim > len(shape):
-        return None
-    if value.size == 1:
-        return np.full(shape[-1], float(value.reshape(())), "float64")
-    padded = (1,) * (len(shape) - value.ndim) + value.shape
-    if padded[-1] != shape[-1] or any(s != 1 for s in padded[:-1]):
-        return None
-    return value.reshape(-1).astype("float64")
-
-
-def _float(expr) -> float:
-    value = getattr(expr, "value", expr)
-    return float(getattr(value, "value", value))
-
-
 def _link(g: MainReader, c: _Chain, b: relax.VarBinding, shape: tuple[int, ...]) -> bool:
     """Fold ``b`` (reading the chain's end) into ``c``; False (``c`` untouched) if it does not
     fold."""
@@ -88,7 +83,7 @@ def _link(g: MainReader, c: _Chain, b: relax.VarBinding, shape: tuple[int, ...])
         if op == "relax.nn.relu":
             c.act = (ACT["relu"], 0.0, 0.0)
         else:
-            lo, hi = _float(call.args[1]), _float(call.args[2])
+            lo, hi = scalar(call.args[1]), scalar(call.args[2])
             if not lo <= hi:
                 return False
             c.act = (ACT["clip"], lo, hi)
@@ -99,9 +94,11 @@ def _link(g: MainReader, c: _Chain, b: relax.VarBinding, shape: tuple[int, ...])
     first = isinstance(a, relax.Var) and a.same_as(c.end if c.members else c.x)
     const = b2 if first else a
     value = g.value(const)
-    vec = None if value is None else _per_last_axis(value, shape)
+    vec = None if value is None or value.dtype.kind != "f" \
+        else per_channel(value, shape, axis=-1)
     if vec is None:
         return False
+    vec = vec.astype("float64")
     if op == "relax.multiply":
         c.scale, c.shift = c.scale * vec, c.shift * vec
     elif op == "relax.add":
@@ -123,28 +120,31 @@ def _link(g: MainReader, c: _Chain, b: relax.VarBinding, shape: tuple[int, ...])
 
 def _onednn_result(b: relax.VarBinding | None) -> bool:
     return b is not None and op_name(b.value) == CALL_DPS_PACKED \
-        and callee(b.value)[0].startswith("hgrt.onednn.")
+        and callee(b.value)[0].startswith(ONEDNN_PREFIX)
 
 
-def find_chains(g: MainReader) -> list[_Chain]:
-    """The affine chains of ``main`` after oneDNN kernels, in binding order."""
+def _candidates(g: MainReader, producer: dict) -> list[_Chain]:
+    """Every chain that folds, in binding order: one starts at a link or activation reading a
+    oneDNN kernel's result (or an earlier candidate's), grows while the next link is its result's
+    only reader (same block, same device) and stops after its activation."""
     ctx = g.ctx
-    producer = {b.var: b for b in bindings(g.func)}
     chains: list[_Chain] = []
-    ends: set[relax.Var] = set()  # claimed chains' results: oneDNN's too
+    ends: set[relax.Var] = set()
     taken: set[relax.Var] = set()
+
+    def after_onednn(v: relax.Expr) -> bool:
+        return isinstance(v, relax.Var) and (_onednn_result(producer.get(v)) or v in ends)
+
     for block in g.func.body.blocks:
         in_block = {b.var for b in block.bindings}
         for b in block.bindings:
             op = op_name(b.value)
             if b.var in taken or (op not in LINKS and op not in ACTIVATIONS):
                 continue
-            x = b.value.args[0] if op in ACTIVATIONS else next(
-                (a for a in b.value.args if isinstance(a, relax.Var)
-                 and (_onednn_result(producer.get(a)) or a in ends)), None)
-            shape = _shape(x) if isinstance(x, relax.Var) else None
-            if shape is None or not shape or shape[-1] < 1 or not (
-                    _onednn_result(producer.get(x)) or x in ends):
+            args = b.value.args[:1] if op in ACTIVATIONS else b.value.args
+            x = next((a for a in args if after_onednn(a)), None)
+            shape = _shape(x) if x is not None else None
+            if not shape or shape[-1] < 1:
                 continue
             # (bindings a pass made after placement, fold_batch_norm's, have no row: x's)
             device = ctx.placed.op_device.get(x.name)
@@ -160,6 +160,31 @@ def find_chains(g: MainReader) -> list[_Chain]:
                 taken.update(c.members)
                 ends.add(c.end)
     return chains
+
+
+def find_chains(g: MainReader) -> list[_Chain]:
+    """The chains to claim, in binding order: the candidates whose every reader is a oneDNN
+    kernel, another claimed chain, a copy or the function's result. A chain read by a TVM
+    kernel stays TVM's: FuseOps folds it into that kernel (an extra kernel and a pass over the
+    tensor else), and so does a chain whose input is such a chain's result."""
+    producer = {b.var: b for b in bindings(g.func)}
+    chains = _candidates(g, producer)
+    while True:
+        starts = {c.members[0] for c in chains}
+        ends = {c.end for c in chains}
+        kept = [c for c in chains
+                if (_onednn_result(producer.get(c.x)) or c.x in ends)
+                and all(_not_fused(r, starts) for r in g.users.get(c.end, []))]
+        if len(kept) == len(chains):
+            return kept
+        chains = kept
+
+
+def _not_fused(reader: relax.VarBinding | None, starts: set[relax.Var]) -> bool:
+    """``reader`` of a chain's result does not fold it into a TVM kernel: the function's result,
+    a oneDNN kernel, a copy, or the first link of a claimed chain."""
+    return reader is None or _onednn_result(reader) or op_name(reader.value) == TO_VDEVICE \
+        or reader.var in starts
 
 
 def _params(c: _Chain) -> np.ndarray:

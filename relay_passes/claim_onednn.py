@@ -51,6 +51,7 @@ from hgrt.relay_passes.relax_util import (
     op_name,
     per_channel,
     reads_only_item0,
+    scalar,
 )
 from hgrt.relay_passes.relax_util import float32_shape as _shape
 
@@ -238,16 +239,11 @@ def _batch_norm(g: _Graph, c: Chain, b: relax.VarBinding) -> bool:
     return True
 
 
-def _float(expr: Any) -> float:
-    value = getattr(expr, "value", expr)
-    return float(getattr(value, "value", value))
-
-
 def _activation(g: _Graph, c: Chain, b: relax.VarBinding) -> bool:
     if len(c.post) >= MAX_POST_OPS:
         return False
     kind = "relu" if op_name(b.value) == "relax.nn.relu" else "clip"
-    lo, hi = (0.0, 0.0) if kind == "relu" else (_float(b.value.args[1]), _float(b.value.args[2]))
+    lo, hi = (0.0, 0.0) if kind == "relu" else (scalar(b.value.args[1]), scalar(b.value.args[2]))
     c.post.append((kind, lo, hi))
     c.members.append(b.var)
     c.label.append(kind)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import tvm
@@ -128,16 +129,24 @@ def float32_shape(expr: relax.Expr) -> tuple[int, ...] | None:
     return tuple(int(d) for d in ty.shape.values)
 
 
-def per_channel(value: np.ndarray, out: tuple[int, ...]) -> np.ndarray | None:
-    """``value`` as one number per output channel (axis 1 of ``out``), if it broadcasts so."""
+def per_channel(value: np.ndarray, out: tuple[int, ...], axis: int = 1) -> np.ndarray | None:
+    """``value`` as one number per output channel (``axis`` of ``out``: 1, NCHW's; -1 for
+    channels last), if it broadcasts so."""
+    axis %= len(out)
     if value.size == 1:
-        return np.full(out[1], value.reshape(()), "float32")
+        return np.full(out[axis], value.reshape(()), "float32")
     if value.ndim > len(out):
         return None
     shape = (1,) * (len(out) - value.ndim) + value.shape
-    if shape[1] != out[1] or any(s != 1 for i, s in enumerate(shape) if i != 1):
+    if shape[axis] != out[axis] or any(s != 1 for i, s in enumerate(shape) if i != axis):
         return None
-    return value.reshape(out[1]).astype("float32")
+    return value.reshape(out[axis]).astype("float32")
+
+
+def scalar(expr: Any) -> float:
+    """The number a PrimValue / FloatImm / Python number holds (an op's bound, e.g. clip's)."""
+    value = getattr(expr, "value", expr)
+    return float(getattr(value, "value", value))
 
 
 def reads_only_item0(users: dict, tup: relax.Var) -> bool:

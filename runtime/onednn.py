@@ -33,13 +33,13 @@ import tvm
 import tvm_ffi
 
 from hgrt.errors import GraphError
+from hgrt.graph import ONEDNN_PREFIX as PREFIX
 from hgrt.runtime.threads import use_all_cores
 
 __all__ = ["FUNCTIONS", "INSTALL_HINT", "implementation", "isa", "kernel_function",
            "layout_name", "load", "nhwc_tag", "pack", "unavailable_reason", "version"]
 
 INSTALL_HINT = "pip install -e '.[onednn]'"
-PREFIX = "hgrt.onednn."
 # what graph nodes call
 FUNCTIONS = tuple(PREFIX + f for f in ("conv2d", "dense", "concat", "pool", "shuffle", "lrn",
                                            "affine", "to_nchw"))

@@ -784,6 +784,16 @@ void Pool(const ffi::TensorView& x, const ffi::TensorView& attrs, const ffi::Ten
 
 // ---- channel shuffle and LRN of NHWC tensors -----------------------------------------------
 
+// The bit patterns of `n` floats appended to a primitive cache key (exact: no two values, NaNs
+// included, share a key).
+void PushBits(std::vector<int64_t>& key, const float* values, int n) {
+  for (int i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, values + i, 4);
+    key.push_back(bits);
+  }
+}
+
 // A primitive that maps one NHWC tensor to another of its shape (shuffle, LRN): made once per
 // key by `make(desc)`, run on (x, out).
 template <typename Make>
@@ -838,11 +848,7 @@ void Lrn(const ffi::TensorView& x, const ffi::TensorView& attrs, const ffi::Tens
     TVM_FFI_THROW(ValueError) << "oneDNN LRN: size must be an odd positive integer, got " << a[0];
   }
   std::vector<int64_t> key{1, size};
-  for (int i = 1; i < 4; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, a + i, 4);
-    key.push_back(bits);
-  }
+  PushBits(key, a + 1, 3);
   RunSameShape(x, out, "LRN", key, [&](const memory::desc& md) {
     return dnnl::primitive(dnnl::lrn_forward(dnnl::lrn_forward::primitive_desc(
         Engine(), dnnl::prop_kind::forward_inference, dnnl::algorithm::lrn_across_channels, md,
@@ -865,7 +871,10 @@ constexpr int kAffineHead = 3;
 void Affine(const ffi::TensorView& x, const ffi::TensorView& params, const ffi::TensorView& out) {
   CheckTensor(x, "affine input", kF32, -1);
   CheckTensor(out, "affine output", kF32, x.numel());
-  if (x.ndim() < 1 || out.ndim() != x.ndim() ||
+  if (x.ndim() < 1) {
+    TVM_FFI_THROW(ValueError) << "oneDNN affine: the input has no channel axis (0-d)";
+  }
+  if (out.ndim() != x.ndim() ||
       !std::equal(x.shape().begin(), x.shape().end(), out.shape().begin())) {
     TVM_FFI_THROW(ValueError) << "oneDNN affine: expected input and output of one shape";
   }
@@ -882,11 +891,8 @@ void Affine(const ffi::TensorView& x, const ffi::TensorView& params, const ffi::
   int64_t rows = channels > 0 ? x.numel() / channels : 0;
   if (rows == 0) return;
   std::vector<int64_t> key{rows, channels, act};
-  for (int i = 1; i < kAffineHead; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, a + i, 4);
-    key.push_back(bits);
-  }
+  const float bounds[2] = {act == kActClip ? a[1] : 0.f, act == kActClip ? a[2] : 0.f};
+  PushBits(key, bounds, 2);  // (only clip reads them: one primitive per ReLU shape)
   key.push_back(threads);
   // rows x C as oneDNN's N=1, C, H=rows, W=1 in NHWC: the per-channel broadcast its jit
   // binary kernels take (a 2-D or plain 4-D view of the same bytes ran its reference code)
