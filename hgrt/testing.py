@@ -174,6 +174,30 @@ def run_hgrt(result, inputs: dict[str, np.ndarray], devices: list | None = None
     return [m.get_output(i).numpy() for i in range(m.get_num_outputs())]
 
 
+def onnx_inputs(model: Any, seed: int = 1) -> dict[str, np.ndarray]:
+    """Standard-normal float32 values for every input of the ONNX ``model`` (static shapes)."""
+    rng = np.random.default_rng(seed)
+    return {i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim])
+            .astype("float32") for i in model.graph.input}
+
+
+def build_and_compare(model: Any, devices: Any = ("cpu",), placement: Any = None,
+                      kernels: str = "tvm", inputs: dict[str, np.ndarray] | None = None,
+                      rtol: float = 1e-4, atol: float = 1e-4):
+    """``hgrt.build`` the ONNX ``model``, run it once on ``inputs`` (default ``onnx_inputs``)
+    and assert every output equals the Relax VM's within ``rtol``/``atol``; the build result."""
+    inputs = onnx_inputs(model) if inputs is None else inputs
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = hgrt.build(model, list(devices), placement, kernels=kernels)
+        want = run_relax_vm(model, list(inputs.values()))
+    got = run_hgrt(res, inputs)
+    assert len(got) == len(want), (len(got), len(want))
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=atol)
+    return res
+
+
 def conv_model(seed: int = 0):
     """x → Conv(w, b) → Relu → Flatten → Add(f, s) → Mul(g, s) → Add(h, f): a weight (s) used by
     two ops. An ONNX ModelProto, input ``x`` of shape (1, 3, 8, 8)."""

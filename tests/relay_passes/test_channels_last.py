@@ -3,15 +3,13 @@ the outputs stay equal to the Relax VM."""
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import hgrt
 from hgrt.runtime import onednn
-from hgrt.testing import run_hgrt, run_relax_vm
+from hgrt.testing import build_and_compare
 
 REASON = onednn.unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"oneDNN unavailable: {REASON}")
@@ -63,17 +61,7 @@ def _branchy_onnx(lrn: bool = True, sigmoid: bool = False):
 
 
 def _build_and_check(model, devices=("cpu",), placement=None):
-    rng = np.random.default_rng(1)
-    x = rng.standard_normal((1, 8, 12, 12)).astype("float32")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        res = hgrt.build(model, list(devices), placement, kernels="onednn")
-        want = run_relax_vm(model, [x])
-    got = run_hgrt(res, {"x": x})
-    assert len(got) == len(want)
-    for g, w in zip(got, want, strict=True):
-        np.testing.assert_allclose(g, w, **TOL)
-    return res
+    return build_and_compare(model, devices, placement, "onednn", **TOL)
 
 
 def _by_func(res, name):

@@ -3,8 +3,6 @@ the Relax VM, and only where the module doc says."""
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -14,7 +12,7 @@ from tvm import relax
 
 import hgrt
 from hgrt.runtime import onednn
-from hgrt.testing import run_hgrt, run_relax_vm
+from hgrt.testing import build_and_compare, run_hgrt, run_relax_vm
 
 REASON = onednn.unavailable_reason()
 needs_onednn = pytest.mark.skipif(REASON is not None, reason=f"oneDNN unavailable: {REASON}")
@@ -72,16 +70,7 @@ def chain_onnx(links, const_shape=(C, 1, 1), also_output=None, zero_divisor=Fals
 
 
 def _build_and_check(model, kernels="onednn"):
-    x = np.random.default_rng(1).standard_normal((1, 3, H, W)).astype("float32")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        res = hgrt.build(model, ["cpu"], kernels=kernels)
-        want = run_relax_vm(model, [x])
-    got = run_hgrt(res, {"x": x})
-    assert len(got) == len(want)
-    for g, w in zip(got, want, strict=True):
-        np.testing.assert_allclose(g, w, **TOL)
-    return res
+    return build_and_compare(model, kernels=kernels, **TOL)
 
 
 def _affine(res) -> list:

@@ -17,7 +17,7 @@ from tvm import relax
 import hgrt
 from hgrt.relay_passes import claim_onednn as claim
 from hgrt.runtime import onednn
-from hgrt.testing import alternating, run_hgrt, run_relax_vm
+from hgrt.testing import alternating, build_and_compare, onnx_inputs, run_hgrt, run_relax_vm
 from hgrt.zoo import light_input, light_model
 
 REASON = onednn.unavailable_reason()
@@ -58,23 +58,11 @@ def conv_onnx(c=8, oc=16, hw=9, k=3, stride=1, pad=(1, 1, 1, 1), dilation=1, gro
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
 
 
-def _inputs(model, seed=1):
-    rng = np.random.default_rng(seed)
-    return {i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim])
-            .astype("float32") for i in model.graph.input}
 
 
 def _check(model, devices=("cpu",), placement=None, kernels="onednn"):
     """Build with oneDNN, compare with the Relax VM; the build result."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        res = hgrt.build(model, list(devices), placement, kernels=kernels)
-        inputs = _inputs(model)
-        want = run_relax_vm(model, list(inputs.values()))
-    got = run_hgrt(res, inputs)
-    for g, w in zip(got, want, strict=True):
-        np.testing.assert_allclose(g, w, **TOL)
-    return res
+    return build_and_compare(model, devices, placement, kernels, **TOL)
 
 
 def _onednn_nodes(res):
@@ -190,7 +178,7 @@ def test_a_residual_add_writes_over_its_residual_where_it_dies():
         n.attrs.pop("inplace", None)
     plain = plan_memory(dataclasses.replace(plain, storage_ids=list(range(plain.num_entries))))
     assert g.pool_bytes[0] < plain.pool_bytes[0]
-    inputs = _inputs(_bottleneck_onnx())
+    inputs = onnx_inputs(_bottleneck_onnx())
     with_offer = run_hgrt(res, inputs)
     without = run_hgrt(dataclasses.replace(res, graph_json=plain.to_json(), graph=plain), inputs)
     np.testing.assert_allclose(with_offer[0], without[0], rtol=1e-6, atol=1e-6)
@@ -396,7 +384,7 @@ def test_the_profiler_counts_a_onednn_kernels_flops():
     assert int(node.attrs["flops"]) == 2 * (16 * 9 * 9) * (8 * 3 * 3)  # out x (C x KH x KW)
     m = hgrt.create(res.graph_json, res.lib, [tvm.cpu(0)])
     m.load_params(res.params)
-    m.set_input(**_inputs(conv_onnx(c=8, oc=16, hw=9, k=3)))
+    m.set_input(**onnx_inputs(conv_onnx(c=8, oc=16, hw=9, k=3)))
     rep = m.profile(repeat=3)
     (op,) = [o for o in rep.ops if o.func == "hgrt.onednn.conv2d"]
     assert op.flops == 2 * (16 * 9 * 9) * (8 * 3 * 3)

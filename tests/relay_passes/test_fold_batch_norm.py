@@ -4,8 +4,6 @@ statistics arrive as inputs is left as it is; outputs equal the Relax VM's."""
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
@@ -13,7 +11,7 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 
 import hgrt
-from hgrt.testing import run_hgrt, run_relax_vm
+from hgrt.testing import build_and_compare, run_hgrt, run_relax_vm
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 C = 8
@@ -57,14 +55,7 @@ def _model(stats_as_inputs: bool = False, gamma_read_elsewhere: bool = False):
 
 
 def _check(model, devices, feeds, placement=None):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        res = hgrt.build(model, devices, placement, kernels="tvm")
-        want = run_relax_vm(model, list(feeds.values()))
-    got = run_hgrt(res, feeds)
-    for g, w in zip(got, want, strict=True):
-        np.testing.assert_allclose(g, w, **TOL)
-    return res
+    return build_and_compare(model, devices, placement, "tvm", feeds, **TOL)
 
 
 def _kernels(res) -> list[str]:

@@ -3,15 +3,13 @@ to the Relax VM, and only where the module doc says."""
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import hgrt
 from hgrt.runtime import onednn
-from hgrt.testing import run_hgrt, run_relax_vm
+from hgrt.testing import build_and_compare
 
 REASON = onednn.unavailable_reason()
 KERNELS = ["tvm", pytest.param("onednn", marks=pytest.mark.skipif(
@@ -73,18 +71,7 @@ def fire_onnx(pool=False, parts=2, concat_out=False, second_reader=False, groups
 
 def _build_and_check(model, kernels="tvm", devices=("cpu",), placement=None):
     """Build, compare with the Relax VM; the build result."""
-    rng = np.random.default_rng(1)
-    inputs = {i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim])
-              .astype("float32") for i in model.graph.input}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        res = hgrt.build(model, list(devices), placement, kernels=kernels)
-        want = run_relax_vm(model, list(inputs.values()))
-    got = run_hgrt(res, inputs)
-    assert len(got) == len(want)
-    for g, w in zip(got, want, strict=True):
-        np.testing.assert_allclose(g, w, **TOL)
-    return res
+    return build_and_compare(model, devices, placement, kernels, **TOL)
 
 
 def _concats(res) -> list[str]:
