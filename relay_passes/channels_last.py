@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 from tvm import relax
 
+from hgrt.graph import ONEDNN_PREFIX
 from hgrt.relay_passes.relax_util import bindings, op_name, per_channel, reads_only_item0
 from hgrt.relay_passes.relax_util import float32_shape as _shape
 
@@ -45,22 +46,22 @@ POOLS = frozenset({"relax.nn.max_pool2d", "relax.nn.avg_pool2d"})
 
 Builder = Callable[["Rewriter"], relax.Expr]
 # NHWC concat on channels: oneDNN's primitive (TVM's concat picks an operand per element)
-CONCAT = relax.ExternFunc("hgrt.onednn.concat").with_attr("provider", "onednn") \
+CONCAT = relax.ExternFunc(ONEDNN_PREFIX + "concat").with_attr("provider", "onednn") \
     .with_attr("onednn_op", "concat").with_attr("onednn_layouts", "acdb")
 # NHWC pooling: oneDNN's (TVM's NHWC pools measured 3x its NCHW ones); attributes in a weight
-POOL = relax.ExternFunc("hgrt.onednn.pool").with_attr("provider", "onednn") \
+POOL = relax.ExternFunc(ONEDNN_PREFIX + "pool").with_attr("provider", "onednn") \
     .with_attr("onednn_op", "pool").with_attr("onednn_layouts", "acdb")
 POOL_ATTRS = ("algorithm", "kh", "kw", "sh", "sw", "pad_t", "pad_l", "pad_b", "pad_r", "dil_h",
               "dil_w")  # algorithm: 0 max, 1 average counting the pad, 2 average without it
 # ONNX's LRN across channels, attributes (size, alpha, beta, bias) in a float32 weight
-LRN = relax.ExternFunc("hgrt.onednn.lrn").with_attr("provider", "onednn") \
+LRN = relax.ExternFunc(ONEDNN_PREFIX + "lrn").with_attr("provider", "onednn") \
     .with_attr("onednn_op", "lrn").with_attr("onednn_layouts", "acdb")
 # channel shuffle: channels seen as groups x C/groups and transposed; groups in an int64 weight
-SHUFFLE = relax.ExternFunc("hgrt.onednn.shuffle").with_attr("provider", "onednn") \
+SHUFFLE = relax.ExternFunc(ONEDNN_PREFIX + "shuffle").with_attr("provider", "onednn") \
     .with_attr("onednn_op", "shuffle").with_attr("onednn_layouts", "acdb")
 # NHWC -> NCHW: oneDNN's reorder, a kernel of its own (TVM's transpose fused into the next op
 # made inception's LRN 3x slower)
-TO_NCHW = relax.ExternFunc("hgrt.onednn.to_nchw").with_attr("provider", "onednn") \
+TO_NCHW = relax.ExternFunc(ONEDNN_PREFIX + "to_nchw").with_attr("provider", "onednn") \
     .with_attr("onednn_op", "reorder").with_attr("onednn_layouts", "acdb, plain")
 
 

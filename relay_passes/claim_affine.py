@@ -16,17 +16,17 @@ process, 25.6 -> 22.6 ms (0.88x); hgrt / onnxruntime 0.83 -> 0.73, and 1.21 -> 1
 build (``bench_models.py --kernels onednn``).
 
 Taken where ``x`` is the result of a oneDNN kernel (so the build uses oneDNN on that device,
-and no TVM kernel before it loses an epilogue it would have fused), every reader of the chain's
-result is a oneDNN kernel, a copy or the function's result (a TVM kernel reading it would fuse
-the chain into itself: one kernel and one pass over the tensor, against two claimed), every
-link's constant is a weight or constant known at build that broadcasts along the LAST axis only
-(channels-last, as ``channels_last`` keeps tensors between oneDNN kernels), each intermediate
-is read by the next link alone, all on one device and float32 with static shapes; the chain
-ends after its activation. A divisor with a zero does not fold, nor does a constant divided by
-the tensor. The folded values live in a new weight ``<first constant's name>.affine`` (float32:
-activation kind, its two bounds, scale, shift); constants nothing else reads go. The node may
-write over ``x`` (``attrs.inplace``: the plan takes it where ``x`` dies there). Runs after
-``fold_batch_norm``, before lowering.
+and no TVM kernel before it loses an epilogue it would have fused), the chain's result is not
+read by one TVM kernel alone (that kernel would fuse the chain into itself: one kernel and one
+pass over the tensor, against two claimed; with a second reader the chain is a kernel of its
+own either way), every link's constant is a weight or constant known at build that broadcasts
+along the LAST axis only (channels-last, as ``channels_last`` keeps tensors between oneDNN
+kernels), each intermediate is read by the next link alone, all on one device and float32 with
+static shapes; the chain ends after its activation. A divisor with a zero does not fold, nor
+does a constant divided by the tensor. The folded values live in a new weight ``<first
+constant's name>.affine`` (float32: activation kind, its two bounds, scale, shift); constants
+nothing else reads go. The node may write over ``x`` (``attrs.inplace``: the plan takes it
+where ``x`` dies there). Runs after ``fold_batch_norm``, before lowering.
 """
 
 from __future__ import annotations
@@ -163,28 +163,34 @@ def _candidates(g: MainReader, producer: dict) -> list[_Chain]:
 
 
 def find_chains(g: MainReader) -> list[_Chain]:
-    """The chains to claim, in binding order: the candidates whose every reader is a oneDNN
-    kernel, another claimed chain, a copy or the function's result. A chain read by a TVM
-    kernel stays TVM's: FuseOps folds it into that kernel (an extra kernel and a pass over the
-    tensor else), and so does a chain whose input is such a chain's result."""
+    """The chains to claim, in binding order: the candidates whose input is a oneDNN kernel's
+    result or a claimed chain's, and whose result is not read by one TVM kernel alone (FuseOps
+    folds a chain into its only reader: one kernel and one pass over the tensor, against two
+    when claimed). Dropping a chain can drop the chain that reads it: repeated until none
+    changes."""
     producer = {b.var: b for b in bindings(g.func)}
     chains = _candidates(g, producer)
     while True:
         starts = {c.members[0] for c in chains}
         ends = {c.end for c in chains}
-        kept = [c for c in chains
+        kept = [c for c in chains  # (the input test holds by construction today: a chain
+                # is dropped only after the one chain that reads it; kept as the invariant)
                 if (_onednn_result(producer.get(c.x)) or c.x in ends)
-                and all(_not_fused(r, starts) for r in g.users.get(c.end, []))]
+                and not _fused_into_reader(g.users.get(c.end, []), starts)]
         if len(kept) == len(chains):
             return kept
         chains = kept
 
 
-def _not_fused(reader: relax.VarBinding | None, starts: set[relax.Var]) -> bool:
-    """``reader`` of a chain's result does not fold it into a TVM kernel: the function's result,
-    a oneDNN kernel, a copy, or the first link of a claimed chain."""
-    return reader is None or _onednn_result(reader) or op_name(reader.value) == TO_VDEVICE \
-        or reader.var in starts
+def _fused_into_reader(readers: list, starts: set[relax.Var]) -> bool:
+    """A chain's result with these ``readers`` would be fused into a TVM kernel: its one reader
+    is a TVM op (not the function's result, a oneDNN kernel, a copy, or the first link of a
+    claimed chain)."""
+    if len(readers) != 1 or readers[0] is None:
+        return False
+    reader = readers[0]
+    return not (_onednn_result(reader) or op_name(reader.value) == TO_VDEVICE
+                or reader.var in starts)
 
 
 def _params(c: _Chain) -> np.ndarray:

@@ -42,6 +42,7 @@ import tvm
 from tvm import relax
 
 from hgrt.errors import BuildError
+from hgrt.graph import ONEDNN_PREFIX
 from hgrt.relay_passes import channels_last
 from hgrt.relay_passes.context import BuildContext
 from hgrt.relay_passes.relax_util import (
@@ -71,7 +72,7 @@ HEADER_SLOTS = ("magic", "version", "kind", "n", "ic", "ih", "iw", "oc", "oh", "
 SLOT = {name: i for i, name in enumerate(HEADER_SLOTS)}
 KIND = {"conv2d": 1, "dense": 2}
 POST_OP = {"relu": 1, "clip": 2, "sum": 3}
-FUNC_NAME = {"conv2d": "hgrt.onednn.conv2d", "dense": "hgrt.onednn.dense"}
+FUNC_NAME = {kind: ONEDNN_PREFIX + kind for kind in ("conv2d", "dense")}
 _log = logging.getLogger("hgrt.build")
 _said: set[str] = set()
 # "auto" leaves a model to TVM when all it would claim is fewer multiply-adds than this: a

@@ -26,12 +26,14 @@ NAMES = {"mul": "multiply", "add": "add", "sub": "subtract", "rsub": "subtract",
          "div": "divide", "relu": "relu"}
 
 
-def chain_onnx(links, const_shape=(C, 1, 1), also_output=None, zero_divisor=False, seed=0):
+def chain_onnx(links, const_shape=(C, 1, 1), also_output=None, zero_divisor=False,
+               sigmoid_of=None, seed=0):
     """x -> two convolutions (5 and 6 channels) -> Concat -> the ``links`` (``bn``, a
     ``LINKS`` key with a constant of ``const_shape``, ``relu``, ``sigmoid``) -> 1x1 Conv -> y
     (``rdiv``: the constant divided by the tensor, which does not fold; ONNX's Clip
     imports as two TIR kernels, not ``R.clip``: ``test_clip_ends_a_chain``);
-    ``also_output``: the index of a link whose result is also an output."""
+    ``also_output``: the index of a link whose result is also an output; ``sigmoid_of``: the
+    index of a link whose result a Sigmoid (a TVM kernel, output ``s``) also reads."""
     rng = np.random.default_rng(seed)
     inits: list = []
 
@@ -62,6 +64,9 @@ def chain_onnx(links, const_shape=(C, 1, 1), also_output=None, zero_divisor=Fals
             nodes.append(helper.make_node(op, [k, src] if const_first else [src, k], [dst]))
         if also_output == i:
             outputs.append(helper.make_tensor_value_info(dst, TensorProto.FLOAT, None))
+        if sigmoid_of == i:
+            nodes.append(helper.make_node("Sigmoid", [dst], ["s"]))
+            outputs.append(helper.make_tensor_value_info("s", TensorProto.FLOAT, None))
     nodes.append(helper.make_node("Conv", [f"t{len(links)}",
                                            init("w", rng.standard_normal((4, C, 1, 1)))], ["y"]))
     graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info(
@@ -110,20 +115,32 @@ def test_random_chains_equal_the_relax_vm(links, act, const_shape):
 
 
 @needs_onednn
-@pytest.mark.parametrize("links, claimed", [
-    (["rsub", "div", "mul", "sub", "add", "relu"], ["subtract+divide+multiply+subtract+add+relu"]),
+@pytest.mark.parametrize("links, claimed, sigmoid_of", [
+    (["rsub", "div", "mul", "sub", "add", "relu"], ["subtract+divide+multiply+subtract+add+relu"],
+     None),
     # a chain ends after its activation: the add after the ReLU starts another
-    (["mul", "relu", "add"], ["multiply+relu", "add"]),
-    # k / x does not fold, and a chain read by a TVM kernel (the divide, the sigmoid) stays in
-    # it (FuseOps folds it there): nothing claimed
-    (["rdiv"], []), (["mul", "rdiv"], []), (["mul", "add", "sigmoid"], []),
-], ids=["every-link", "after-relu", "rdiv", "before-rdiv", "before-sigmoid"])
-def test_which_chains_are_claimed(links, claimed):
-    res = _build_and_check(chain_onnx(links))
+    (["mul", "relu", "add"], ["multiply+relu", "add"], None),
+    # k / x does not fold, and a chain read by one TVM kernel alone (the divide, the sigmoid)
+    # stays in it (FuseOps folds it there): nothing claimed
+    (["rdiv"], [], None), (["mul", "add", "sigmoid"], [], None),
+    # ... and the chain read only by a dropped chain is fused with it: one TVM kernel
+    (["mul", "relu", "add", "sigmoid"], [], None),
+    # a chain also read by the convolution is a kernel of its own either way: claimed, and so
+    # is the one after it
+    (["mul", "add", "relu"], ["multiply+add+relu"], 2),
+    (["mul", "relu", "add"], ["multiply+relu", "add"], 1),
+], ids=["every-link", "after-relu", "rdiv", "before-sigmoid", "dropped-reader",
+        "sigmoid-beside-conv", "sigmoid-between-chains"])
+def test_which_chains_are_claimed(links, claimed, sigmoid_of):
+    res = _build_and_check(chain_onnx(links, sigmoid_of=sigmoid_of))
     assert [n.attrs["onednn_op"] for n in _affine(res)] == claimed
     if links[-1] == "sigmoid":
         (fused,) = [n.func_name for n in res.graph.nodes if "sigmoid" in (n.func_name or "")]
         assert "multiply" in fused and "add" in fused  # one TVM kernel
+    kernels = [n for n in res.graph.nodes if n.op != "null"
+               and not n.func_name.startswith(("hgrt.", "__"))]
+    assert len(kernels) == (1 if "sigmoid" in links or sigmoid_of is not None or "rdiv" in links
+                            else 0), [n.func_name for n in kernels]
 
 
 @needs_onednn

@@ -58,8 +58,6 @@ def conv_onnx(c=8, oc=16, hw=9, k=3, stride=1, pad=(1, 1, 1, 1), dilation=1, gro
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
 
 
-
-
 def _check(model, devices=("cpu",), placement=None, kernels="onednn"):
     """Build with oneDNN, compare with the Relax VM; the build result."""
     return build_and_compare(model, devices, placement, kernels, **TOL)

@@ -320,3 +320,17 @@ def test_affine_refuses_what_does_not_fit():
     for bad in ([3, 0, 0], [np.nan, 0, 0], [2, 1.0, -1.0]):  # unknown kind; clip lo > hi
         with pytest.raises(ValueError, match="bad activation"):
             affine(a, _t(np.concatenate([bad, good[3:]]).astype("float32")), a)
+    with pytest.raises(ValueError, match="no channel axis"):
+        scalar = tvm.runtime.tensor(np.zeros((), "float32"), tvm.cpu(0))  # (_t makes it 1-d)
+        affine(scalar, _t(np.zeros(3, "float32")), scalar)
+
+
+def test_affine_clips_at_each_call_s_own_bounds():
+    """One shape, two clips in one process: each runs its own primitive (bounds in the key)."""
+    x = np.linspace(-2, 2, 4 * 8, dtype="float32").reshape(4, 8)
+    affine = onednn.kernel_function("hgrt.onednn.affine")
+    unit = np.concatenate([np.ones(8), np.zeros(8)])
+    for lo, hi in ((-0.5, 0.5), (-1.0, 1.0), (-0.5, 0.5)):
+        out = _t(np.zeros_like(x))
+        affine(_t(x), _t(np.concatenate([[2, lo, hi], unit]).astype("float32")), out)
+        np.testing.assert_array_equal(out.numpy(), np.clip(x, lo, hi))
