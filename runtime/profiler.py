@@ -33,6 +33,7 @@ class OpRecord:
     copy_from: str = ""
     flops: float = 0.0  # of a convolution or matmul kernel (its anchor), else 0
     nbytes: float = 0.0  # read and written
+    label: str = ""  # what it computes: "conv2d+add+relu", "onednn conv2d+relu", "copy", "view"
 
 
 @dataclass
@@ -81,10 +82,11 @@ class ProfileReport:
         return dict(out)
 
     def by_op(self) -> dict[str, tuple[int, float]]:
-        """op (``conv2d+add+relu``, ``copy``, ``view``) -> (calls, total median µs)."""
+        """op (``conv2d+add+relu``, ``onednn conv2d+relu``, ``copy``, ``view``) -> (calls, total
+        median µs)."""
         out: dict[str, list] = defaultdict(lambda: [0, 0.0])
         for op in self.ops:
-            key = "copy" if op.is_copy else "view" if op.func == NOP_FUNC else op_label(op.func)
+            key = op.label or _label(op.func, op.is_copy)
             out[key][0] += 1
             out[key][1] += op.median_us
         return {k: (v[0], v[1]) for k, v in sorted(out.items(), key=lambda kv: -kv[1][1])}
@@ -94,7 +96,7 @@ class ProfileReport:
         the sum of op times next to the wall time of ``run()`` (the difference is the runtime's
         own cost: the loop, argument passing, and anything between the kernels)."""
         rows = sorted(self.ops, key=lambda op: -op.median_us)[:top]
-        labels = {id(op): "copy" if op.is_copy else op_label(op.func) for op in rows}
+        labels = {id(op): op.label or _label(op.func, op.is_copy) for op in rows}
         w = max([len(op.name) for op in rows] + [4])
         fw = max([len(v) for v in labels.values()] + [2])
         lines = [f"{'node':>5}  {'name':<{w}}  {'op':<{fw}}  {'device':<8} "
@@ -106,8 +108,10 @@ class ProfileReport:
                          f"{op.device:<8} {op.median_us:>10.1f} {share:>5.1f}%")
         lines.append("")
         lines.append("by op:")
-        for name, (n, us) in list(self.by_op().items())[:10]:
-            lines.append(f"  {name:<32} {n:>4} calls {us:>12.1f} us {100 * us / total:>5.1f}%")
+        top_ops = list(self.by_op().items())[:10]
+        ow = max([len(name) for name, _ in top_ops] + [32])
+        for name, (n, us) in top_ops:
+            lines.append(f"  {name:<{ow}} {n:>4} calls {us:>12.1f} us {100 * us / total:>5.1f}%")
         lines.append("by device:")
         for dev, (n, us) in self.by_device().items():
             lines.append(f"  {dev:<8} {n:>5} steps {us:>12.1f} us {100 * us / total:>5.1f}%")
@@ -126,6 +130,19 @@ class ProfileReport:
         with open(path, "w") as f:
             json.dump(self.chrome_trace(), f)
         return path
+
+
+def _label(func: str, is_copy: bool, attrs: dict | None = None) -> str:
+    """What a step computes, for tables: a oneDNN kernel by its fused ops (``onednn_op``), a TVM
+    kernel by its function's name (``op_label``)."""
+    if is_copy:
+        return "copy"
+    if func == NOP_FUNC:
+        return "view"
+    attrs = attrs or {}
+    if attrs.get("provider") == "onednn" and attrs.get("onednn_op"):
+        return f"onednn {attrs['onednn_op']}"
+    return op_label(func)
 
 
 def _work(g, node, out: int) -> tuple[float, float]:
@@ -185,6 +202,7 @@ def profile(module, repeat: int = 10, warmup: int = 1) -> ProfileReport:
         rec = OpRecord(nid, node.name, node.func_name, dev_names[g.entry_device(out_eid)],
                        statistics.median(samples[i]))
         rec.flops, rec.nbytes = _work(g, node, out_eid)
+        rec.label = _label(node.func_name, node.func_name == COPY_FUNC, node.attrs)
         if node.func_name == COPY_FUNC:
             src = g.entry_id(node.inputs[0][0], node.inputs[0][1])
             rec.is_copy = True
@@ -214,7 +232,7 @@ def _trace(module, ops: list[OpRecord], last_run: list[tuple[float, float]]) -> 
                for t, name in enumerate(tracks)]
     origin = min((t0 for t0, _ in last_run), default=0.0)
     for rec, tid, (t0, t1) in zip(ops, where, last_run, strict=True):
-        args = {"node": rec.node_id, "function": rec.func}
+        args = {"node": rec.node_id, "function": rec.func, "op": rec.label}
         if rec.is_copy:
             args.update(bytes=rec.copy_bytes, src=rec.copy_from)
         cat = "copy" if rec.is_copy else "kernel"

@@ -193,3 +193,19 @@ def test_what_does_not_fold_stays_a_tvm_kernel():
 def test_tvm_kernels_claim_nothing():
     res = _build_and_check(chain_onnx(["bn", "mul", "add", "relu"]), kernels="tvm")
     assert _affine(res) == []
+
+
+@needs_onednn
+def test_the_profile_names_onednn_kernels_by_what_they_fuse():
+    import tvm
+
+    res = _build_and_check(chain_onnx(["bn", "relu"]))
+    m = hgrt.create(res.graph_json, res.lib, [tvm.cpu(0)])
+    m.load_params(res.params)
+    rep = m.profile(repeat=2)
+    by_op = rep.by_op()
+    assert by_op["onednn multiply+add+relu"][0] == 1 and by_op["onednn concat"][0] == 1
+    assert sum(n for n, _ in by_op.values()) == len(rep.ops)
+    assert "onednn multiply+add+relu" in rep.table()
+    ops = {e["args"]["op"] for e in rep.trace_events if e.get("ph") == "B"}
+    assert "onednn multiply+add+relu" in ops
