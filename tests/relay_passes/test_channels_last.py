@@ -195,3 +195,27 @@ def test_tvm_kernels_beside_onednn_kernels_run_solo_when_they_only_move_elements
     finally:
         restore_thread_count()
     assert seen == [1, 2]
+
+
+def test_tvm_kernels_on_another_cpu_device_run_solo_too():
+    """The sigmoid + relu on cpu:1, where no oneDNN kernel runs: oneDNN's threads spin on the
+    cores every CPU device shares, so it runs solo as well; without oneDNN kernels nothing
+    does."""
+    import tvm
+
+    from hgrt.runtime.frames import bind_steps
+    from hgrt.runtime.pools import StoragePools
+
+    placement = hgrt.Placement(rules={"relax.sigmoid": "cpu:1", "relax.nn.relu": "cpu:1"},
+                               preferred="cpu:0")
+    for kernels in ("onednn", "tvm"):
+        res = build_and_compare(_branchy_onnx(sigmoid=True), ["cpu:0", "cpu:1"], placement,
+                                kernels, **TOL)
+        g = res.graph
+        storage = StoragePools(g, [tvm.cpu(0), tvm.cpu(1)])  # (the steps' views read it)
+        steps = bind_steps(g, res.lib, storage)
+        on_1 = {g.nodes[s.node].func_name: hasattr(s.func, "__wrapped__") for s in steps
+                if g.entry_device(g.entry_id(s.node)) == 1 and g.nodes[s.node].injective}
+        assert any("sigmoid" in f for f in on_1), on_1
+        assert not any(f.startswith("hgrt.onednn.") for f in on_1)
+        assert all(w == (kernels == "onednn") for w in on_1.values()), (kernels, on_1)
