@@ -29,6 +29,7 @@ from hgrt.errors import (
 )
 from hgrt.graph import Graph
 from hgrt.runtime.frames import (
+    KDL_CPU,
     Frame,
     FramePool,
     Step,
@@ -144,12 +145,18 @@ class GraphModule(GraphModuleAPI):
         """Kernel threads per device for streams (``{"cpu:0": 1, "cpu:1": 1}``; default: the
         cores split evenly over the devices that have streams, then over their streams), and
         whether ``run()`` runs streams at once (default: when the graph has streams that can
-        overlap, unless ``HGRT_SEQUENTIAL=1``)."""
+        overlap, unless ``HGRT_SEQUENTIAL=1``, or unless all of them are on CPU devices, which
+        share the cores, and too little overlaps to make up for each stream's smaller share:
+        ``StreamRunner.pays_on_shared_cores``; ``parallel=True`` runs them at once anyway)."""
         g, self._streams, self._stream_config = self.graph, None, (threads, parallel)
         self.parallel = os.environ.get("HGRT_SEQUENTIAL", "0") in ("", "0") \
             if parallel is None else bool(parallel)
         if g.streams is None or max(g.streams, default=-1) < 1 or not StreamRunner.overlaps(g):
             return
+        if parallel is None and self.parallel and not StreamRunner.pays_on_shared_cores(g) \
+                and all(self.devices[g.entry_device(g.entry_id(nid))].dlpack_device_type()
+                        == KDL_CPU for nid, s in enumerate(g.streams) if s >= 0):
+            self.parallel = False  # CPU streams that would mostly wait: one stream, all cores
         stream_dev: dict[int, int] = {}
         for nid, s in enumerate(g.streams):
             if s >= 0:

@@ -13,9 +13,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from hgrt.graph import COPY_FUNC, NOP_FUNC, op_label
+from hgrt.graph import COPY_FUNC, NOP_FUNC, node_work, op_label
 from hgrt.runtime.threads import restore_thread_count
 
 
@@ -145,24 +143,6 @@ def _label(func: str, is_copy: bool, attrs: dict | None = None) -> str:
     return op_label(func)
 
 
-def _work(g, node, out: int) -> tuple[float, float]:
-    """FLOPs and bytes of a kernel: the node's ``flops`` attr where the compiler knew them (a
-    oneDNN kernel, whose weights are a packed blob), else from its entries' shapes: a
-    convolution's output x its weight's per-channel size, a matmul's output x its reduction
-    length, x2; 0 FLOPs else."""
-    ins = [g.entry_id(i, k) for i, k, _ in node.inputs]
-    elems = float(np.prod(g.shapes[out], dtype=np.float64))
-    nbytes = float(sum(g.entry_bytes(e) for e in ins) + g.entry_bytes(out))
-    if "flops" in node.attrs:
-        return float(node.attrs["flops"]), nbytes
-    label = op_label(node.func_name or "")
-    if "conv" in label and len(ins) > 1 and len(g.shapes[ins[1]]) > 2:  # (not a packed blob)
-        return 2 * elems * float(np.prod(g.shapes[ins[1]][1:], dtype=np.float64)), nbytes
-    if ("matmul" in label or "dense" in label) and ins and g.shapes[ins[0]]:
-        return 2 * elems * g.shapes[ins[0]][-1], nbytes
-    return 0.0, nbytes
-
-
 def profile(module, repeat: int = 10, warmup: int = 1) -> ProfileReport:
     """Time every step of ``module`` (a local GraphModule) ``repeat`` times."""
     g = module.graph
@@ -201,7 +181,7 @@ def profile(module, repeat: int = 10, warmup: int = 1) -> ProfileReport:
         out_eid = g.entry_id(nid)
         rec = OpRecord(nid, node.name, node.func_name, dev_names[g.entry_device(out_eid)],
                        statistics.median(samples[i]))
-        rec.flops, rec.nbytes = _work(g, node, out_eid)
+        rec.flops, rec.nbytes = node_work(g, nid)
         rec.label = _label(node.func_name, node.func_name == COPY_FUNC, node.attrs)
         if node.func_name == COPY_FUNC:
             src = g.entry_id(node.inputs[0][0], node.inputs[0][1])

@@ -14,8 +14,21 @@ import threading
 import time
 import weakref
 
-from hgrt.graph import Graph
+from hgrt.graph import Graph, node_work
 from hgrt.runtime.threads import set_thread_count
+
+# A stream's kernels on a share of the cores: at 1/k of them a kernel takes ~0.9 k times as
+# long (the zoo's kernels scaled 1.80-1.82x from one thread to two: BENCHMARKS.md, streams)
+SHARED_CORES_SLOWDOWN = 0.9
+# a byte a kernel reads or writes costs about this many FLOPs' time (2 vCPUs, AVX-512: ~300
+# GFLOP/s in convolutions, ~30 GB/s in element-wise kernels on the caches' sizes)
+BYTE_FLOPS = 10.0
+
+
+def step_cost(graph: Graph, nid: int) -> float:
+    """A step's work in FLOP units, for comparing chains of steps (not a time)."""
+    flops, nbytes = node_work(graph, nid)
+    return flops + BYTE_FLOPS * nbytes
 
 
 def _worker(jobs: queue.SimpleQueue) -> None:
@@ -64,6 +77,28 @@ class StreamRunner:
                 longest[nid] = 1 + max((longest[p] for p in prev), default=0)
                 tail[s] = nid
         return max(longest.values(), default=0) < len(longest)
+
+    @staticmethod
+    def pays_on_shared_cores(graph: Graph) -> bool:
+        """Whether streams that share the same cores (CPU devices of one process: each stream
+        gets a share of them) should beat one stream with all of them: the graph's total work
+        exceeds ``SHARED_CORES_SLOWDOWN`` x streams x its critical path (the longest chain of
+        the happens-before order, each step weighted by ``step_cost``). Measured (2 vCPUs,
+        AVX-512): light squeezenet with its convolutions on cpu:1 and the rest on cpu:0 has
+        little to overlap and ran 10.2-10.5 ms with two streams of one thread against 6.2-6.3
+        ms as one stream of two; two equal branches (bench_concurrency's synthetic model) tie."""
+        cost: dict[int, float] = {}
+        tail: dict[int, int] = {}
+        finish: dict[int, float] = {}
+        for nid, s in enumerate(graph.streams):
+            if s >= 0:
+                cost[nid] = step_cost(graph, nid)
+                prev = list(graph.waits[nid]) + ([tail[s]] if s in tail else [])
+                finish[nid] = cost[nid] + max((finish[p] for p in prev), default=0.0)
+                tail[s] = nid
+        streams = len(tail)
+        critical = max(finish.values(), default=0.0)
+        return sum(cost.values()) > SHARED_CORES_SLOWDOWN * streams * critical
 
     def _start(self) -> None:
         self._queues = [queue.SimpleQueue() for _ in self.streams[1:]]

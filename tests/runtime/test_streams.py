@@ -21,9 +21,10 @@ from hgrt.testing import GraphBuilder, N, elementwise_lib
 DEVS = [tvm.cpu(0), tvm.cpu(1)]
 
 
-def branchy(depth: int = 6) -> Graph:
+def branchy(depth: int = 6, even: bool = False) -> Graph:
     """x -> a chain on cpu:0 and, copied over from its first value, a chain on cpu:1; joined
-    on cpu:0 (that first value must not be overwritten while cpu:1's stream copies it)."""
+    on cpu:0 (that first value must not be overwritten while cpu:1's stream copies it).
+    ``even``: both chains add one (else cpu:1's also reads a weight: more work there)."""
     g = GraphBuilder()
     x = g.input("x", dev=0)
     w = g.input("w", dev=1, param=True)
@@ -31,7 +32,8 @@ def branchy(depth: int = 6) -> Graph:
     b = g.copy(a, dev=1)  # read by cpu:1's stream while cpu:0's goes on
     for i in range(depth):
         a = g.op("add_one", [a], dev=0)
-        b = g.op("mul" if i % 2 else "add", [b, w], dev=1)
+        b = g.op("add_one", [b], dev=1) if even else \
+            g.op("mul" if i % 2 else "add", [b, w], dev=1)
     j = g.op("add", [a, g.copy(b, dev=0)], dev=0)
     g.output(g.op("add_one", [j], dev=0))
     return Graph.from_json(g.json())
@@ -41,9 +43,12 @@ def planned(graph: Graph, **opts) -> Graph:
     return plan_memory(assign_streams(graph, **opts))
 
 
-def module(graph: Graph):
+def module(graph: Graph, parallel: bool | None = True):
+    """The graph's module; ``parallel``: its streams at once (None: the module's default)."""
     m = hgrt.create(graph.to_json(), elementwise_lib(), DEVS)
     m.load_params({"w": np.linspace(0.5, 1.5, N, dtype="float32")})
+    if parallel is not None:
+        m.configure_streams(parallel=parallel)
     return m
 
 
@@ -155,6 +160,22 @@ def test_a_plain_run_uses_every_core_even_on_a_pool_started_small(rng):
     t.start()
     t.join()
     assert seen == [threads.process_threads()]
+
+
+def test_cpu_streams_run_at_once_by_default_only_where_enough_overlaps():
+    """Two CPU devices share the cores: a stream gets half of them. branchy(): cpu:1's chain
+    does most of the work (critical path 116 of 164 units of work: 1.41x) -> one stream by
+    default; two even chains of 60 (1.92x) -> at once. ``parallel=True`` runs either at once."""
+    from hgrt.runtime.streams import SHARED_CORES_SLOWDOWN, StreamRunner
+
+    uneven, even = planned(branchy()), planned(branchy(depth=60, even=True))
+    assert not StreamRunner.pays_on_shared_cores(uneven)
+    assert StreamRunner.pays_on_shared_cores(even)
+    m = module(uneven, parallel=None)
+    assert m._streams is not None and not m.parallel
+    assert module(even, parallel=None).parallel
+    assert module(uneven, parallel=True).parallel
+    assert SHARED_CORES_SLOWDOWN == 0.9  # (the figures above: against 2 x 0.9)
 
 
 def test_a_chain_across_devices_runs_sequentially():
