@@ -104,8 +104,9 @@ class GraphModule(GraphModuleAPI):
     # ---- running ------------------------------------------------------------------------
     def run(self, parallel: bool | None = None, **inputs) -> None:
         """Run the graph once; keyword arguments are set as inputs first. A graph built with
-        streams runs them at once when they can overlap (``parallel=False``, or
-        ``HGRT_SEQUENTIAL=1``, runs its steps one after another: the same results)."""
+        streams runs them at once when they can overlap and it pays (``configure_streams``
+        says when; ``parallel=True`` forces it, ``parallel=False`` or ``HGRT_SEQUENTIAL=1`` runs
+        the steps one after another: the same results)."""
         if inputs:
             self.set_input(**inputs)
         if self._params_missing:
@@ -147,13 +148,15 @@ class GraphModule(GraphModuleAPI):
         whether ``run()`` runs streams at once (default: when the graph has streams that can
         overlap, unless ``HGRT_SEQUENTIAL=1``, or unless all of them are on CPU devices, which
         share the cores, and too little overlaps to make up for each stream's smaller share:
-        ``StreamRunner.pays_on_shared_cores``; ``parallel=True`` runs them at once anyway)."""
+        ``StreamRunner.pays_on_shared_cores``; ``parallel=True``, or a ``threads`` split, runs
+        them at once anyway)."""
         g, self._streams, self._stream_config = self.graph, None, (threads, parallel)
         self.parallel = os.environ.get("HGRT_SEQUENTIAL", "0") in ("", "0") \
             if parallel is None else bool(parallel)
         if g.streams is None or max(g.streams, default=-1) < 1 or not StreamRunner.overlaps(g):
             return
-        if parallel is None and self.parallel and not StreamRunner.pays_on_shared_cores(g) \
+        if parallel is None and not threads and self.parallel \
+                and not StreamRunner.pays_on_shared_cores(g) \
                 and all(self.devices[g.entry_device(g.entry_id(nid))].dlpack_device_type()
                         == KDL_CPU for nid, s in enumerate(g.streams) if s >= 0):
             self.parallel = False  # CPU streams that would mostly wait: one stream, all cores

@@ -31,7 +31,6 @@ class StoragePools:
         self.graph = graph
         self.device_bytes = [0] * len(devices)  # bytes allocated here per device position
         self.buffers: list = [] if weights is None else [weights]  # keeps shared weights alive
-        self._keep: list = []  # DLPack structs behind the kernel views
         if graph.pool_bytes is not None:
             self._allocate_arenas(devices, weights)
         else:
@@ -96,7 +95,7 @@ class StoragePools:
                     n *= s
                 shape = (n,)
             view = pointer_view(self.base[eid], shape, self.graph.dtypes[eid], self.offset[eid],
-                                self._keep)
+                                own_base=False)
             self._kernel_views[key] = view
         return view
 

@@ -84,9 +84,10 @@ class StreamRunner:
         gets a share of them) should beat one stream with all of them: the graph's total work
         exceeds ``SHARED_CORES_SLOWDOWN`` x streams x its critical path (the longest chain of
         the happens-before order, each step weighted by ``step_cost``). Measured (2 vCPUs,
-        AVX-512): light squeezenet with its convolutions on cpu:1 and the rest on cpu:0 has
-        little to overlap and ran 10.2-10.5 ms with two streams of one thread against 6.2-6.3
-        ms as one stream of two; two equal branches (bench_concurrency's synthetic model) tie."""
+        AVX-512): light squeezenet with its convolutions on cpu:1 and the rest on cpu:0
+        (``python/main_job.py``) has little to overlap and ran 10.2-10.9 ms with two streams of
+        one thread against 6.0-6.3 ms as one stream of two; two equal branches
+        (bench_concurrency's synthetic model) tie."""
         cost: dict[int, float] = {}
         tail: dict[int, int] = {}
         finish: dict[int, float] = {}

@@ -212,8 +212,7 @@ def test_tvm_kernels_on_another_cpu_device_run_solo_too():
         res = build_and_compare(_branchy_onnx(sigmoid=True), ["cpu:0", "cpu:1"], placement,
                                 kernels, **TOL)
         g = res.graph
-        storage = StoragePools(g, [tvm.cpu(0), tvm.cpu(1)])  # (the steps' views read it)
-        steps = bind_steps(g, res.lib, storage)
+        steps = bind_steps(g, res.lib, StoragePools(g, [tvm.cpu(0), tvm.cpu(1)]))
         on_1 = {g.nodes[s.node].func_name: hasattr(s.func, "__wrapped__") for s in steps
                 if g.entry_device(g.entry_id(s.node)) == 1 and g.nodes[s.node].injective}
         assert any("sigmoid" in f for f in on_1), on_1

@@ -162,12 +162,13 @@ def test_a_plain_run_uses_every_core_even_on_a_pool_started_small(rng):
     assert seen == [threads.process_threads()]
 
 
-def test_cpu_streams_run_at_once_by_default_only_where_enough_overlaps():
+def test_cpu_streams_run_at_once_by_default_only_where_enough_overlaps(monkeypatch):
     """Two CPU devices share the cores: a stream gets half of them. branchy(): cpu:1's chain
     does most of the work (critical path 116 of 164 units of work: 1.41x) -> one stream by
     default; two even chains of 60 (1.92x) -> at once. ``parallel=True`` runs either at once."""
     from hgrt.runtime.streams import SHARED_CORES_SLOWDOWN, StreamRunner
 
+    monkeypatch.delenv("HGRT_SEQUENTIAL", raising=False)
     uneven, even = planned(branchy()), planned(branchy(depth=60, even=True))
     assert not StreamRunner.pays_on_shared_cores(uneven)
     assert StreamRunner.pays_on_shared_cores(even)
@@ -176,6 +177,13 @@ def test_cpu_streams_run_at_once_by_default_only_where_enough_overlaps():
     assert module(even, parallel=None).parallel
     assert module(uneven, parallel=True).parallel
     assert SHARED_CORES_SLOWDOWN == 0.9  # (the figures above: against 2 x 0.9)
+    m.configure_streams(threads={"cpu:0": 1, "cpu:1": 1})  # a split asks for streams
+    assert m.parallel and m._streams.threads == [1, 1]
+    x = np.arange(N, dtype="float32")
+    m.run(x=x)
+    at_once = m.get_output(0).numpy().copy()
+    m.run(x=x, parallel=False)
+    np.testing.assert_array_equal(m.get_output(0).numpy(), at_once)
 
 
 def test_a_chain_across_devices_runs_sequentially():
