@@ -192,6 +192,7 @@ def test_kernel_views_outliving_their_pools_are_freed_cleanly():
 
     from hgrt.graph import Graph
     from hgrt.relay_passes.plan_memory import plan_memory
+    from hgrt.runtime import views
     from hgrt.runtime.frames import bind_steps
     from hgrt.runtime.pools import StoragePools
     from hgrt.testing import elementwise_lib
@@ -204,9 +205,12 @@ def test_kernel_views_outliving_their_pools_are_freed_cleanly():
     graph = plan_memory(Graph.from_json(g.json()))
     assert any(graph.storage_offset)  # views at byte offsets: DLPack structs of hgrt's
     lib = elementwise_lib()
+    live = len(views._LIVE)
     for _ in range(30):
         steps = bind_steps(graph, lib, StoragePools(graph, [tvm.cpu(0)]))
+        assert len(views._LIVE) > live
         junk = [ctypes.create_string_buffer(48) for _ in range(3000)]  # reuse freed memory
         del steps
         gc.collect()
         del junk
+    assert len(views._LIVE) == live  # each struct freed with its view: nothing piles up
