@@ -60,7 +60,6 @@ ACTIVATIONS = frozenset({"relax.nn.relu", "relax.clip"})
 @dataclass
 class _Chain:
     x: relax.Var
-    device: int | None
     scale: np.ndarray  # float64, one per channel
     shift: np.ndarray
     members: list[relax.Var] = field(default_factory=list)
@@ -148,7 +147,7 @@ def _candidates(g: MainReader, producer: dict) -> list[_Chain]:
                 continue
             # (bindings a pass made after placement, fold_batch_norm's, have no row: x's)
             device = ctx.placed.op_device.get(x.name)
-            c = _Chain(x, device, np.ones(shape[-1]), np.zeros(shape[-1]))
+            c = _Chain(x, np.ones(shape[-1]), np.zeros(shape[-1]))
             nxt = b
             while nxt is not None and nxt.var not in taken and nxt.var in in_block \
                     and ctx.placed.op_device.get(nxt.var.name, device) == device \

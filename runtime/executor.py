@@ -155,16 +155,15 @@ class GraphModule(GraphModuleAPI):
             if parallel is None else bool(parallel)
         if g.streams is None or max(g.streams, default=-1) < 1 or not StreamRunner.overlaps(g):
             return
-        if parallel is None and not threads and self.parallel \
-                and not StreamRunner.pays_on_shared_cores(g) \
-                and all(self.devices[g.entry_device(g.entry_id(nid))].dlpack_device_type()
-                        == KDL_CPU for nid, s in enumerate(g.streams) if s >= 0):
-            self.parallel = False  # CPU streams that would mostly wait: one stream, all cores
         stream_dev: dict[int, int] = {}
         for nid, s in enumerate(g.streams):
             if s >= 0:
                 stream_dev[s] = g.entry_device(g.entry_id(nid))
         devs = sorted(set(stream_dev.values()))
+        if parallel is None and not threads and self.parallel \
+                and all(self.devices[d].dlpack_device_type() == KDL_CPU for d in devs) \
+                and not StreamRunner.pays_on_shared_cores(g):
+            self.parallel = False  # CPU streams that would mostly wait: one stream, all cores
         names = [hdev.device_name(self.devices[d]) for d in devs]
         share = dict(threads or {})
         unknown = sorted(set(share) - set(names))

@@ -84,9 +84,8 @@ class ProfileReport:
         median µs)."""
         out: dict[str, list] = defaultdict(lambda: [0, 0.0])
         for op in self.ops:
-            key = op.label or _label(op.func, op.is_copy)
-            out[key][0] += 1
-            out[key][1] += op.median_us
+            out[op.label][0] += 1
+            out[op.label][1] += op.median_us
         return {k: (v[0], v[1]) for k, v in sorted(out.items(), key=lambda kv: -kv[1][1])}
 
     def table(self, top: int | None = None) -> str:
@@ -94,15 +93,14 @@ class ProfileReport:
         the sum of op times next to the wall time of ``run()`` (the difference is the runtime's
         own cost: the loop, argument passing, and anything between the kernels)."""
         rows = sorted(self.ops, key=lambda op: -op.median_us)[:top]
-        labels = {id(op): op.label or _label(op.func, op.is_copy) for op in rows}
         w = max([len(op.name) for op in rows] + [4])
-        fw = max([len(v) for v in labels.values()] + [2])
+        fw = max([len(op.label) for op in rows] + [2])
         lines = [f"{'node':>5}  {'name':<{w}}  {'op':<{fw}}  {'device':<8} "
                  f"{'median us':>10} {'%':>6}"]
         total = self.op_sum_us or 1.0
         for op in rows:
             share = 100 * op.median_us / total
-            lines.append(f"{op.node_id:>5}  {op.name:<{w}}  {labels[id(op)]:<{fw}}  "
+            lines.append(f"{op.node_id:>5}  {op.name:<{w}}  {op.label:<{fw}}  "
                          f"{op.device:<8} {op.median_us:>10.1f} {share:>5.1f}%")
         lines.append("")
         lines.append("by op:")
@@ -130,14 +128,13 @@ class ProfileReport:
         return path
 
 
-def _label(func: str, is_copy: bool, attrs: dict | None = None) -> str:
+def _label(func: str, is_copy: bool, attrs: dict) -> str:
     """What a step computes, for tables: a oneDNN kernel by its fused ops (``onednn_op``), a TVM
     kernel by its function's name (``op_label``)."""
     if is_copy:
         return "copy"
     if func == NOP_FUNC:
         return "view"
-    attrs = attrs or {}
     if attrs.get("provider") == "onednn" and attrs.get("onednn_op"):
         return f"onednn {attrs['onednn_op']}"
     return op_label(func)

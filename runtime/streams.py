@@ -31,6 +31,22 @@ def step_cost(graph: Graph, nid: int) -> float:
     return flops + BYTE_FLOPS * nbytes
 
 
+def _work_and_critical_path(graph: Graph, cost) -> tuple[float, float, int]:
+    """The summed ``cost(nid)`` of the steps, that of the longest chain of the happens-before
+    order (stream order and the waits between streams), and the number of streams."""
+    tail: dict[int, int] = {}
+    finish: dict[int, float] = {}
+    total = 0.0
+    for nid, s in enumerate(graph.streams):
+        if s >= 0:
+            c = cost(nid)
+            total += c
+            prev = list(graph.waits[nid]) + ([tail[s]] if s in tail else [])
+            finish[nid] = c + max((finish[p] for p in prev), default=0.0)
+            tail[s] = nid
+    return total, max(finish.values(), default=0.0), len(tail)
+
+
 def _worker(jobs: queue.SimpleQueue) -> None:
     while True:
         job = jobs.get()
@@ -69,37 +85,21 @@ class StreamRunner:
     def overlaps(graph: Graph) -> bool:
         """Whether any two steps may run at once (the longest chain of the happens-before
         order is shorter than the step count); else streams only add hand-offs."""
-        tail: dict[int, int] = {}
-        longest: dict[int, int] = {}
-        for nid, s in enumerate(graph.streams):
-            if s >= 0:
-                prev = list(graph.waits[nid]) + ([tail[s]] if s in tail else [])
-                longest[nid] = 1 + max((longest[p] for p in prev), default=0)
-                tail[s] = nid
-        return max(longest.values(), default=0) < len(longest)
+        total, critical, _ = _work_and_critical_path(graph, lambda nid: 1.0)
+        return critical < total
 
     @staticmethod
     def pays_on_shared_cores(graph: Graph) -> bool:
         """Whether streams that share the same cores (CPU devices of one process: each stream
         gets a share of them) should beat one stream with all of them: the graph's total work
-        exceeds ``SHARED_CORES_SLOWDOWN`` x streams x its critical path (the longest chain of
-        the happens-before order, each step weighted by ``step_cost``). Measured (2 vCPUs,
-        AVX-512): light squeezenet with its convolutions on cpu:1 and the rest on cpu:0
-        (``python/main_job.py``) has little to overlap and ran 10.2-10.9 ms with two streams of
-        one thread against 6.0-6.3 ms as one stream of two; two equal branches
-        (bench_concurrency's synthetic model) tie."""
-        cost: dict[int, float] = {}
-        tail: dict[int, int] = {}
-        finish: dict[int, float] = {}
-        for nid, s in enumerate(graph.streams):
-            if s >= 0:
-                cost[nid] = step_cost(graph, nid)
-                prev = list(graph.waits[nid]) + ([tail[s]] if s in tail else [])
-                finish[nid] = cost[nid] + max((finish[p] for p in prev), default=0.0)
-                tail[s] = nid
-        streams = len(tail)
-        critical = max(finish.values(), default=0.0)
-        return sum(cost.values()) > SHARED_CORES_SLOWDOWN * streams * critical
+        exceeds ``SHARED_CORES_SLOWDOWN`` x streams x its critical path (each step weighted by
+        ``step_cost``). Measured (2 vCPUs, AVX-512): light squeezenet with its convolutions on
+        cpu:1 and the rest on cpu:0 (``python/main_job.py``) has little to overlap and ran
+        10.2-10.9 ms with two streams of one thread against 6.0-6.3 ms as one stream of two;
+        two equal branches (bench_concurrency's synthetic model) tie."""
+        total, critical, streams = _work_and_critical_path(
+            graph, lambda nid: step_cost(graph, nid))
+        return total > SHARED_CORES_SLOWDOWN * streams * critical
 
     def _start(self) -> None:
         self._queues = [queue.SimpleQueue() for _ in self.streams[1:]]
