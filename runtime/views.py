@@ -12,7 +12,7 @@ DLPack, in one of two ways:
   handed out (a server's output to its client) and outlive the module it came from.
 
 Either owns its DLPack struct until TVM frees the view (the deleter), whatever order the
-objects holding views are dropped in.
+objects holding views are dropped in; a kernel view's is a C allocation that TVM frees.
 """
 
 from __future__ import annotations
@@ -48,6 +48,15 @@ class _DLManagedTensor(ctypes.Structure):
     _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
                 ("deleter", ctypes.c_void_p)]
 
+
+# A kernel view's DLPack struct and shape live in one C allocation that TVM frees itself when it
+# frees the view (deleter: libc's free): no Python runs then, so a view freed in any order, or
+# while the interpreter shuts down, is safe. (A Python deleter crashed at shutdown; the structs
+# kept in the pools' list were read after that list was freed.)
+_libc = ctypes.CDLL(None)
+_libc.malloc.restype = ctypes.c_void_p
+_libc.malloc.argtypes = [ctypes.c_size_t]
+_FREE_PTR = ctypes.cast(_libc.free, ctypes.c_void_p).value
 
 _capsule_new = ctypes.pythonapi.PyCapsule_New
 _capsule_new.restype = ctypes.py_object
@@ -86,8 +95,8 @@ def pointer_view(base, shape, dtype: str, byte_offset: int = 0, own_base: bool =
     pointer), whose DLTensor has byte_offset 0 and a moved data pointer. ``own_base=False``: the
     caller keeps ``base`` alive as long as the view (a module's pools); else the view does. The
     view always owns its DLPack struct (freed by the deleter when TVM frees the view): a view
-    outliving the list it was made for read its freed struct's deleter field (a pool dropped
-    before the steps that hold its views crashed, 4 runs in 6, in a reviewer's test)."""
+    outliving a list of structs kept beside it read a freed struct's deleter field (a pool
+    dropped before the steps that hold its views crashed, 4 runs in 6, in a reviewer's test)."""
     if byte_offset == 0 and not own_base:
         return base._create_view(tuple(shape), dtype, 0)
     dev = base.device
@@ -99,17 +108,29 @@ def pointer_view(base, shape, dtype: str, byte_offset: int = 0, own_base: bool =
                           f"device; plan this graph without the 'hgrt' pool section")
     t = tvm.runtime.DataType(str(dtype))
     shape = tuple(int(s) for s in shape)
-    managed = _DLManagedTensor()
-    shape_arr = (ctypes.c_int64 * max(1, len(shape)))(*shape)
+    if own_base:
+        managed = _DLManagedTensor()
+        shape_arr = (ctypes.c_int64 * max(1, len(shape)))(*shape)
+    else:  # one C block, struct then shape, that TVM's call of the deleter (free) releases
+        head = ctypes.sizeof(_DLManagedTensor)
+        block = _libc.malloc(head + 8 * max(1, len(shape)))
+        if not block:
+            raise MemoryError("cannot allocate a tensor view's DLPack struct")
+        ctypes.memset(block, 0, head)
+        managed = _DLManagedTensor.from_address(block)
+        shape_arr = (ctypes.c_int64 * max(1, len(shape))).from_address(block + head)
+        shape_arr[:len(shape)] = shape
     managed.dl_tensor.data = base.data_ptr() + byte_offset
     managed.dl_tensor.device = _DLDevice(dev_type, dev.index)
     managed.dl_tensor.ndim = len(shape)
     managed.dl_tensor.dtype = _DLDataType(t.type_code, t.bits, t.lanes)
     managed.dl_tensor.shape = shape_arr
     managed.dl_tensor.byte_offset = 0
-    managed.deleter = _DELETER_PTR
-    with _LOCK:  # the tensor points at these until its deleter runs
-        _LIVE[ctypes.addressof(managed)] = (managed, shape_arr, base) if own_base \
-            else (managed, shape_arr)
+    if own_base:  # the view holds base (and its struct) until its deleter runs
+        managed.deleter = _DELETER_PTR
+        with _LOCK:
+            _LIVE[ctypes.addressof(managed)] = (managed, shape_arr, base)
+    else:
+        managed.deleter = _FREE_PTR
     capsule = _capsule_new(ctypes.addressof(managed), b"dltensor", None)
     return tvm_ffi.from_dlpack(_Exporter(capsule, (dev_type, dev.index)))
