@@ -162,3 +162,46 @@ def test_the_lowered_module_with_packed_weights_runs_on_the_relax_vm():
     assert any("_oc" in p.name for p in main.params[n_in:])
     got = run_lowered_vm(mod, [x] + [weights[p.name] for p in main.params[n_in:]])[0]
     np.testing.assert_allclose(got, run_relax_vm(model, [x])[0], rtol=1e-4, atol=1e-4)
+
+
+def _conv_model(channels: int, width: int, kernel: int, stride: int, groups: int):
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((32, channels // groups, kernel, kernel)).astype("float32") * 0.1
+    pad = kernel // 2
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["c"], pads=[pad] * 4, strides=[stride] * 2,
+                          group=groups),
+         helper.make_node("Relu", ["c"], ["y"])], "conv",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, channels, width, width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    return model, rng.standard_normal((1, channels, width, width)).astype("float32")
+
+
+@pytest.mark.parametrize("channels, width, kernel, stride, groups, staged", [
+    (64, 32, 1, 1, 1, True),  # a 4 KB plane, 64 rows per tile
+    (32, 30, 3, 1, 1, True),  # padded: the pad block moves into the parallel loop
+    (64, 33, 3, 2, 2, True),  # strided, two groups, odd width
+    (64, 14, 3, 1, 1, False),  # a 784-byte plane: rows are near each other already
+    (16, 56, 3, 1, 1, False),  # 48 rows per tile
+    (32, 40, 5, 1, 1, False),  # a 5x5 window
+])
+def test_large_planes_are_read_through_staged_rows(channels, width, kernel, stride, groups,
+                                                    staged):
+    """Where a convolution's input planes are large, each parallel iteration copies the input
+    rows it reads (padding included) into a buffer of its own, allocated inside the parallel
+    loop (one per thread); the numbers stay the Relax VM's."""
+    from hgrt.compiler import lower_model
+
+    model, x = _conv_model(channels, width, kernel, stride, groups)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = hgrt.build(model, ["cpu"], kernels="tvm")
+        mod, _ = lower_model(model, "cpu", schedule=True)
+    text = next(f for gv, f in mod.functions_items() if "conv" in gv.name_hint).script()
+    assert ("hgrt_staged_rows" in text) == staged
+    if staged:  # the staged copy is written inside the parallel loop, not before it
+        assert text.index("T.parallel") < text.index("hgrt_staged_rows")
+    np.testing.assert_allclose(run_hgrt(res, {"x": x})[0], run_relax_vm(model, [x])[0],
+                               rtol=1e-4, atol=1e-4)
