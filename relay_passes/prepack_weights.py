@@ -19,7 +19,7 @@ from tvm import relax
 from hgrt.relay_passes.context import BuildContext
 from hgrt.relay_passes.relax_util import CALL_TIR, bindings, op_name
 
-__all__ = ["pack_output_channels", "prepack", "weight_params"]
+__all__ = ["PACKS", "pack_columns", "pack_output_channels", "prepack", "weight_params"]
 
 
 def pack_output_channels(w: np.ndarray, lanes: int) -> np.ndarray:
@@ -55,8 +55,17 @@ def _value_key(p: relax.Var, ctx: BuildContext) -> str | None:
     return key if key in w.values else None
 
 
-def prepack(mod, ctx: BuildContext, packed: dict[str, tuple[int, int]]):
-    """``main`` with the weights of ``packed`` (PrimFunc -> (parameter position, lanes))
+def pack_columns(w: np.ndarray, cols: int) -> np.ndarray:
+    """``(K, N)`` -> ``(N // cols, K, cols)``: each tile of ``cols`` columns contiguous."""
+    k, n = w.shape
+    return np.ascontiguousarray(w.reshape(k, n // cols, cols).transpose(1, 0, 2))
+
+
+PACKS = {"oc": pack_output_channels, "col": pack_columns}  # layout -> how to pack
+
+
+def prepack(mod, ctx: BuildContext, packed: dict[str, tuple[int, int, str]]):
+    """``main`` with the weights of ``packed`` (PrimFunc -> (parameter position, lanes, layout))
     replaced by their packed copies, recorded in ``ctx.weights``."""
     if not packed:
         return mod
@@ -73,12 +82,15 @@ def prepack(mod, ctx: BuildContext, packed: dict[str, tuple[int, int]]):
     for b, name, args in _calls(func):
         if name not in packed:
             continue
-        pos, lanes = packed[name]
-        key = (args[pos], lanes)
+        pos, lanes, layout = packed[name]
+        key = (args[pos], lanes, layout)
         if key not in new_params:
-            new_params[key] = _packed_param(args[pos], lanes, ctx, {p.name for p in func.params})
+            new_params[key] = _packed_param(args[pos], lanes, layout, ctx,
+                                            {p.name for p in func.params})
         args[pos] = new_params[key]
-        remap[b.var] = relax.op.call_tir(fresh[name], relax.Tuple(args), b.var.ty)
+        out = b.var.ty  # a kernel with several outputs (a dense layer's dropout) has a tuple
+        out = list(out.fields) if isinstance(out, relax.TupleType) else out
+        remap[b.var] = relax.op.call_tir(fresh[name], relax.Tuple(args), out)
     blocks = [type(block)([relax.VarBinding(b.var, remap[b.var]) if b.var in remap else b
                            for b in block.bindings]) for block in func.body.blocks]
     body = relax.SeqExpr(blocks, func.body.body)
@@ -97,13 +109,14 @@ def prepack(mod, ctx: BuildContext, packed: dict[str, tuple[int, int]]):
     return relax.transform.Normalize()(new)  # the new calls get their types
 
 
-def _packed_param(p: relax.Var, lanes: int, ctx: BuildContext, taken: set[str]) -> relax.Var:
+def _packed_param(p: relax.Var, lanes: int, layout: str, ctx: BuildContext, taken: set[str]
+                  ) -> relax.Var:
     w = ctx.weights
-    value = pack_output_channels(w.values[_value_key(p, ctx)], lanes)
-    rname = f"{p.name}_oc{lanes}"
+    value = PACKS[layout](w.values[_value_key(p, ctx)], lanes)
+    rname = f"{p.name}_{layout}{lanes}"
     while rname in taken or rname in w.graph_names:
         rname += "_"
-    pname = w.free_name(f"{w.graph_names.get(p.name, p.name)}_oc{lanes}")
+    pname = w.free_name(f"{w.graph_names.get(p.name, p.name)}_{layout}{lanes}")
     w.graph_names[rname] = pname
     w.source[pname] = pname
     w.values[pname] = value

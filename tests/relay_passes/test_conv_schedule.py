@@ -205,3 +205,31 @@ def test_large_planes_are_read_through_staged_rows(channels, width, kernel, stri
         assert text.index("T.parallel") < text.index("hgrt_staged_rows")
     np.testing.assert_allclose(run_hgrt(res, {"x": x})[0], run_relax_vm(model, [x])[0],
                                rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("n, dropout", [(40, False), (64, True)])
+def test_dense_weights_are_packed_by_column_tile(n, dropout):
+    """A dense layer's weight ``(K, N)`` is stored as ``(N / vf, K, vf)``: each vector tile's
+    columns contiguous (unpacked, every step of the reduction read a row away). A dropout
+    after it (alexnet's: the kernel has two outputs) keeps working. The VM's numbers."""
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((n, 96)).astype("float32")
+    nodes = [helper.make_node("Gemm", ["x", "w"], ["g"], transB=1)]
+    nodes += [helper.make_node("Dropout", ["g"], ["y"])] if dropout else \
+        [helper.make_node("Relu", ["g"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "dense", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 96])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    x = rng.standard_normal((1, 96)).astype("float32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = hgrt.build(model, ["cpu"], kernels="tvm")
+        want = run_relax_vm(model, [x])[0]
+    packed = [(k, v.shape) for k, v in res.params.items() if "_col" in k]
+    assert len(packed) == 1, res.params.keys()
+    name, (tiles, k, vf) = packed[0]
+    assert k == 96 and tiles * vf == n and name.endswith(f"_col{vf}")
+    assert not any(v.shape in ((96, n), (n, 96)) for v in res.params.values())
+    np.testing.assert_allclose(run_hgrt(res, {"x": x})[0], want, rtol=1e-5, atol=1e-5)

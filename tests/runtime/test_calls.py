@@ -159,8 +159,9 @@ def test_input_that_is_also_an_output(rng):
 def test_call_errors(mlp):
     with pytest.raises(hgrt.InputError, match=r"no value for inputs \['x'\]"):
         mlp()
+    param = mlp.graph.params[0]  # a weight (w0 stored packed: w0_col64 on AVX-512)
     with pytest.raises(hgrt.InputError, match="is a parameter"):
-        mlp(x=np.zeros((4, SIZE), "float32"), w0=np.zeros((SIZE, SIZE), "float32"))
+        mlp(**{"x": np.zeros((4, SIZE), "float32"), param: np.zeros(1, "float32")})
     with pytest.raises(hgrt.InputError, match="out must be a list of 1"):
         mlp(x=np.zeros((4, SIZE), "float32"), out=[])
     with pytest.raises(hgrt.InputError, match="expected shape"):
