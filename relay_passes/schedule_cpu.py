@@ -284,7 +284,7 @@ def _schedule_anchor(sch: s_tir.Schedule, block_rv, isa: VectorISA,
     ``weights``) is read packed as ``w[n // vf, k, n % vf]``, one vector tile's columns
     contiguous (``prepack_weights`` packs it at build; ``(position, vf, "col")`` is
     returned): unpacked, each ``k`` of a tile's reduction reads a row of the matrix away,
-    a page or more for 1000+ columns (resnet50's classifier 1.1 -> 0.3 ms, AVX-512)."""
+    a page or more for 1000+ columns (resnet50's classifier 1.0 -> 0.56 ms, AVX-512)."""
     info = _iter_loops(sch, block_rv)
     if info is None or not re.fullmatch(r"S+R+", "".join(k for k, _, _, _ in info)):
         return False
@@ -311,18 +311,22 @@ def _schedule_anchor(sch: s_tir.Schedule, block_rv, isa: VectorISA,
     return packed or True
 
 
+def _param_position(sch: s_tir.Schedule, buffer) -> int | None:
+    """The position of ``buffer`` among the function's parameters, None if not one."""
+    return next((i for i, p in enumerate(sch.mod["main"].params) if p.same_as(buffer)), None)
+
+
 def _pack_columns(sch: s_tir.Schedule, block_rv, n: tirx.Var, reduce_vars: list, vf: int,
                   weights: frozenset[int]) -> tuple[int, int, str] | None:
     """Read a weight ``w[k, n]`` (k the only reduction) as ``w[n // vf, k, n % vf]``."""
     if len(reduce_vars) != 1:
         return None
     block = sch.get(block_rv)
-    params = list(sch.mod["main"].params)
     for i, r in enumerate(block.reads):
         idx = [x.min for x in r.region]
         if len(idx) != 2 or not idx[0].same_as(reduce_vars[0]) or not idx[1].same_as(n):
             continue
-        position = next((j for j, p in enumerate(params) if p.same_as(r.source)), None)
+        position = _param_position(sch, r.source)
         if position in weights and int(r.source.shape[1]) % vf == 0:
             sch.transform_layout(block_rv, ("read", i), lambda k, c: (c // vf, k, c % vf))
             return position, vf, "col"
@@ -437,9 +441,7 @@ def _schedule_conv(sch: s_tir.Schedule, block_rv, isa: VectorISA, cores: int,
     sch.parallel(fused)
     if _staging_pays(sch.get(block_rv).reads[1 - weight].source, info):
         _stage_input_rows(sch, block_rv, 1 - weight, fused)
-    func = sch.mod["main"]
-    wbuf = sch.get(block_rv).reads[weight].source
-    position = next((i for i, p in enumerate(func.params) if p.same_as(wbuf)), None)
+    position = _param_position(sch, sch.get(block_rv).reads[weight].source)
     pack = lambda o, i, kh, kw: (o // lanes, i, kh, kw, o % lanes)  # noqa: E731
     if position in weights:
         sch.transform_layout(block_rv, ("read", weight), pack)
@@ -589,23 +591,20 @@ def _default_schedule(func: tirx.PrimFunc, isa: VectorISA, cores: int = 1,
         b = _find_block(sch, name)
         if b is None or not _is_reduction(sch, b):
             continue
+        how: tuple[int, int, str] | bool = False
         conv = _on_copy(sch, name, _schedule_conv, isa, cores, weights)
         if conv is not None:
-            (sch, how), tiled = conv, True
-            if isinstance(how, tuple) and prepacked is None:
-                prepacked = how
-            elif isinstance(how, tuple):  # one packed parameter per function: undo
-                return _default_schedule(func, isa, cores, frozenset())
+            sch, how = conv
         elif (window := _on_copy(sch, name, _schedule_window)) is not None:
             sch = window[0]
-        elif how := _schedule_anchor(sch, b, isa, weights):
-            tiled = True
-            if isinstance(how, tuple) and prepacked is None:
-                prepacked = how
-            elif isinstance(how, tuple):  # one packed parameter per function: undo
-                return _default_schedule(func, isa, cores, frozenset())
-        else:
+        elif not (how := _schedule_anchor(sch, b, isa, weights)):
             _schedule_reduction_plain(sch, sch.get_sblock(name))
+        if how:
+            tiled = True
+            if isinstance(how, tuple) and prepacked is not None:
+                return _default_schedule(func, isa, cores, frozenset())  # one packed per func
+            if isinstance(how, tuple):
+                prepacked = how
         done.add(name)
     for name in names:
         b = _find_block(sch, name)
