@@ -233,3 +233,52 @@ def test_dense_weights_are_packed_by_column_tile(n, dropout):
     assert k == 96 and tiles * vf == n and name.endswith(f"_col{vf}")
     assert not any(v.shape in ((96, n), (n, 96)) for v in res.params.values())
     np.testing.assert_allclose(run_hgrt(res, {"x": x})[0], want, rtol=1e-5, atol=1e-5)
+
+
+def _pointwise_model(channels: int, out: int, width: int, stride: int):
+    """x -> 1x1 conv (+ bias) -> + r (a residual input) -> relu."""
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((out, channels, 1, 1)).astype("float32") * 0.2
+    b = rng.standard_normal(out).astype("float32")
+    side = (width - 1) // stride + 1
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w", "b"], ["c"], strides=[stride] * 2),
+         helper.make_node("Add", ["c", "r"], ["s"]),
+         helper.make_node("Relu", ["s"], ["y"])], "pointwise",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, channels, width, width]),
+         helper.make_tensor_value_info("r", TensorProto.FLOAT, [1, out, side, side])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    return model, {"x": rng.standard_normal((1, channels, width, width)).astype("float32"),
+                   "r": rng.standard_normal((1, out, side, side)).astype("float32")}
+
+
+@pytest.mark.parametrize("target", [AVX2, AVX512], ids=["avx2", "avx512"])
+@pytest.mark.parametrize("channels, out, width, stride, pointwise", [
+    (32, 48, 32, 1, True),  # 1024 pixels: two vectors of them per tile
+    (16, 24, 28, 1, True),  # 784 pixels: one vector of 16 (AVX-512), two of 8 (AVX2)
+    (32, 32, 27, 1, False),  # 729 pixels fill no whole vectors
+    (32, 32, 16, 1, False),  # a 1 KB plane
+    (32, 32, 56, 2, False),  # strided
+])
+def test_pointwise_convs_are_a_matrix_product(target, channels, out, width, stride, pointwise):
+    """A 1x1 stride-1 convolution over a large plane is tiled as the matrix product it is in
+    NCHW: a few output channels (its weight packed with that many innermost) x vectors of
+    consecutive pixels, the bias, residual add and relu on the tile's write-back; the VM's
+    numbers. Others keep the output-channel vector tile (``_oc<lanes>``)."""
+    if not _runs_here(target):
+        pytest.skip(f"this CPU cannot run {target['mcpu']} code")
+    isa = vector_isa(tvm.target.Target(target))
+    model, inputs = _pointwise_model(channels, out, width, stride)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = hgrt.build(model, ["cpu"], kernels="tvm", target={"cpu": target})
+        want = run_relax_vm(model, [inputs["x"], inputs["r"]])[0]
+    packed = [(k, v.shape) for k, v in res.params.items() if "_oc" in k]
+    assert len(packed) == 1, res.params.keys()
+    name, shape = packed[0]
+    rows = max(d for d in range(1, isa.registers // 4 + 1) if out % d == 0)
+    lanes = rows if pointwise else isa.lanes()
+    assert name.endswith(f"_oc{lanes}") and shape == (out // lanes, channels, 1, 1, lanes)
+    np.testing.assert_allclose(run_hgrt(res, inputs)[0], want, rtol=1e-4, atol=1e-4)
