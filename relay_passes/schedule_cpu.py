@@ -14,6 +14,9 @@ CPU PrimFunc a fixed, deterministic schedule in milliseconds, without measuring 
   outer spatial loops fused and parallel;
 - a convolution over large planes reads the input rows each parallel iteration needs from a
   staged contiguous copy (padding included) instead of a whole plane apart per channel;
+- a 1x1 stride-1 convolution over a large plane whose pixels fill whole vectors is tiled as
+  the matrix product it is in NCHW (output channels x vectors of consecutive pixels,
+  ``_schedule_pointwise``);
 - every other block: outer loops fused and parallel, innermost vectorized.
 
 Functions it cannot schedule are left as they are and counted (``ScheduleReport.skipped``).
