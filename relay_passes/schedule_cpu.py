@@ -514,8 +514,11 @@ def _schedule_pointwise(sch: s_tir.Schedule, block_rv, isa: VectorISA, cores: in
             lambda *v: (v[0], v[1], v[2] * width + v[3], *v[4:]),
             ndim=len(sch.get(b).iter_vars)))
 
+    consumers = sch.get_consumers(block_rv)
+    if any([int(iv.dom.extent) for iv in sch.get(c).iter_vars] != ext[:4] for c in consumers):
+        return False  # only element-wise epilogues over the output's (n, c, y, x) flatten
     sch.transform_layout(block_rv, ("write", 0), flat)
-    for consumer in sch.get_consumers(block_rv):
+    for consumer in consumers:
         flat_iters(consumer)
     flat_iters(block_rv)
     n, f, p, rc, ry, rx = sch.get_loops(block_rv)
