@@ -444,17 +444,7 @@ def _schedule_conv(sch: s_tir.Schedule, block_rv, isa: VectorISA, cores: int,
     sch.parallel(fused)
     if _staging_pays(sch.get(block_rv).reads[1 - weight].source, info):
         _stage_input_rows(sch, block_rv, 1 - weight, fused)
-    position = _param_position(sch, sch.get(block_rv).reads[weight].source)
-    pack = lambda o, i, kh, kw: (o // lanes, i, kh, kw, o % lanes)  # noqa: E731
-    if position in weights:
-        sch.transform_layout(block_rv, ("read", weight), pack)
-        done: tuple[int, int, str] | bool = (position, lanes, "oc")
-    else:  # IC·KH·KW·OC moves a call against H·W times as many multiply-adds
-        packed = sch.cache_read(block_rv, weight, "global")
-        sch.transform_layout(packed, ("write", 0), pack)
-        if cores > 1:
-            sch.parallel(sch.get_loops(packed)[0])
-        done = True
+    done = _pack_output_channels(sch, block_rv, weight, lanes, cores, weights)
     wb = sch.cache_write(block_rv, 0, "local")
     sch.transform_layout(block_rv, ("write", 0), lambda a, o, h, w: (a, h, w, o))
     _inline_epilogue(sch, wb)
@@ -533,17 +523,7 @@ def _schedule_pointwise(sch: s_tir.Schedule, block_rv, isa: VectorISA, cores: in
     sch.compute_at(stage, outer, preserve_unit_loops=True)
     sch.annotate(stage, _STAGED, 1)
     sch.vectorize(sch.get_loops(stage)[-1])
-    position = _param_position(sch, sch.get(block_rv).reads[weight].source)
-    pack = lambda o, i, kh, kw: (o // rows, i, kh, kw, o % rows)  # noqa: E731
-    if position in weights:
-        sch.transform_layout(block_rv, ("read", weight), pack)
-        done: tuple[int, int, str] | bool = (position, rows, "oc")
-    else:
-        packed = sch.cache_read(block_rv, weight, "global")
-        sch.transform_layout(packed, ("write", 0), pack)
-        if cores > 1:
-            sch.parallel(sch.get_loops(packed)[0])
-        done = True
+    done = _pack_output_channels(sch, block_rv, weight, rows, cores, weights)
     wb = sch.cache_write(block_rv, 0, "local")
     _inline_epilogue(sch, wb)
     sch.reverse_compute_at(wb, fo, preserve_unit_loops=True)
@@ -553,6 +533,24 @@ def _schedule_pointwise(sch: s_tir.Schedule, block_rv, isa: VectorISA, cores: in
     sch.unroll(loops[-2])
     sch.decompose_reduction(block_rv, loops[2])
     return done
+
+
+def _pack_output_channels(sch: s_tir.Schedule, block_rv, weight: int, lanes: int, cores: int,
+                          weights: frozenset[int]) -> tuple[int, int, str] | bool:
+    """Read a convolution's weight ``w[o, i, kh, kw]`` as ``w[o // lanes, i, kh, kw, o % lanes]``:
+    ``(position, lanes, "oc")`` when it is a parameter at a position in ``weights``
+    (``prepack_weights`` packs it once at build), else the kernel repacks it on every call
+    (True; IC·KH·KW·OC moves a call against H·W times as many multiply-adds)."""
+    position = _param_position(sch, sch.get(block_rv).reads[weight].source)
+    pack = lambda o, i, kh, kw: (o // lanes, i, kh, kw, o % lanes)  # noqa: E731
+    if position in weights:
+        sch.transform_layout(block_rv, ("read", weight), pack)
+        return position, lanes, "oc"
+    packed = sch.cache_read(block_rv, weight, "global")
+    sch.transform_layout(packed, ("write", 0), pack)
+    if cores > 1:
+        sch.parallel(sch.get_loops(packed)[0])
+    return True
 
 
 def _staging_pays(data: tirx.Buffer, info: list) -> bool:
