@@ -51,6 +51,14 @@ MAX_TILE_ROWS = 8  # rows of the register tile (× one or more vectors of lanes)
 # float32 planes and up (_staging_pays)
 MIN_STAGED_PLANE = 3072
 _STAGED = "hgrt_staged_rows"  # block annotation of a staged copy
+# a 1x1 convolution over a plane that fills no whole vectors takes the pointwise tile
+# (_ragged_pointwise) over this many vectors of pixels or more, when it reads this many input
+# channels or fewer, or has output channels the channel-vector tile cannot take
+MIN_RAGGED_VECTORS = 8
+MAX_RAGGED_CHANNELS = 128
+# a loop annotation that makes TVM's LoopPartition peel the iterations where a condition
+# inside changes (peel_ragged_tiles)
+PEEL_HINT = "pragma_loop_partition_hint"
 
 _get_realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
 # a primitive that does not apply raises ScheduleError (a RuntimeError); TVM's own checks too
@@ -489,12 +497,20 @@ def _schedule_pointwise(sch: s_tir.Schedule, block_rv, isa: VectorISA, cores: in
     width, pixels = ext[3], ext[2] * ext[3]
     vf = 2 * lanes if pixels % (2 * lanes) == 0 else lanes
     bits = tvm.DataType(data.source.dtype).bits
-    if pixels % vf or pixels * bits // 8 < MIN_STAGED_PLANE:
+    ragged = pixels % vf
+    if ragged:  # tiles of 64 bytes of pixels: an AVX-512 vector, two AVX2 ones (AVX2's 4 rows
+        vf = max(vf, 512 // bits)  # x 1 vector measured no faster than the channel-vector tile)
+    if not ragged and pixels * bits // 8 < MIN_STAGED_PLANE:
         return False
+    if ragged and (pixels < MIN_RAGGED_VECTORS * vf
+                   or ext[4] > MAX_RAGGED_CHANNELS and ext[1] % lanes == 0):
+        return False  # the channel-vector tile is better (_ragged_pointwise)
     rows = max(d for d in _divisors(ext[1]) if d <= isa.registers // 4)
-    out = block.writes[0].source
-    if rows < 2 or _param_position(sch, out) is not None:
-        return False  # a conv that writes the function's result has no epilogue to flatten
+    if rows < 2:
+        return False
+    if _param_position(sch, block.writes[0].source) is not None:
+        sch.cache_write(block_rv, 0, "global")  # the result's layout is the caller's: flatten
+        # an intermediate, written back by a copy as if it were an epilogue
 
     def flat(n, c, y, x):
         return n, c, y * width + x
@@ -511,6 +527,8 @@ def _schedule_pointwise(sch: s_tir.Schedule, block_rv, isa: VectorISA, cores: in
     for consumer in consumers:
         flat_iters(consumer)
     flat_iters(block_rv)
+    if ragged:
+        return _ragged_pointwise(sch, block_rv, weight, vf, rows, pixels, cores, weights)
     n, f, p, rc, ry, rx = sch.get_loops(block_rv)
     pc, pv = sch.split(p, [None, vf])
     fo, fi = sch.split(f, [None, rows])
@@ -528,6 +546,48 @@ def _schedule_pointwise(sch: s_tir.Schedule, block_rv, isa: VectorISA, cores: in
     _inline_epilogue(sch, wb)
     sch.reverse_compute_at(wb, fo, preserve_unit_loops=True)
     sch.vectorize(sch.get_loops(wb)[-1])
+    loops = sch.get_loops(block_rv)
+    sch.vectorize(loops[-1])
+    sch.unroll(loops[-2])
+    sch.decompose_reduction(block_rv, loops[2])
+    return done
+
+
+def _ragged_pointwise(sch: s_tir.Schedule, block_rv, weight: int, vf: int, rows: int,
+                      pixels: int, cores: int, weights: frozenset[int]
+                      ) -> tuple[int, int, str] | bool:
+    """``_schedule_pointwise`` over a flattened plane whose pixels fill no whole vectors
+    (squeezenet's 55x55, 27x27, 13x13; resnet50's 14x14 and 7x7 with 16 lanes): the
+    convolution computes a plane padded to whole vectors (``pad_einsum``: the staged input is
+    zero past the plane, the padded outputs are never written), so its register tile is the
+    same; the parallel loop of pixel tiles carries a partition hint, and lowering peels its
+    last tile off (``peel_ragged_tiles``): every other tile stages, computes and writes whole
+    vectors with no condition left, the last one stages and writes its pixels one by one."""
+    sch.reindex(block_rv, ("read", 1 - weight))
+    sch.pad_einsum(block_rv, [1, 1, vf, 1, 1, 1])
+    padded = sch.get(block_rv).reads[1 - weight].source  # the input, zero past the plane
+    (stage,) = [b for b in sch.get_producers(block_rv)
+                if sch.get(b).writes[0].source.same_as(padded)]
+    sch.compute_inline(sch.get_producers(stage)[0])  # its reindexed copy: read x directly
+    swap = lambda n, p, c: (n, c, p)  # noqa: E731  the reindexed input is (n, p, c)
+    sch.transform_layout(stage, ("write", 0), swap)
+    sch.transform_block_layout(stage, tirx.IndexMap.from_func(swap))
+    (unpad,) = sch.get_consumers(block_rv)
+    _inline_epilogue(sch, unpad)
+    n, f, p, rc, ry, rx = sch.get_loops(block_rv)
+    pc, pv = sch.split(p, [None, vf])
+    fo, fi = sch.split(f, [None, rows])
+    sch.reorder(n, pc, fo, rc, ry, rx, fi, pv)
+    outer = sch.fuse(n, pc)
+    sch.parallel(outer)
+    sch.annotate(outer, PEEL_HINT, 1)
+    sch.compute_at(stage, outer, preserve_unit_loops=True)
+    sch.annotate(stage, _STAGED, 1)
+    sch.vectorize(sch.get_loops(stage)[-1])
+    done = _pack_output_channels(sch, block_rv, weight, rows, cores, weights)
+    sch.set_scope(block_rv, 0, "local")
+    sch.reverse_compute_at(unpad, fo, preserve_unit_loops=True)
+    sch.vectorize(sch.get_loops(unpad)[-1])
     loops = sch.get_loops(block_rv)
     sch.vectorize(loops[-1])
     sch.unroll(loops[-2])
@@ -604,6 +664,14 @@ def _find_block(sch: s_tir.Schedule, name: str):
         return sch.get_sblock(name)
     except _SCHEDULE_ERRORS:  # inlined into another block
         return None
+
+
+def peel_ragged_tiles(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """``func`` ready to have the loops annotated ``PEEL_HINT`` peeled at lowering: TVM's
+    LoopPartition finds the hint by loop variable, and lowering narrows 64-bit loop variables
+    to 32 bits before it without renaming the hint's (the hint is lost), so the indices go to
+    32 bits here first. Every extent of a kernel hgrt builds fits in 32 bits."""
+    return tirx.transform.ForceNarrowIndexToInt32()(tvm.IRModule({"main": func}))["main"]
 
 
 def _cores(target: tvm.target.Target) -> int:
@@ -737,7 +805,10 @@ def schedule_cpu_functions(mod: tvm.IRModule, target: tvm.target.Target | str | 
             continue
         if new is None:
             new = mod.clone()
-        new.update_func(new.get_global_var(name), sch.mod["main"].with_attr(SCHEDULED_ATTR, True))
+        scheduled = sch.mod["main"]
+        if PEEL_HINT in str(sch.trace):
+            scheduled = peel_ragged_tiles(scheduled)
+        new.update_func(new.get_global_var(name), scheduled.with_attr(SCHEDULED_ATTR, True))
         report.scheduled.append(name)
         if tiled:
             report.tiled.append(name)

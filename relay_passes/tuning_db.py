@@ -22,6 +22,7 @@ from hgrt.devices import kind_of
 from hgrt.errors import BuildError
 from hgrt.relay_passes.context import BuildContext
 from hgrt.relay_passes.relax_util import func_target, is_scheduled, prim_funcs
+from hgrt.relay_passes.schedule_cpu import PEEL_HINT, peel_ragged_tiles
 
 RECORDS_FILE = "database_tuning_record.json"
 
@@ -250,6 +251,8 @@ def apply_database(mod: tvm.IRModule, db_dir: str, *, log: Callable[[str], None]
             elif is_scheduled(f) and not tvm_ffi.structural_equal(f, mine[name]):
                 pattern = (mod[name].attrs or {}).get("op_pattern")
                 f = f.with_attr("target", target)
+                if PEEL_HINT in f.script():  # hgrt's default schedule won: its peeled tiles
+                    f = peel_ragged_tiles(f)
                 new.update_func(new.get_global_var(name), f if pattern is None
                                 else f.with_attr("op_pattern", pattern))
                 report.tuned[name] = _short(target)

@@ -1,6 +1,7 @@
 """Convolutions over a vector of output channels: true to each x86 ISA, weights prepacked at
 build, same numbers as the Relax VM."""
 
+import importlib
 import sys
 import warnings
 
@@ -52,15 +53,19 @@ def convs(width: int, stride: int = 1):
 def test_convs_equal_the_vm_with_prepacked_weights(target, width, stride):
     if not _runs_here(target):
         pytest.skip(f"this CPU cannot run {target['mcpu']} code")
-    lanes = vector_isa(tvm.target.Target(target)).lanes()
+    isa = vector_isa(tvm.target.Target(target))
+    lanes = isa.lanes()
     model, x = convs(width, stride)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         res = hgrt.build(model, ["cpu"], kernels="tvm", target={"cpu": target})
-    # both weights stored packed, output channels innermost; the NCHW originals gone
-    packed = {k: v.shape for k, v in res.params.items() if k.endswith(f"_oc{lanes}")}
+    # both weights stored packed, output channels innermost; the NCHW originals gone. The 1x1
+    # over a plane of 128+ pixels that fill no whole tile of 16 takes the pointwise tile
+    pixels = ((width - 1) // stride + 1) ** 2
+    oc = isa.registers // 4 if pixels % 16 and pixels >= 128 else lanes
+    packed = {k: v.shape for k, v in res.params.items() if "_oc" in k}
     assert sorted(packed.values()) == sorted([(16 // lanes, 8, 3, 3, lanes),
-                                              (32 // lanes, 16, 1, 1, lanes)])
+                                              (32 // oc, 16, 1, 1, oc)])
     assert not any(v.ndim == 4 and v.shape[0] in (16, 32) for v in res.params.values())
     got = run_hgrt(res, {"x": x})[0]
     np.testing.assert_allclose(got, run_relax_vm(model, [x])[0], rtol=1e-4, atol=1e-4)
@@ -258,7 +263,10 @@ def _pointwise_model(channels: int, out: int, width: int, stride: int):
 @pytest.mark.parametrize("channels, out, width, stride, pointwise", [
     (32, 48, 32, 1, True),  # 1024 pixels: two vectors of them per tile
     (16, 24, 28, 1, True),  # 784 pixels: one vector of 16 (AVX-512), two of 8 (AVX2)
-    (32, 32, 27, 1, False),  # 729 pixels fill no whole vectors
+    (32, 32, 27, 1, True),  # 729 pixels fill no whole vectors: a padded plane, last tile peeled
+    (16, 40, 13, 1, True),  # 169 pixels; 40 channels fill no pair of AVX-512 channel vectors
+    (256, 32, 14, 1, False),  # 196 pixels, but 256 input channels: the channel-vector tile
+    (32, 32, 7, 1, False),  # 49 pixels: too few for whole tiles
     (32, 32, 16, 1, False),  # a 1 KB plane
     (32, 32, 56, 2, False),  # strided
 ])
@@ -282,3 +290,45 @@ def test_pointwise_convs_are_a_matrix_product(target, channels, out, width, stri
     lanes = rows if pointwise else isa.lanes()
     assert name.endswith(f"_oc{lanes}") and shape == (out // lanes, channels, 1, 1, lanes)
     np.testing.assert_allclose(run_hgrt(res, inputs)[0], want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("target", [AVX2, AVX512], ids=["avx2", "avx512"])
+@pytest.mark.parametrize("width", [27, 32])
+def test_a_pointwise_conv_that_writes_the_result_flattens_a_copy(target, width):
+    """A bare 1x1 convolution (no bias, no epilogue: it writes the kernel's result, whose
+    layout is the caller's) still takes the pointwise tile over a flattened copy; and the
+    default schedule's trace (what ``hgrt tune`` records) replays to the same kernel."""
+    from tvm import s_tir
+
+    from hgrt.compiler import lower_model
+    from hgrt.relay_passes.schedule_cpu import default_schedule_trace
+
+    if not _runs_here(target):
+        pytest.skip(f"this CPU cannot run {target['mcpu']} code")
+    rng = np.random.default_rng(9)
+    w = rng.standard_normal((32, 16, 1, 1)).astype("float32")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"])], "bare",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, width, width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    x = rng.standard_normal((1, 16, width, width)).astype("float32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = hgrt.build(model, ["cpu"], kernels="tvm", target={"cpu": target})
+        mod, _ = lower_model(model, "cpu", schedule=False)
+    rows = vector_isa(tvm.target.Target(target)).registers // 4
+    assert any(k.endswith(f"_oc{rows}") for k in res.params), res.params.keys()
+    np.testing.assert_allclose(run_hgrt(res, {"x": x})[0], run_relax_vm(model, [x])[0],
+                               rtol=1e-4, atol=1e-4)
+    func = next(f for gv, f in mod.functions_items() if "conv" in gv.name_hint)
+    func = func.with_attr("target", tvm.target.Target(target))
+    trace = default_schedule_trace(func, tvm.target.Target(target))
+    assert trace is not None and "pad_einsum" in str(trace) if width == 27 else True
+    replay = s_tir.Schedule(func)
+    trace.apply_to_schedule(replay, remove_postproc=False)
+    schedule_cpu = importlib.import_module("hgrt.relay_passes.schedule_cpu")
+    tgt = tvm.target.Target(target)
+    direct, _, _ = schedule_cpu._default_schedule(func, vector_isa(tgt), schedule_cpu._cores(tgt))
+    tvm.ir.assert_structural_equal(replay.mod, direct.mod)
