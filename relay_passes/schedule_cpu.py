@@ -528,22 +528,44 @@ def _schedule_pointwise(sch: s_tir.Schedule, block_rv, isa: VectorISA, cores: in
         flat_iters(consumer)
     flat_iters(block_rv)
     if ragged:
-        return _ragged_pointwise(sch, block_rv, weight, vf, rows, pixels, cores, weights)
+        return _ragged_pointwise(sch, block_rv, weight, vf, rows, cores, weights)
+
+    def stage():  # each tile's pixels of every input channel, contiguous
+        copy = sch.cache_read(block_rv, 1 - weight, "global")
+        sch.transform_layout(copy, ("write", 0), flat)
+        flat_iters(copy)
+        return copy
+
+    def write_back():  # the tile's accumulators, through the epilogue
+        wb = sch.cache_write(block_rv, 0, "local")
+        _inline_epilogue(sch, wb)
+        return wb
+
+    return _pixel_tiles(sch, block_rv, weight, vf, rows, cores, weights, stage, write_back)
+
+
+def _pixel_tiles(sch: s_tir.Schedule, block_rv, weight: int, vf: int, rows: int, cores: int,
+                 weights: frozenset[int], stage, write_back, peel: bool = False
+                 ) -> tuple[int, int, str] | bool:
+    """The pointwise register tile over a flattened convolution ``(n, f, p, rc, ry, rx)``:
+    ``rows`` output channels x ``vf`` consecutive pixels, tiles of pixels in parallel (with
+    ``PEEL_HINT`` when ``peel``); ``stage()`` gives the block that copies a tile's input, placed
+    in the tile; ``write_back()`` the block that writes the accumulators out, placed after each
+    group of output channels. Returns what ``_pack_output_channels`` returns."""
     n, f, p, rc, ry, rx = sch.get_loops(block_rv)
     pc, pv = sch.split(p, [None, vf])
     fo, fi = sch.split(f, [None, rows])
     sch.reorder(n, pc, fo, rc, ry, rx, fi, pv)
     outer = sch.fuse(n, pc)
     sch.parallel(outer)
-    stage = sch.cache_read(block_rv, 1 - weight, "global")
-    sch.transform_layout(stage, ("write", 0), flat)
-    flat_iters(stage)
-    sch.compute_at(stage, outer, preserve_unit_loops=True)
-    sch.annotate(stage, _STAGED, 1)
-    sch.vectorize(sch.get_loops(stage)[-1])
+    if peel:
+        sch.annotate(outer, PEEL_HINT, 1)
+    copy = stage()
+    sch.compute_at(copy, outer, preserve_unit_loops=True)
+    sch.annotate(copy, _STAGED, 1)
+    sch.vectorize(sch.get_loops(copy)[-1])
     done = _pack_output_channels(sch, block_rv, weight, rows, cores, weights)
-    wb = sch.cache_write(block_rv, 0, "local")
-    _inline_epilogue(sch, wb)
+    wb = write_back()
     sch.reverse_compute_at(wb, fo, preserve_unit_loops=True)
     sch.vectorize(sch.get_loops(wb)[-1])
     loops = sch.get_loops(block_rv)
@@ -554,8 +576,7 @@ def _schedule_pointwise(sch: s_tir.Schedule, block_rv, isa: VectorISA, cores: in
 
 
 def _ragged_pointwise(sch: s_tir.Schedule, block_rv, weight: int, vf: int, rows: int,
-                      pixels: int, cores: int, weights: frozenset[int]
-                      ) -> tuple[int, int, str] | bool:
+                      cores: int, weights: frozenset[int]) -> tuple[int, int, str] | bool:
     """``_schedule_pointwise`` over a flattened plane whose pixels fill no whole vectors
     (squeezenet's 55x55, 27x27, 13x13; resnet50's 14x14 and 7x7 with 16 lanes): the
     convolution computes a plane padded to whole vectors (``pad_einsum``: the staged input is
@@ -572,27 +593,15 @@ def _ragged_pointwise(sch: s_tir.Schedule, block_rv, weight: int, vf: int, rows:
     swap = lambda n, p, c: (n, c, p)  # noqa: E731  the reindexed input is (n, p, c)
     sch.transform_layout(stage, ("write", 0), swap)
     sch.transform_block_layout(stage, tirx.IndexMap.from_func(swap))
-    (unpad,) = sch.get_consumers(block_rv)
+    (unpad,) = sch.get_consumers(block_rv)  # writes the plane's pixels of the padded result
     _inline_epilogue(sch, unpad)
-    n, f, p, rc, ry, rx = sch.get_loops(block_rv)
-    pc, pv = sch.split(p, [None, vf])
-    fo, fi = sch.split(f, [None, rows])
-    sch.reorder(n, pc, fo, rc, ry, rx, fi, pv)
-    outer = sch.fuse(n, pc)
-    sch.parallel(outer)
-    sch.annotate(outer, PEEL_HINT, 1)
-    sch.compute_at(stage, outer, preserve_unit_loops=True)
-    sch.annotate(stage, _STAGED, 1)
-    sch.vectorize(sch.get_loops(stage)[-1])
-    done = _pack_output_channels(sch, block_rv, weight, rows, cores, weights)
-    sch.set_scope(block_rv, 0, "local")
-    sch.reverse_compute_at(unpad, fo, preserve_unit_loops=True)
-    sch.vectorize(sch.get_loops(unpad)[-1])
-    loops = sch.get_loops(block_rv)
-    sch.vectorize(loops[-1])
-    sch.unroll(loops[-2])
-    sch.decompose_reduction(block_rv, loops[2])
-    return done
+
+    def write_back():  # the padded result lives in the tile's registers only
+        sch.set_scope(block_rv, 0, "local")
+        return unpad
+
+    return _pixel_tiles(sch, block_rv, weight, vf, rows, cores, weights, lambda: stage,
+                        write_back, peel=True)
 
 
 def _pack_output_channels(sch: s_tir.Schedule, block_rv, weight: int, lanes: int, cores: int,
