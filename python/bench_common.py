@@ -237,7 +237,7 @@ _ONEDNN_ISA = {"sse": "SSE41", "avx": "AVX", "avx2": "AVX2", "avx512": "AVX512_C
 def cap_onednn_isa(target: dict | None) -> None:
     """Cap oneDNN (``ONEDNN_MAX_CPU_ISA``, unless set) to the vector ISA of the CPU target the
     TVM kernels are built for when it is narrower than the host's, so both kernel providers of
-    a row run one ISA; call before oneDNN is loaded. onnxruntime cannot be capped."""
+    a row run one ISA; call before oneDNN is loaded (onnxruntime: ``cap_onnxruntime_isa``)."""
     from hgrt.devices import host_target, parse_devices, vector_isa
 
     if not target:
@@ -247,6 +247,21 @@ def cap_onednn_isa(target: dict | None) -> None:
     host = vector_isa(host_target()).name
     if isa in order and host in order and order.index(isa) < order.index(host):
         os.environ.setdefault("ONEDNN_MAX_CPU_ISA", _ONEDNN_ISA[isa])
+
+
+def cap_onnxruntime_isa(target: dict | None, cap: bool) -> str:
+    """The vector ISA onnxruntime will run (with why, where it is not the target's). With
+    ``cap``, onnxruntime is loaded now under a CPUID cap to the ISA of the CPU ``target`` when
+    that is narrower than the host's (``cpuid_cap.py``); call before anything loads it."""
+    from hgrt.devices import host_target, parse_devices, vector_isa
+
+    host = vector_isa(host_target()).name
+    if not (cap and target):
+        return host
+    from cpuid_cap import cap_onnxruntime
+
+    return cap_onnxruntime(vector_isa(parse_devices(["cpu"], targets=target)[0].target).name,
+                           host)
 
 
 def _flatten(out) -> list[np.ndarray]:

@@ -17,8 +17,9 @@ resnet50 on 2 cores):
 
 With the ``onednn`` extra installed, ``--kernels tvm onednn`` (the default then) adds a build
 whose convolutions and dense layers are oneDNN kernels (``hgrt.build(..., kernels="onednn")``);
-``ONEDNN_MAX_CPU_ISA=AVX2`` caps oneDNN to AVX2 on an AVX-512 host (onnxruntime cannot be
-capped: its figure stays the host's ISA). The table's notes name the ISA each side ran.
+``ONEDNN_MAX_CPU_ISA=AVX2`` caps oneDNN to AVX2 on an AVX-512 host. onnxruntime runs the host's
+ISA unless ``--cap-onnxruntime`` (with ``--target``) loads it under a CPUID cap to the target's
+(``cpuid_cap.py``). The table's notes name the ISA each side ran.
 
     python python/bench_kernels.py --skip-unscheduled --kernels tvm onednn
 
@@ -55,7 +56,10 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--target", action="append", metavar="KIND=TARGET",
                    help="build for this CPU target instead of the host's, as `hgrt compile "
                         "--target` takes it: 'cpu=llvm -mcpu=haswell' (oneDNN is capped to "
-                        "its ISA; onnxruntime still runs the host's)")
+                        "its ISA; onnxruntime runs the host's unless --cap-onnxruntime)")
+    p.add_argument("--cap-onnxruntime", action="store_true",
+                   help="with --target: onnxruntime runs the target's ISA too (CPUID capped, "
+                        "python/cpuid_cap.py), as it would on a host of that ISA")
     p.add_argument("--markdown", help="also write the table (command, machine) into this file")
     return p.parse_args()
 
@@ -70,7 +74,7 @@ def _build(model, target, **kwargs):
         return res, time.perf_counter() - t
 
 
-def _providers(asked: list[str] | None) -> list[str]:
+def _providers(asked: list[str] | None, ort_isa: str) -> list[str]:
     """The kernel providers to time; oneDNN's ISA said once (the TVM kernels' is the table's
     ISA column, onnxruntime's the host's)."""
     from hgrt.runtime import onednn
@@ -82,7 +86,7 @@ def _providers(asked: list[str] | None) -> list[str]:
         if reason:
             sys.exit(f"--kernels onednn: {reason}")
         print(f"oneDNN {onednn.version()}, ISA {onednn.isa()} (ONEDNN_MAX_CPU_ISA="
-              f"{os.environ.get('ONEDNN_MAX_CPU_ISA', '-')}); onnxruntime runs the host's ISA")
+              f"{os.environ.get('ONEDNN_MAX_CPU_ISA', '-')}); onnxruntime runs {ort_isa}")
     return asked
 
 
@@ -160,6 +164,7 @@ def main() -> None:
     args = _parse()
     from bench_common import (
         cap_onednn_isa,
+        cap_onnxruntime_isa,
         hgrt_outputs,
         light,
         machine,
@@ -173,10 +178,11 @@ def main() -> None:
     target = parse_target_args(args.target)
     dbs = dict(item.split("=", 1) for item in args.db)
     cap_onednn_isa(target)  # before oneDNN loads: both providers of a row run one ISA
-    kernels = _providers(args.kernels)
+    ort_isa = cap_onnxruntime_isa(target, args.cap_onnxruntime)  # before it loads
+    kernels = _providers(args.kernels, ort_isa)
     print(machine())
-    rows, notes_all = [], [f"ISA: the TVM kernels' (the target built); onnxruntime runs the "
-                           f"host's ({vector_isa(host_target()).name})"]
+    rows, notes_all = [], [f"ISA: the TVM kernels' (the target built); onnxruntime runs "
+                           f"{ort_isa} (the host: {vector_isa(host_target()).name})"]
     for name in args.models:
         entry = light(name)
         runners, notes, isa = _variants(entry, args.skip_unscheduled, kernels, dbs.get(name),
@@ -208,7 +214,9 @@ def main() -> None:
         md = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
                        + ["| " + " | ".join(r) + " |" for r in table])
         # one block per build: the host's, else the --target one
-        write_block(args.markdown, "bench_kernels" + ("_target" if target else ""),
+        block = "bench_kernels" + ("_target" if target else "") + (
+            "_ort_capped" if ort_isa.endswith("(CPUID capped)") else "")
+        write_block(args.markdown, block,
                     "python python/bench_kernels.py "
                     + shlex.join(sys.argv[1:]), md + "\n\n" + "\n".join(
                         f"- {n}" for n in notes_all))

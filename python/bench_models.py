@@ -42,8 +42,11 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--target", action="append", metavar="KIND=TARGET",
                    help="build for this CPU target instead of the host's (hgrt, split and the "
                         "VM alike), as `hgrt compile --target` takes it: 'cpu=llvm "
-                        "-mcpu=haswell' (oneDNN is capped to its ISA; onnxruntime still runs "
-                        "the host's)")
+                        "-mcpu=haswell' (oneDNN is capped to its ISA; onnxruntime runs the "
+                        "host's unless --cap-onnxruntime)")
+    p.add_argument("--cap-onnxruntime", action="store_true",
+                   help="with --target: onnxruntime runs the target's ISA too (CPUID capped, "
+                        "python/cpuid_cap.py), as it would on a host of that ISA")
     return p.parse_args()
 
 
@@ -148,6 +151,7 @@ def main() -> None:
     from bench_common import (
         PYTORCH_CASES,
         cap_onednn_isa,
+        cap_onnxruntime_isa,
         light,
         machine,
         parse_target_args,
@@ -158,12 +162,13 @@ def main() -> None:
     from hgrt.devices import host_target, vector_isa
 
     target = parse_target_args(args.target)
+    ort_isa = cap_onnxruntime_isa(target, args.cap_onnxruntime)  # before it loads
     if args.kernels != "tvm":
         from hgrt.runtime import onednn
 
         cap_onednn_isa(target)  # before oneDNN loads: one ISA per row
         print(f"hgrt kernels: {args.kernels}; oneDNN {onednn.unavailable_reason() or onednn.isa()}"
-              f" (the VM: TVM kernels; onnxruntime: the host's ISA)")
+              f" (the VM: TVM kernels; onnxruntime: {ort_isa})")
     print(machine())
     rows = []
     for i, name in enumerate(args.models):
@@ -180,8 +185,8 @@ def main() -> None:
               flush=True)
     table = format_rows(rows)
     note = (f"ISA: the vector ISA of the target hgrt and the VM built for; kernels: who computed "
-            f"the convolutions and dense layers; onnxruntime runs the host's ISA "
-            f"({vector_isa(host_target()).name}); hgrt ms: timed in turns with the VM and the "
+            f"the convolutions and dense layers; onnxruntime runs {ort_isa} (the host: "
+            f"{vector_isa(host_target()).name}); hgrt ms: timed in turns with the VM and the "
             f"split run (hgrt/VM); hgrt alone ms: timed in blocks (>= --repeat runs and 0.25 s) "
             f"taking turns with onnxruntime's 5 times, a pause before each (hgrt/ORT)")
     print()
@@ -190,7 +195,8 @@ def main() -> None:
     if args.markdown:
         # one block per build kind: the host build with TVM kernels, else named after it
         block = "bench_models" + ("_target" if target else "") + (
-            f"_{args.kernels}" if args.kernels != "tvm" else "")
+            f"_{args.kernels}" if args.kernels != "tvm" else "") + (
+            "_ort_capped" if ort_isa.endswith("(CPUID capped)") else "")
         write_block(args.markdown, block, "python python/bench_models.py "
                     + shlex.join(sys.argv[1:]), markdown_table(table) + f"\n\n- {note}")
 

@@ -1,0 +1,89 @@
+"""python/cpuid_cap.py: the benchmarks' CPUID cap that makes onnxruntime run AVX2 kernels on an
+AVX-512 host. Each check runs in a fresh interpreter (the cap acts when onnxruntime loads)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hgrt.devices import cpu_flags
+
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+AVX512F = 1 << 16  # CPUID leaf 7 EBX
+
+pytest.importorskip("onnxruntime")
+pytestmark = pytest.mark.skipif(
+    not {"avx512f", "cpuid_fault"} <= cpu_flags(),
+    reason="needs an AVX-512 host with CPUID faulting (cpuid_fault in /proc/cpuinfo)")
+
+# one 3x3 convolution through onnxruntime, optionally under the cap; prints JSON
+SCRIPT = r"""
+import json, sys, threading
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+import cpuid_cap
+said = cpuid_cap.cap_onnxruntime("avx2", "avx512") if sys.argv[2] == "1" else "avx512"
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+rng = np.random.default_rng(0)
+w = rng.standard_normal((64, 96, 3, 3)).astype(np.float32)
+x = rng.standard_normal((1, 96, 20, 20)).astype(np.float32)
+g = helper.make_graph(
+    [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1] * 4)], "conv",
+    [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape))],
+    [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    [numpy_helper.from_array(w, "w")])
+m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+so = ort.SessionOptions()
+so.intra_op_num_threads = 1
+y = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(
+    None, {"x": x})[0]
+np.save(sys.argv[3], y)
+lib = cpuid_cap._library()
+seen = []
+t = threading.Thread(target=lambda: seen.append(lib.cpuid_leaf7_ebx()))
+t.start()
+t.join()
+print(json.dumps({"said": said, "main": lib.cpuid_leaf7_ebx(), "thread": seen[0]}))
+"""
+
+
+def _conv(tmp_path, cap: bool) -> tuple[dict, np.ndarray]:
+    out = tmp_path / f"y{int(cap)}.npy"
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, os.path.join(CHECKOUT, "python"), str(int(cap)),
+         str(out)], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "HGRT_CACHE_DIR": str(tmp_path / "cache")})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), np.load(out)
+
+
+def test_onnxruntime_under_the_cap_runs_other_kernels_and_the_cap_is_lifted(tmp_path):
+    plain, y_host = _conv(tmp_path, cap=False)
+    capped, y_avx2 = _conv(tmp_path, cap=True)
+    assert capped["said"] == "avx2 (CPUID capped)"
+    # after loading onnxruntime, CPUID reports AVX-512 again, to this thread and to new ones
+    assert capped["main"] & AVX512F and capped["thread"] & AVX512F
+    assert plain["main"] & AVX512F
+    # MLAS picked its AVX2 kernels: same convolution within rounding, not the same bits
+    np.testing.assert_allclose(y_avx2, y_host, rtol=1e-4, atol=1e-4)
+    assert not np.array_equal(y_avx2, y_host)
+
+
+def test_the_cap_says_why_not_where_it_cannot_act():
+    sys.path.insert(0, os.path.join(CHECKOUT, "python"))
+    try:
+        import cpuid_cap
+    finally:
+        sys.path.pop(0)
+    assert cpuid_cap.cap_onnxruntime("avx512", "avx512") == "avx512"
+    assert cpuid_cap.cap_onnxruntime("sse", "avx512") == "avx512 (no CPUID cap for sse)"
+    import onnxruntime  # noqa: F401  (loaded already: too late to cap)
+
+    assert cpuid_cap.cap_onnxruntime("avx2", "avx512") == (
+        "avx512 (onnxruntime was loaded before the CPUID cap)")
