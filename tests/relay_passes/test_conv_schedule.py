@@ -332,3 +332,54 @@ def test_a_pointwise_conv_that_writes_the_result_flattens_a_copy(target, width):
     tgt = tvm.target.Target(target)
     direct, _, _ = schedule_cpu._default_schedule(func, vector_isa(tgt), schedule_cpu._cores(tgt))
     tvm.ir.assert_structural_equal(replay.mod, direct.mod)
+
+
+@pytest.mark.parametrize("target", [AVX2, AVX512], ids=["avx2", "avx512"])
+@pytest.mark.parametrize("channels, width, batch", [
+    (272, 14, 1),  # 68 channels per group, 196 pixels: the last tile peeled
+    (136, 28, 1),  # 34 per group, 784 pixels: whole tiles
+    (544, 7, 1),  # 136 per group: whole AVX2 vectors of channels, not AVX-512 ones
+    (136, 13, 2),  # two images: the tile loop runs over both (no peel), still the VM's numbers
+])
+def test_grouped_pointwise_convs_are_a_matrix_product_per_group(target, channels, width,
+                                                                 batch):
+    """ShuffleNet's grouped 1x1 convolutions (4 groups) whose groups are no whole vectors of
+    channels, which the channel-vector tile cannot take, are a matrix product per group: a few
+    output channels of one group x vectors of pixels (weight packed ``_oc<rows>``); where a
+    group is whole vectors, the channel-vector tile stays (``_oc<lanes>``)."""
+    from hgrt.compiler import lower_model
+    from hgrt.relay_passes.schedule_cpu import PEEL_HINT, default_schedule_trace
+
+    if not _runs_here(target):
+        pytest.skip(f"this CPU cannot run {target['mcpu']} code")
+    isa = vector_isa(tvm.target.Target(target))
+    groups, per_group = 4, channels // 4
+    rng = np.random.default_rng(11)
+    w = rng.standard_normal((channels, per_group, 1, 1)).astype("float32") * 0.2
+    b = rng.standard_normal(channels).astype("float32")
+    shape = [batch, channels, width, width]
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w", "b"], ["c"], group=groups),
+         helper.make_node("Relu", ["c"], ["y"])], "gpointwise",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    x = rng.standard_normal(shape).astype("float32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = hgrt.build(model, ["cpu"], kernels="tvm", target={"cpu": target})
+        mod, _ = lower_model(model, "cpu", schedule=False)
+    pointwise = per_group % isa.lanes() != 0
+    rows = max(d for d in range(1, isa.registers // 4 + 1) if per_group % d == 0)
+    oc = rows if pointwise else isa.lanes()
+    packed = [(k, v.shape) for k, v in res.params.items() if "_oc" in k]
+    assert packed == [(packed[0][0], (channels // oc, per_group, 1, 1, oc))], packed
+    assert packed[0][0].endswith(f"_oc{oc}")
+    np.testing.assert_allclose(run_hgrt(res, {"x": x})[0], run_relax_vm(model, [x])[0],
+                               rtol=1e-4, atol=1e-4)
+    func = next(f for gv, f in mod.functions_items() if "conv" in gv.name_hint)
+    trace = default_schedule_trace(func.with_attr("target", tvm.target.Target(target)),
+                                   tvm.target.Target(target))
+    vf = 2 * isa.lanes() if width * width % (2 * isa.lanes()) == 0 else isa.lanes()
+    assert (PEEL_HINT in str(trace)) == (pointwise and width * width % vf != 0)
