@@ -59,6 +59,10 @@ MAX_RAGGED_CHANNELS = 128
 # a loop annotation that makes TVM's LoopPartition peel the iterations where a condition
 # inside changes (peel_ragged_tiles)
 PEEL_HINT = "pragma_loop_partition_hint"
+# input channels per group below which a grouped 1x1 convolution keeps the generic schedule:
+# ShuffleNet's first (6 per group, 3136 pixels) ran 88 vs 66 us in the model as a matrix
+# product (27 vs 62 us alone, caches warm)
+MIN_GROUP_INPUTS = 16
 
 _get_realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
 # a primitive that does not apply raises ScheduleError (a RuntimeError); TVM's own checks too
@@ -506,10 +510,9 @@ def _schedule_pointwise(sch: s_tir.Schedule, block_rv, isa: VectorISA, cores: in
     rows = max(d for d in _divisors(per_group or ext[1]) if d <= isa.registers // 4)
     peel = False
     if per_group:  # only where a group's channels are no whole vectors (the channel-vector
-        if per_group % lanes:  # tile measured faster where they are: 47 vs 69 us on AVX2)
-            peel, ragged = bool(ragged), 0  # the last tile under the split's predicate
-        else:
-            return False
+        if per_group % lanes == 0 or ext[4] < MIN_GROUP_INPUTS:  # tile measured faster
+            return False  # where they are: 47 vs 69 us on AVX2)
+        peel, ragged = bool(ragged), 0  # the last tile under the split's predicate
     elif ragged:  # tiles of 64 bytes of pixels: an AVX-512 vector, two AVX2 ones (AVX2's 4
         vf = max(vf, 512 // bits)  # rows x 1 vector measured no faster than the channel tile)
     if not ragged and not per_group and pixels * bits // 8 < MIN_STAGED_PLANE:
