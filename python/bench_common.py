@@ -234,34 +234,51 @@ def built_isa(result, device: str = "cpu:0") -> str:
 _ONEDNN_ISA = {"sse": "SSE41", "avx": "AVX", "avx2": "AVX2", "avx512": "AVX512_CORE"}
 
 
+def _isas(target: dict) -> tuple[str, str]:
+    """(the vector ISA of the CPU ``target``, the host's)."""
+    from hgrt.devices import host_target, parse_devices, vector_isa
+
+    return (vector_isa(parse_devices(["cpu"], targets=target)[0].target).name,
+            vector_isa(host_target()).name)
+
+
 def cap_onednn_isa(target: dict | None) -> None:
     """Cap oneDNN (``ONEDNN_MAX_CPU_ISA``, unless set) to the vector ISA of the CPU target the
     TVM kernels are built for when it is narrower than the host's, so both kernel providers of
     a row run one ISA; call before oneDNN is loaded (onnxruntime: ``cap_onnxruntime_isa``)."""
-    from hgrt.devices import host_target, parse_devices, vector_isa
-
     if not target:
         return
     order = list(_ONEDNN_ISA)
-    isa = vector_isa(parse_devices(["cpu"], targets=target)[0].target).name
-    host = vector_isa(host_target()).name
+    isa, host = _isas(target)
     if isa in order and host in order and order.index(isa) < order.index(host):
         os.environ.setdefault("ONEDNN_MAX_CPU_ISA", _ONEDNN_ISA[isa])
+
+
+def add_onnxruntime_cap_option(parser) -> None:
+    """The scripts' ``--cap-onnxruntime`` flag (``cap_onnxruntime_isa``)."""
+    parser.add_argument("--cap-onnxruntime", action="store_true",
+                        help="with --target: onnxruntime runs the target's ISA too (CPUID "
+                             "capped, python/cpuid_cap.py), as it would on a host of that ISA")
 
 
 def cap_onnxruntime_isa(target: dict | None, cap: bool) -> str:
     """The vector ISA onnxruntime will run (with why, where it is not the target's). With
     ``cap``, onnxruntime is loaded now under a CPUID cap to the ISA of the CPU ``target`` when
     that is narrower than the host's (``cpuid_cap.py``); call before anything loads it."""
-    from hgrt.devices import host_target, parse_devices, vector_isa
+    from hgrt.devices import host_target, vector_isa
 
-    host = vector_isa(host_target()).name
     if not (cap and target):
-        return host
+        return vector_isa(host_target()).name
     from cpuid_cap import cap_onnxruntime
 
-    return cap_onnxruntime(vector_isa(parse_devices(["cpu"], targets=target)[0].target).name,
-                           host)
+    return cap_onnxruntime(*_isas(target))
+
+
+def ort_block_suffix(ort_isa: str) -> str:
+    """What a markdown block's name gains when onnxruntime ran under the CPUID cap."""
+    from cpuid_cap import CAPPED
+
+    return "_ort_capped" if ort_isa.endswith(f"({CAPPED})") else ""
 
 
 def _flatten(out) -> list[np.ndarray]:

@@ -45,6 +45,8 @@ import warnings
 
 
 def _parse() -> argparse.Namespace:
+    from bench_common import add_onnxruntime_cap_option
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["squeezenet", "resnet50"])
     p.add_argument("--repeat", type=int, default=20, help="timed runs (median reported)")
@@ -57,9 +59,7 @@ def _parse() -> argparse.Namespace:
                    help="build for this CPU target instead of the host's, as `hgrt compile "
                         "--target` takes it: 'cpu=llvm -mcpu=haswell' (oneDNN is capped to "
                         "its ISA; onnxruntime runs the host's unless --cap-onnxruntime)")
-    p.add_argument("--cap-onnxruntime", action="store_true",
-                   help="with --target: onnxruntime runs the target's ISA too (CPUID capped, "
-                        "python/cpuid_cap.py), as it would on a host of that ISA")
+    add_onnxruntime_cap_option(p)
     p.add_argument("--markdown", help="also write the table (command, machine) into this file")
     return p.parse_args()
 
@@ -169,6 +169,7 @@ def main() -> None:
         light,
         machine,
         max_diff,
+        ort_block_suffix,
         parse_target_args,
         time_onnxruntime,
     )
@@ -214,8 +215,7 @@ def main() -> None:
         md = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
                        + ["| " + " | ".join(r) + " |" for r in table])
         # one block per build: the host's, else the --target one
-        block = "bench_kernels" + ("_target" if target else "") + (
-            "_ort_capped" if ort_isa.endswith("(CPUID capped)") else "")
+        block = "bench_kernels" + ("_target" if target else "") + ort_block_suffix(ort_isa)
         write_block(args.markdown, block,
                     "python python/bench_kernels.py "
                     + shlex.join(sys.argv[1:]), md + "\n\n" + "\n".join(

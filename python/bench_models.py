@@ -26,7 +26,7 @@ SPLIT_RULES = {"nn.conv2d": "cpu:1", "matmul": "cpu:1", "nn.conv2d_transpose": "
 
 
 def _parse() -> argparse.Namespace:
-    from bench_common import PYTORCH_CASES
+    from bench_common import PYTORCH_CASES, add_onnxruntime_cap_option
 
     from hgrt.zoo import LIGHT_MODELS
 
@@ -44,9 +44,7 @@ def _parse() -> argparse.Namespace:
                         "VM alike), as `hgrt compile --target` takes it: 'cpu=llvm "
                         "-mcpu=haswell' (oneDNN is capped to its ISA; onnxruntime runs the "
                         "host's unless --cap-onnxruntime)")
-    p.add_argument("--cap-onnxruntime", action="store_true",
-                   help="with --target: onnxruntime runs the target's ISA too (CPUID capped, "
-                        "python/cpuid_cap.py), as it would on a host of that ISA")
+    add_onnxruntime_cap_option(p)
     return p.parse_args()
 
 
@@ -154,6 +152,7 @@ def main() -> None:
         cap_onnxruntime_isa,
         light,
         machine,
+        ort_block_suffix,
         parse_target_args,
         pytorch_case,
         write_block,
@@ -195,8 +194,7 @@ def main() -> None:
     if args.markdown:
         # one block per build kind: the host build with TVM kernels, else named after it
         block = "bench_models" + ("_target" if target else "") + (
-            f"_{args.kernels}" if args.kernels != "tvm" else "") + (
-            "_ort_capped" if ort_isa.endswith("(CPUID capped)") else "")
+            f"_{args.kernels}" if args.kernels != "tvm" else "") + ort_block_suffix(ort_isa)
         write_block(args.markdown, block, "python python/bench_models.py "
                     + shlex.join(sys.argv[1:]), markdown_table(table) + f"\n\n- {note}")
 

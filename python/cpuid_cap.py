@@ -40,6 +40,7 @@ _AVX2 = dict(
     leaf7_1_eax=sum(1 << b for b in (4, 5)),
 )
 MASKS = {"avx2": _AVX2}
+CAPPED = "CPUID capped"  # what cap_onnxruntime's answer ends with when the cap took
 
 
 def _library() -> ctypes.CDLL:
@@ -106,4 +107,4 @@ def cap_onnxruntime(isa: str, host_isa: str) -> str:
         _load_onnxruntime()
     finally:
         so.cpuid_cap_end()
-    return f"{isa} (CPUID capped)"
+    return f"{isa} ({CAPPED})"
