@@ -2,6 +2,7 @@
 build, same numbers as the Relax VM."""
 
 import importlib
+import re
 import sys
 import warnings
 
@@ -290,6 +291,61 @@ def test_pointwise_convs_are_a_matrix_product(target, channels, out, width, stri
     lanes = rows if pointwise else isa.lanes()
     assert name.endswith(f"_oc{lanes}") and shape == (out // lanes, channels, 1, 1, lanes)
     np.testing.assert_allclose(run_hgrt(res, inputs)[0], want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("target", [AVX2, AVX512], ids=["avx2", "avx512"])
+@pytest.mark.parametrize("channels, out, width, outer", [
+    (512, 996, 13, True),  # as squeezenet's classifier: 2 MB of weights over a 346 KB plane
+    (168, 1600, 28, True),  # 1.03 MiB over 527 KB, a plane of whole vectors
+    (64, 996, 13, False),  # 255 KB of weights: tiles of pixels in parallel
+    (512, 1000, 28, False),  # 2 MB over 1.6 MB: tiles of pixels in parallel
+])
+def test_pointwise_convs_with_large_weights_read_each_weight_once(target, channels, out,
+                                                                  width, outer):
+    """A pointwise convolution whose weight is 1 MiB or more and twice its input plane runs
+    its groups of output channels in parallel, each over every tile of pixels of a plane
+    staged once (so each weight is read once, not once per tile); smaller weights keep the
+    tiles of pixels in parallel. The VM's numbers either way."""
+    from tvm import s_tir
+
+    from hgrt.compiler import lower_model
+    from hgrt.relay_passes.schedule_cpu import default_schedule_trace
+
+    if not _runs_here(target):
+        pytest.skip(f"this CPU cannot run {target['mcpu']} code")
+    tgt = tvm.target.Target(target)
+    isa = vector_isa(tgt)
+    rng = np.random.default_rng(13)
+    w = rng.standard_normal((out, channels, 1, 1)).astype("float32") * 0.1
+    b = rng.standard_normal(out).astype("float32")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w", "b"], ["c"]),
+         helper.make_node("Relu", ["c"], ["y"])], "classifier",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, channels, width, width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    x = rng.standard_normal((1, channels, width, width)).astype("float32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = hgrt.build(model, ["cpu"], kernels="tvm", target={"cpu": target})
+        mod, _ = lower_model(model, "cpu", schedule=False)
+    np.testing.assert_allclose(run_hgrt(res, {"x": x})[0], run_relax_vm(model, [x])[0],
+                               rtol=1e-4, atol=1e-4)
+    rows = max(d for d in range(1, isa.registers // 4 + 1) if out % d == 0)
+    assert any(k.endswith(f"_oc{rows}") for k in res.params), res.params.keys()
+    func = next(f for gv, f in mod.functions_items() if "conv" in gv.name_hint)
+    replay = s_tir.Schedule(func.with_attr("target", tgt))
+    default_schedule_trace(func.with_attr("target", tgt), tgt).apply_to_schedule(
+        replay, remove_postproc=False)
+    pixels = width * width
+    vf = 2 * isa.lanes() if pixels % (2 * isa.lanes()) == 0 else isa.lanes()
+    if pixels % vf:
+        vf = max(vf, 16)  # a ragged plane: tiles of 64 bytes
+    tiles = -(-pixels // vf)
+    parallel = {int(n) for n in re.findall(r"T\.parallel\((?:T\.int64\()?(\d+)",
+                                           replay.mod.script())}
+    assert (out // rows in parallel) == outer and (tiles in parallel) == (not outer), parallel
 
 
 @pytest.mark.parametrize("target", [AVX2, AVX512], ids=["avx2", "avx512"])
