@@ -78,7 +78,11 @@ class GraphModule(GraphModuleAPI):
         self.lib = lib
         _check_devices(graph, devices)
         self._storage = StoragePools(graph, devices)
-        self._params_missing: frozenset[str] = frozenset()  # see defer_params
+        # inputs and weights never written: run() refuses while any is (their bytes are
+        # whatever the pool held: a silently wrong result); set_input, load_params and
+        # share_params write them
+        self._unset: frozenset[str] = frozenset(self._arg_index)
+        self._arg_names = list(self._arg_index)  # by input index
         self._bind_steps()
         self.configure_calls()
         self.configure_streams()
@@ -109,8 +113,8 @@ class GraphModule(GraphModuleAPI):
         the steps one after another: the same results)."""
         if inputs:
             self.set_input(**inputs)
-        if self._params_missing:
-            raise self._params_missing_error("run")
+        if self._unset:
+            raise self._unset_error("run")
         if not self._stateful.acquire(blocking=False):
             raise self._in_use("run")
         try:
@@ -211,8 +215,8 @@ class GraphModule(GraphModuleAPI):
     def infer(self, inputs: Mapping, out: list | None = None) -> list:
         """``m(inputs, out=out)``; see ``__call__``."""
         self._check_open()
-        if self._params_missing:
-            raise self._params_missing_error("call")
+        if self._unset and not self._unset.isdisjoint(self.graph.params):  # a call brings
+            raise self._unset_error("call")  # every user input itself
         items = self._call_inputs(inputs)
         outs = self._call_outputs(out)
         set_thread_count(self.budget.threads)
@@ -314,6 +318,8 @@ class GraphModule(GraphModuleAPI):
             raise self._in_use("set_input")
         try:
             self._copy_in(self._storage.user_view(self._input_eids[idx]), value)
+            if self._unset:
+                self._unset -= {self._arg_names[idx]}
         finally:
             self._stateful.release()
 
@@ -345,28 +351,37 @@ class GraphModule(GraphModuleAPI):
                 value = self._checked_input(idx, value, "param")
             except InputError as e:
                 raise ParamError(str(e)) from None
-            self._set_one(idx, value)
-            if self._params_missing:
-                self._params_missing -= {name}  # empty once the last weight is here: runs go
+            self._set_one(idx, value)  # runs go once the last weight is here
 
     def defer_params(self) -> None:
-        """Refuse ``run()`` and calls until every parameter has come through ``load_params``
-        (weights streamed one tensor at a time after create, as ``hgrt.Host`` does); the refusal
-        names a missing weight. Checked when a weight arrives, not per step."""
+        """Refuse ``run()`` and calls until every parameter has come (again) through
+        ``load_params``, as a new module does until each weight is written (weights streamed
+        one tensor at a time after create, as ``hgrt.Host`` does); the refusal names a missing
+        weight. Checked when a weight arrives, not per step."""
         self._check_open()
-        self._params_missing = frozenset(self.graph.params)
+        self._unset |= frozenset(self.graph.params)
 
     @property
     def missing_params(self) -> list[str]:
-        """Parameters not loaded yet after ``defer_params`` (empty: the module can run)."""
-        return sorted(self._params_missing)
+        """Parameters not loaded yet (empty: the weights are all there)."""
+        return sorted(self._unset.intersection(self.graph.params))
 
-    def _params_missing_error(self, what: str) -> ParamError:
+    @property
+    def unset_inputs(self) -> list[str]:
+        """User inputs never set (``run()`` refuses until each has a value)."""
+        return sorted(self._unset & self._user_inputs)
+
+    def _unset_error(self, what: str) -> ParamError | InputError:
         names = self.missing_params
+        if names:
+            more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+            return ParamError(f"{what}: weight {names[0]!r}{more} not loaded yet "
+                              f"({len(self.graph.params) - len(names)} of "
+                              f"{len(self.graph.params)} loaded); load_params brings them")
+        names = self.unset_inputs
         more = f" and {len(names) - 1} more" if len(names) > 1 else ""
-        return ParamError(f"{what}: weight {names[0]!r}{more} not loaded yet "
-                          f"({len(self.graph.params) - len(names)} of {len(self.graph.params)} "
-                          f"loaded); load_params brings them")
+        return InputError(f"{what}: input {names[0]!r}{more} never set (its bytes would be "
+                          f"whatever the pool held); set_input sets it, or run({names[0]}=...)")
 
     def share_params(self, other: GraphModule, params: bytes | Mapping | None = None) -> None:
         """Use ``other``'s parameter tensors (no copy): both modules then read the same weights.
@@ -391,7 +406,7 @@ class GraphModule(GraphModuleAPI):
                                  f"{theirs.dtype} on {theirs.device} in the other module, "
                                  f"{tuple(mine.shape)} {mine.dtype} on {mine.device} here")
             self._storage.adopt(eid, other._storage, oeid)
-        self._params_missing -= set(names)
+        self._unset = (self._unset - set(names)) | (other._unset & set(names))
         self._bind_steps()  # steps now read the shared tensors; nothing else changes
         self.configure_streams(*self._stream_config)
         b = self.budget

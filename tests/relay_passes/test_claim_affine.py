@@ -12,7 +12,7 @@ from tvm import relax
 
 import hgrt
 from hgrt.runtime import onednn
-from hgrt.testing import build_and_compare, run_hgrt, run_relax_vm
+from hgrt.testing import build_and_compare, onnx_inputs, run_hgrt, run_relax_vm
 
 REASON = onednn.unavailable_reason()
 needs_onednn = pytest.mark.skipif(REASON is not None, reason=f"oneDNN unavailable: {REASON}")
@@ -199,9 +199,11 @@ def test_tvm_kernels_claim_nothing():
 def test_the_profile_names_onednn_kernels_by_what_they_fuse():
     import tvm
 
-    res = _build_and_check(chain_onnx(["bn", "relu"]))
+    model = chain_onnx(["bn", "relu"])
+    res = _build_and_check(model)
     m = hgrt.create(res.graph_json, res.lib, [tvm.cpu(0)])
     m.load_params(res.params)
+    m.set_input(**onnx_inputs(model))
     rep = m.profile(repeat=2)
     by_op = rep.by_op()
     assert by_op["onednn multiply+add+relu"][0] == 1 and by_op["onednn concat"][0] == 1

@@ -87,11 +87,22 @@ def test_errors_cross_with_their_class(session, remote_lib):
         m.load_params({"v": np.zeros(N, "float32")})
 
 
+def test_a_remote_run_before_the_values_are_written_is_refused(session, remote_lib):
+    m = hgrt.create(graph().json(), remote_lib, [session.cpu(0), session.cpu(1)])
+    with pytest.raises(hgrt.ParamError, match="weight 'w' not loaded yet"):
+        m.run()
+    m.load_params({"w": np.ones(N, "float32")})
+    with pytest.raises(InputError, match="input 'x' never set"):
+        m.run()
+    m.run(x=np.ones(N, "float32"))
+
+
 def test_kernel_fault_names_node_and_device_from_the_server(session, remote_lib):
     g = GraphBuilder()
     x = g.input("x", dev=0)
     g.output(g.op("add_one", [x], dev=1, name="fused_add"))  # no copy: the kernel refuses
     m = hgrt.create(g.json(), remote_lib, [session.cpu(0), session.cpu(1)])
+    m.set_input("x", np.zeros(N, "float32"))
     with pytest.raises(hgrt.ExecutionError, match=r"node 1 'fused_add' \('add_one'\) on cpu:1"):
         m.run()
 

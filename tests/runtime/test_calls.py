@@ -111,6 +111,7 @@ def test_stateful_api_from_a_second_thread_is_refused(mlp):
         entered.set()
         release.wait(10)
 
+    mlp.set_input("x", np.zeros((4, SIZE), "float32"))
     calls = mlp._calls
     mlp._calls = ((slow_step, ()),) + calls
     runner = threading.Thread(target=mlp.run)
@@ -171,8 +172,9 @@ def test_call_errors(mlp):
 def test_calls_read_shared_params_and_close_frees_frames(mlp):
     x = np.random.default_rng(3).standard_normal((4, SIZE)).astype("float32")
     want = mlp(x=x)[0]
-    other = hgrt.create(mlp.graph, mlp.lib, tvm.cpu(0))  # its own weights: zeros
-    assert not np.array_equal(other(x=x)[0], want)
+    other = hgrt.create(mlp.graph, mlp.lib, tvm.cpu(0))  # no weights of its own yet: refused
+    with pytest.raises(hgrt.ParamError, match=r"call: weight .* not loaded yet \(0 of"):
+        other(x=x)
     other.share_params(mlp)
     np.testing.assert_array_equal(other(x=x)[0], want)
     other.close()

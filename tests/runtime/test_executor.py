@@ -162,6 +162,45 @@ def test_share_params_reads_the_same_weights(lib, rng):
     np.testing.assert_allclose(b.get_output(0).numpy(), x * w * 3, rtol=1e-6)
 
 
+def test_run_refuses_inputs_and_weights_never_written(lib, rng):
+    """A pool's bytes are whatever it held: run() before an input or a weight was written
+    is refused (naming it), as onnxruntime refuses a missing input, instead of a silently
+    wrong result; set_input, load_params and share_params write them."""
+    g = GraphBuilder()
+    x = g.input("x")
+    w = g.input("w", param=True)
+    v = g.input("v", param=True)
+    g.output(g.op("mul", [g.op("mul", [x, w]), v]))
+    m = hgrt.create(g.json(), lib, [tvm.cpu(0)])
+    assert m.missing_params == ["v", "w"] and m.unset_inputs == ["x"]
+    xv, wv = rng.standard_normal(N).astype("float32"), rng.standard_normal(N).astype("float32")
+    with pytest.raises(hgrt.ParamError, match=r"run: weight 'v' and 1 more not loaded yet "
+                                              r"\(0 of 2 loaded\)"):
+        m.run(x=xv)
+    m.load_params({"w": wv})
+    with pytest.raises(hgrt.ParamError, match=r"call: weight 'v' not loaded yet \(1 of 2"):
+        m(x=xv)
+    m.set_input("v", wv)  # a weight through set_input, as TVM's graph executor allows
+    assert m.missing_params == [] and m.unset_inputs == []  # x came with the refused run
+    m.run()
+    np.testing.assert_allclose(m.get_output(0).numpy(), xv * wv * wv, rtol=1e-6)
+    fresh = hgrt.create(g.json(), lib, [tvm.cpu(0)])
+    fresh.share_params(m, {"w": wv})  # shares w only
+    fresh.set_input("x", xv)
+    with pytest.raises(hgrt.ParamError, match="'v' not loaded"):
+        fresh.run()
+    fresh.share_params(m)
+    fresh.run()
+    np.testing.assert_allclose(fresh.get_output(0).numpy(), xv * wv * wv, rtol=1e-6)
+    idle = hgrt.create(g.json(), lib, [tvm.cpu(0)])
+    idle.share_params(fresh)
+    with pytest.raises(hgrt.InputError, match=r"run: input 'x' never set .*set_input sets it"):
+        idle.run()  # weights there, no input
+    unloaded = hgrt.create(g.json(), lib, [tvm.cpu(0)])
+    fresh.share_params(unloaded, {"v": wv})  # another module's unwritten weight: missing
+    assert fresh.missing_params == ["v"] and idle.missing_params == []
+
+
 def test_save_load_round_trip(tmp_path, lib, two_cpus, rng):
     g = GraphBuilder()
     x = g.input("x", dev=0)
