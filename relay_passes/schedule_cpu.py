@@ -529,9 +529,8 @@ def _schedule_pointwise(sch: s_tir.Schedule, block_rv, isa: VectorISA, cores: in
         return False  # the channel-vector tile is better (_ragged_pointwise)
     if rows < 2:
         return False
-    weight_bytes = ext[1] * ext[4] * bits // 8
-    channels_outer = (not per_group and weight_bytes >= MIN_CHANNELS_OUTER_BYTES
-                      and weight_bytes >= 2 * ext[4] * pixels * bits // 8)
+    channels_outer = (not per_group and ext[1] * ext[4] * bits // 8 >= MIN_CHANNELS_OUTER_BYTES
+                      and ext[1] >= 2 * pixels)  # weight / plane bytes = outputs / pixels
     if _param_position(sch, block.writes[0].source) is not None:
         sch.cache_write(block_rv, 0, "global")  # the result's layout is the caller's: flatten
         # an intermediate, written back by a copy as if it were an epilogue
