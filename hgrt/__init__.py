@@ -30,11 +30,11 @@ __version__ = "0.1.0"
 
 def __getattr__(name):
     # The compiler pulls in TVM's Relax stack; import it only when asked for.
-    if name in ("build", "Placement", "BuildResult", "lower_model"):
+    if name in ("build", "Kernels", "Placement", "BuildResult", "lower_model"):
         import importlib
 
         module = importlib.import_module("hgrt.compiler")
-        for public in ("build", "Placement", "BuildResult", "lower_model"):
+        for public in ("build", "Kernels", "Placement", "BuildResult", "lower_model"):
             globals()[public] = getattr(module, public)
         return globals()[name]
     raise AttributeError(f"module 'hgrt' has no attribute {name!r}")
@@ -43,6 +43,6 @@ def __getattr__(name):
 __all__ = [
     "BenchmarkResult", "BuildError", "BuildResult", "ClosedError", "DeviceError",
     "ExecutionError", "Graph", "GraphError", "GraphModule", "GraphModuleAPI", "HgrtError", "Host",
-    "InputError", "Node", "ParamError", "Placement", "PlanError", "ProvisionError", "RemoteError",
-    "RemoteGraphModule", "build", "create", "load", "save",
+    "InputError", "Kernels", "Node", "ParamError", "Placement", "PlanError", "ProvisionError",
+    "RemoteError", "RemoteGraphModule", "build", "create", "load", "save",
 ]

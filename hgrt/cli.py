@@ -68,6 +68,18 @@ def _placement(args: argparse.Namespace):
     )
 
 
+def _kernels(args: argparse.Namespace):
+    """``--kernels`` with its per-op ``--kernels-rule`` / ``--kernels-override``: what
+    ``hgrt.build(kernels=)`` takes."""
+    rules = _pairs(args.kernels_rule, "--kernels-rule")
+    overrides = _pairs(args.kernels_override, "--kernels-override")
+    if not rules and not overrides:
+        return args.kernels
+    from hgrt.relay_passes.claim_onednn import Kernels
+
+    return Kernels.of(Kernels(args.kernels, rules=rules, overrides=overrides))  # checked now
+
+
 def parse_targets(items: list[str] | None) -> dict[str, str] | None:
     """``--target`` values as ``hgrt.build(target=)`` takes them: ``KIND=TARGET`` or
     ``DEVICE=TARGET`` (``cpu=raspberry-pi/4b-aarch64``, ``cpu:1={"kind": "llvm", ...}``,
@@ -118,7 +130,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     result = hgrt.build(args.model, devices=args.device, placement=_placement(args),
                         input_shapes=_input_shapes(args.input_shape) or None,
                         tuning_db=args.tuning_db, target=parse_targets(args.target),
-                        kernels=args.kernels, verbose=True)
+                        kernels=_kernels(args), verbose=True)
     hgrt.save(args.output, result, cc=args.cc)
     for line in isa_lines(result):
         print(line)
@@ -158,7 +170,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     summaries = tune(args.model, args.db, args.trials_per_task, devices=args.device,
                      placement=_placement(args),
                      input_shapes=_input_shapes(args.input_shape) or None,
-                     cost_model=args.cost_model, kernels=args.kernels,
+                     cost_model=args.cost_model, kernels=_kernels(args),
                      verify=not args.no_verify)
     for s in summaries:
         print(f"{s.target}: {s.tasks} tasks, {len(s.trials)} tuned now, "
@@ -168,6 +180,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     same += [f"--override {o}" for o in args.override or []]
     same += [f"--{k} {v}" for k, v in (("prefer", args.prefer), ("fallback", args.fallback),
                                        ("kernels", args.kernels)) if v and v != "auto"]
+    same += [f"--kernels-rule {r}" for r in args.kernels_rule or []]
+    same += [f"--kernels-override {o}" for o in args.kernels_override or []]
     same += [f"--input-shape {i}" for i in args.input_shape or []]
     print(f"database {args.db}/ written in {time.perf_counter() - t0:.0f} s; build with "
           f"`hgrt compile {args.model} {' '.join(same)} --tuning-db {args.db} -o OUT`")
@@ -333,6 +347,12 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="who computes convolutions and dense layers on x86-64 CPUs (default "
                         "auto: oneDNN where the onednn extra is installed; tune leaves what "
                         "oneDNN computes untuned)")
+    p.add_argument("--kernels-rule", action="append", metavar="OP=PROVIDER",
+                   help="who computes every op matching OP (nn.conv2d, matmul, a pattern): "
+                        "auto, tvm or onednn (repeat)")
+    p.add_argument("--kernels-override", action="append", metavar="NODE=PROVIDER",
+                   help="who computes one convolution or matmul (by its binding name, as the "
+                        "placement report lists it) (repeat)")
 
 
 def main(argv: list[str] | None = None) -> int:

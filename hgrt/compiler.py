@@ -22,7 +22,7 @@ from hgrt.graph import Graph
 from hgrt.lifetimes import DeviceMemory, memory_report
 from hgrt.relay_passes.assign_streams import assign_streams
 from hgrt.relay_passes.claim_affine import claim_affine
-from hgrt.relay_passes.claim_onednn import claim_onednn
+from hgrt.relay_passes.claim_onednn import Kernels, claim_onednn
 from hgrt.relay_passes.context import BuildContext, LoweringOptions, PlacementRow, Weights
 from hgrt.relay_passes.fold_batch_norm import fold_batch_norm
 from hgrt.relay_passes.graph_codegen import graph_codegen, static_shape
@@ -36,7 +36,7 @@ from hgrt.relay_passes.split_concat import split_concat
 from hgrt.relay_passes.tuning_db import ApplyReport, apply_tuning
 from hgrt.runtime import onednn
 
-__all__ = ["BuildResult", "Placement", "build", "lower_model"]
+__all__ = ["BuildResult", "Kernels", "Placement", "build", "lower_model"]
 
 PASSES: tuple = (
     ("place_devices", place_devices),
@@ -98,7 +98,8 @@ def _context(model: Any, devices: Any, placement: Placement | None, params: Any,
 def build(model: Any, devices: Any, placement: Placement | None = None,
           params: dict[str, Any] | None = None, *, input_shapes: dict[str, Any] | None = None,
           tuning_db: str | None = None, tuning_verdicts: bool = True,
-          streams: dict[str, Any] | None = None, kernels: str = "auto", target: Any = None,
+          streams: dict[str, Any] | None = None, kernels: str | Kernels = "auto",
+          target: Any = None,
           cuda_arch: str = DEFAULT_CUDA_ARCH, verbose: bool = False) -> BuildResult:
     """Compile ``model`` (ONNX ModelProto / path, or Relax IRModule + ``params``) for ``devices``.
 
@@ -120,7 +121,10 @@ def build(model: Any, devices: Any, placement: Placement | None = None,
     ``kernels``: who computes convolutions and dense layers on x86-64 CPUs: ``"onednn"``
     (the ``onednn`` extra; a BuildError without it), ``"tvm"``, or ``"auto"``: oneDNN where it
     is installed and runs the op, unless the model is too small to pay for its per-call cost
-    (``claim_onednn.AUTO_MIN_MACS``; the placement report's ``kernels`` column says who got it).
+    (``claim_onednn.AUTO_MIN_MACS``; the placement report's ``kernels`` column says who got it);
+    or per op, like a device: ``hgrt.Kernels("onednn", rules={"matmul": "tvm"},
+    overrides={"lv12": "tvm"})`` (an override names a conv2d or matmul binding as
+    ``print_placement()`` lists it).
     """
     start = time.perf_counter()
     if target is not None:  # DeviceSpecs carrying their targets
@@ -143,7 +147,7 @@ def build(model: Any, devices: Any, placement: Placement | None = None,
 def lower_model(model: Any, devices: Any = "cpu", placement: Placement | None = None,
                 params: dict[str, Any] | None = None, *,
                 input_shapes: dict[str, Any] | None = None, schedule: bool = False,
-                tuning_db: str | None = None, kernels: str = "tvm",
+                tuning_db: str | None = None, kernels: str | Kernels = "tvm",
                 cuda_arch: str = DEFAULT_CUDA_ARCH,
                 verbose: bool = False) -> tuple[tvm.IRModule, dict[str, np.ndarray]]:
     """The placed, fused module of ``build`` before its library is built, and its weights by

@@ -1,8 +1,10 @@
 """claim_onednn: hand convolutions and dense layers on x86-64 CPUs to oneDNN kernels.
 
-The kernel provider is chosen per build (``hgrt.build(..., kernels=)``): ``"tvm"`` leaves every
-op to TVM; ``"onednn"`` claims what oneDNN supports and is a ``BuildError`` where oneDNN cannot
-run; ``"auto"`` claims where it can and otherwise says once why not. Runs after insert_copies
+The kernel provider is chosen per op at build, like a device (``hgrt.build(..., kernels=)``: a
+provider for the whole build, or ``Kernels`` with rules by op and overrides by node): ``"tvm"``
+leaves the op to TVM; ``"onednn"`` claims it, and is a ``BuildError`` where oneDNN cannot run
+or, for a node named by an override, cannot compute it; ``"auto"`` claims where it can and
+otherwise says once why not. Runs after insert_copies
 (devices known, weights per device) and split_concat, before legalization. A chain
 
     conv2d(x, W)  [+ per-channel weight | batch_norm]*  [+ residual [+ bias]]  [relu | clip]
@@ -49,6 +51,7 @@ from hgrt.relay_passes.relax_util import (
     MainReader,
     bindings,
     copied_in,
+    match_op_rule,
     op_name,
     per_channel,
     reads_only_item0,
@@ -83,6 +86,48 @@ AUTO_MIN_MACS = 1 << 21
 
 
 @dataclass
+class Kernels:
+    """Who computes each convolution and dense layer of a build, chosen per op like a device:
+    an ``overrides`` entry for the node (the binding name of its conv2d or matmul, as
+    ``BuildResult.print_placement()`` lists it), else the first of ``rules`` whose op pattern
+    matches (as ``Placement`` rules: ``"nn.conv2d"``, ``"matmul"``, ``"nn.*"``), else
+    ``default``; each one of ``KERNELS``. ``hgrt.build(kernels="onednn")`` is
+    ``Kernels("onednn")``.
+
+    >>> Kernels("onednn", rules={"matmul": "tvm"}, overrides={"lv12": "tvm"})  # doctest: +SKIP
+    """
+
+    default: str = "auto"
+    rules: dict[str, str] = field(default_factory=dict)
+    overrides: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, value: Any) -> Kernels:
+        """``value`` (a provider name or a ``Kernels``) as a checked ``Kernels``."""
+        kernels = value if isinstance(value, cls) else cls(value) if isinstance(value, str) \
+            else None
+        if kernels is None:
+            raise BuildError(f"kernels={value!r}: a provider ({list(KERNELS)}) or hgrt.Kernels")
+        for where, provider in kernels.choices():
+            if provider not in KERNELS:
+                raise BuildError(f"{where}={provider!r}: choose one of {list(KERNELS)}")
+        return kernels
+
+    def choices(self) -> list[tuple[str, str]]:
+        """(where it was said, provider) for the default, each rule and each override."""
+        return [("kernels", self.default),
+                *((f"kernels rule {k!r}", v) for k, v in self.rules.items()),
+                *((f"kernels override {k!r}", v) for k, v in self.overrides.items())]
+
+    def choice(self, node: str, op: str) -> tuple[str, bool]:
+        """The provider of ``node`` (a binding of ``op``) and whether an override named it."""
+        if node in self.overrides:
+            return self.overrides[node], True
+        rule = match_op_rule(op, self.rules)
+        return (self.default if rule is None else self.rules[rule]), False
+
+
+@dataclass
 class Chain:
     """A claimed chain: its root op, the bindings it absorbs, and what it computes."""
 
@@ -99,6 +144,7 @@ class Chain:
     label: list[str] = field(default_factory=list)
     pool: list[int] | None = None  # a max pool after it (its last member): kh, kw, sh, sw,
     # pads t, l, b, r
+    choice: str = "auto"  # the provider asked for it: "auto" or "onednn" (Kernels)
 
     @property
     def end(self) -> relax.Var:
@@ -283,12 +329,10 @@ def _runs_onednn(ctx: BuildContext, device: int) -> bool:
     return d.kind == "cpu" and (not triple or triple.startswith("x86_64"))
 
 
-def _provider(ctx: BuildContext) -> Any | None:
+def _provider(ctx: BuildContext, kernels: Kernels) -> Any | None:
     """The oneDNN runtime when this build uses it, else None (saying why once)."""
-    choice = ctx.options.kernels
-    if choice not in KERNELS:
-        raise BuildError(f"kernels={choice!r}: choose one of {list(KERNELS)}")
-    if choice == "tvm":
+    asked = [(where, p) for where, p in kernels.choices() if p != "tvm"]
+    if not asked:
         return None
     runtime = ctx.options.onednn
     reason = "no oneDNN runtime given" if runtime is None else runtime.unavailable_reason()
@@ -296,13 +340,26 @@ def _provider(ctx: BuildContext) -> Any | None:
         reason = "no device of this build is an x86-64 CPU"
     if reason is None:
         return runtime
-    if choice == "onednn":
-        raise BuildError(f"kernels='onednn': {reason}")
+    for where, provider in asked:
+        if provider == "onednn":
+            raise BuildError(f"{where}='onednn': {reason}")
     if reason not in _said:
         _said.add(reason)
         _log.warning("kernels: tvm (%s)", reason)
     ctx.log(f"kernels: tvm ({reason})")
     return None
+
+
+def _check_overrides(func: relax.Function, kernels: Kernels) -> None:
+    """Every node an override names is a convolution or matmul of ``main``."""
+    ops = {b.var.name: op_name(b.value) for b in bindings(func)}
+    roots = [name for name, op in ops.items() if op in ROOTS]
+    for name in kernels.overrides:
+        if ops.get(name) not in ROOTS:
+            what = "is not a binding of main" if name not in ops else f"is a {ops[name]}"
+            raise BuildError(f"kernels override {name!r}: {what}; providers are chosen for "
+                             f"convolutions and matmuls: {roots[:20]}"
+                             f"{' ...' if len(roots) > 20 else ''}")
 
 
 def _grow(g: _Graph, chain: Chain, block: set[relax.Var]) -> Chain:
@@ -315,22 +372,38 @@ def _grow(g: _Graph, chain: Chain, block: set[relax.Var]) -> Chain:
             return chain
 
 
-def find_chains(g: _Graph) -> list[Chain]:
-    """The chains of ``main`` that oneDNN kernels can compute, in binding order."""
+def find_chains(g: _Graph, kernels: Kernels, claim: frozenset[str] = frozenset(KERNELS)
+                ) -> list[Chain]:
+    """The chains of ``main`` that oneDNN kernels compute, in binding order: those whose root
+    op ``kernels`` gives to a provider in ``claim`` and that oneDNN can compute. A node that an
+    override gives to "onednn" and oneDNN cannot compute is a BuildError."""
     ctx = g.ctx
     chains = []
     for block in g.func.body.blocks:
         in_block = {b.var for b in block.bindings}
         for b in block.bindings:
             root = ROOTS.get(op_name(b.value))
-            device = ctx.placed.op_device.get(b.var.name)
-            if root is None or b.var in g.claimed or device is None \
-                    or not _runs_onednn(ctx, device):
+            if root is None or b.var in g.claimed:
                 continue
-            chain = root(g, b)
-            if chain is not None:
-                chains.append(_grow(g, chain, in_block))
-                g.claimed.update(chain.members)
+            choice, named = kernels.choice(b.var.name, op_name(b.value))
+            if choice == "tvm" or choice not in claim:
+                continue
+            device = ctx.placed.op_device.get(b.var.name)
+            if device is None or not _runs_onednn(ctx, device):
+                chain = None
+                why = "it is not on an x86-64 CPU" if device is not None else "it has no device"
+            else:
+                chain = root(g, b)
+                why = ("oneDNN kernels take float32 NCHW convolutions and 2-D matmuls whose "
+                       "weights are constants")
+            if chain is None:
+                if named and choice == "onednn":
+                    raise BuildError(f"kernels override {b.var.name!r}='onednn': oneDNN cannot "
+                                     f"compute this {op_name(b.value)}: {why}")
+                continue
+            chain.choice = choice
+            chains.append(_grow(g, chain, in_block))
+            g.claimed.update(chain.members)
     return chains
 
 
@@ -476,18 +549,22 @@ def _rewrite(func: relax.Function, emitter: _Emitter, drop: set[relax.Var],
 
 def claim_onednn(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     """Claim what oneDNN computes (see module doc); ``mod`` untouched when nothing is claimed."""
-    runtime = _provider(ctx)
+    kernels = Kernels.of(ctx.options.kernels)
     func = mod["main"]
+    _check_overrides(func, kernels)
+    runtime = _provider(ctx, kernels)
     if runtime is None or "num_input" not in (func.attrs or {}):
         return mod
     g = _Graph(func, ctx)
-    chains = find_chains(g)
-    if not chains:
-        return mod
-    macs = sum(c.macs for c in chains)
-    if ctx.options.kernels == "auto" and macs < AUTO_MIN_MACS:
-        ctx.log(f"kernels: tvm (auto: the {len(chains)} ops oneDNN could take are {macs} "
+    chains = find_chains(g, kernels)
+    auto = [c for c in chains if c.choice == "auto"]
+    macs = sum(c.macs for c in auto)
+    if auto and macs < AUTO_MIN_MACS:
+        ctx.log(f"kernels: tvm (auto: the {len(auto)} ops oneDNN could take are {macs} "
                 f"multiply-adds, below {AUTO_MIN_MACS}: its per-call cost would outweigh them)")
+        g = _Graph(func, ctx)
+        chains = find_chains(g, kernels, frozenset({"onednn"}))
+    if not chains:
         return mod
     emitter = _Emitter(g, chains, runtime)
     position = {b.var: i for i, b in enumerate(bindings(func))}

@@ -98,7 +98,8 @@ class LoweringOptions:
 
     tuning_db: str | None = None  # MetaSchedule database applied before the default schedules
     tuning_verdicts: bool = True  # honour `hgrt tune`'s "default faster in the model"
-    kernels: str = "tvm"  # kernel provider, read by claim_onednn: "auto" | "tvm" | "onednn"
+    # kernel provider, read by claim_onednn: "auto" | "tvm" | "onednn", or a claim_onednn.Kernels
+    kernels: Any = "tvm"
     onednn: Any = None  # the oneDNN runtime (hgrt.runtime.onednn), handed down by the caller
 
 

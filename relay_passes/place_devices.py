@@ -17,7 +17,6 @@ index, ``input_device``: hinted inputs, ``report``) and attaches the module's vd
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +33,7 @@ from hgrt.relay_passes.relax_util import (
     TO_VDEVICE,
     bindings,
     hinted_device,
+    match_op_rule,
     op_name,
 )
 
@@ -76,17 +76,6 @@ def _annotated_device(var: relax.Var, ctx: BuildContext) -> int | None:
     its tensors live, e.g. around its own R.to_vdevice)."""
     vdev = getattr(var.ty, "vdevice", None)
     return None if vdev is None else ctx.device_of_vdevice(vdev)
-
-
-def _match_rule(op_name: str, rules: dict[str, int]) -> str | None:
-    short = op_name.removeprefix("relax.")
-    for key in rules:
-        if key in (op_name, short):
-            return key
-    for key in rules:
-        if fnmatch.fnmatchcase(op_name, key) or fnmatch.fnmatchcase(short, key):
-            return key
-    return None
 
 
 def _compiles_on(op_name: str, device: DeviceSpec) -> str | None:
@@ -149,7 +138,7 @@ def place_devices(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
             explicit[name] = hinted[name], "hint"
         elif name in overrides:
             explicit[name] = overrides[name], "override"
-        elif (rule := _match_rule(op, rules)) is not None:
+        elif (rule := match_op_rule(op, rules)) is not None:
             explicit[name] = rules[rule], f"rule {rule!r}"
     if p.auto:
         budgets = {resolve_device(k, devs, "budget"): int(v) for k, v in p.budgets.items()}

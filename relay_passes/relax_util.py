@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Iterator
 from typing import Any
 
@@ -189,3 +190,17 @@ class MainReader:
         """The one binding that reads ``var`` (None: several, none, or the result reads it)."""
         users = self.users.get(var, [])
         return users[0] if len(users) == 1 and users[0] is not None else None
+
+
+def match_op_rule(op_name: str, rules: dict[str, Any]) -> str | None:
+    """The key of ``rules`` that names ``op_name`` (``relax.nn.conv2d``): the op itself, with
+    or without ``relax.``, before the first fnmatch pattern that matches (``nn.*pool*``); None
+    when none does. Placement rules and kernel-provider rules read op names this way."""
+    short = op_name.removeprefix("relax.")
+    for key in rules:
+        if key in (op_name, short):
+            return key
+    for key in rules:
+        if fnmatch.fnmatchcase(op_name, key) or fnmatch.fnmatchcase(short, key):
+            return key
+    return None

@@ -27,7 +27,7 @@ def onnx_file(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", ["missing model", "bad device", "missing artifacts",
-                                  "bad input file", "bad --place"])
+                                  "bad input file", "bad --place", "bad --kernels-rule"])
 def test_user_errors_are_one_line_and_status_2(case, onnx_file, tmp_path):
     bad_npy = tmp_path / "x.npy"
     bad_npy.write_text("not numpy")
@@ -42,12 +42,37 @@ def test_user_errors_are_one_line_and_status_2(case, onnx_file, tmp_path):
         "bad input file": ["run", art, "--input", f"x={bad_npy}"],
         "bad --place": ["compile", onnx_file, "--device", "cpu", "--place", "nn.conv2d", "-o",
                         art],
+        "bad --kernels-rule": ["compile", onnx_file, "--device", "cpu", "--kernels-rule",
+                               "nn.conv2d=mkl", "-o", art],
     }[case]
     proc = hgrt_cli(*args)
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"hgrt {args[0]}: error: "), proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_compile_chooses_kernels_per_op(onnx_file, tmp_path):
+    """--kernels-override by node (a name the model lacks: an error listing those it has),
+    --kernels-rule by op; graph.json records who computes each node."""
+    import json
+
+    proc = hgrt_cli("compile", onnx_file, "--device", "cpu", "--kernels-override", "nope=tvm",
+                    "-o", str(tmp_path / "bad"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "kernels override 'nope': is not a binding of main" in proc.stderr.splitlines()[-1]
+    assert "convolutions and matmuls: ['lv" in proc.stderr.splitlines()[-1]
+    providers = []
+    for rule in ("matmul=tvm", "nn.conv*=tvm"):  # the model: a conv + relu, then TVM ops
+        art = tmp_path / rule.partition("=")[0].replace("*", "")
+        proc = hgrt_cli("compile", onnx_file, "--device", "cpu", "--kernels", "onednn",
+                        "--kernels-rule", rule, "-o", str(art))
+        if proc.returncode == 2 and "oneDNN" in proc.stderr:  # the extra is not installed
+            pytest.skip(proc.stderr.splitlines()[-1])
+        assert proc.returncode == 0, proc.stderr
+        nodes = json.loads((art / "graph.json").read_text())["nodes"]
+        providers.append([n["attrs"].get("provider", "tvm") for n in nodes if n["op"] == "tvm_op"])
+    assert providers[0][0] == "onednn" and providers[1] == ["tvm"] * len(providers[1])
 
 
 def test_python_dash_m_hgrt_runs_the_cli(onnx_file, tmp_path):

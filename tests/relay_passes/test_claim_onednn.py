@@ -334,6 +334,68 @@ def test_auto_leaves_a_model_too_small_for_onednn_to_tvm(caplog):
     assert _onednn_nodes(_check(big, kernels="auto"))
 
 
+def _roots(res):
+    """The conv2d and matmul bindings of a build, in order, and who computes each."""
+    return [(r.node, r.kernels) for r in res.placement_report
+            if r.op in ("relax.nn.conv2d", "relax.matmul")]
+
+
+@needs_onednn
+def test_kernels_are_chosen_per_op_like_a_device():
+    """An override by node beats a rule by op, which beats the default; next to a TVM
+    convolution the oneDNN ones write and read NCHW themselves (no reorder node)."""
+    model = _block_onnx()
+    first, second, third = (name for name, _ in _roots(_check(model)))
+    mixed = _check(model, kernels=hgrt.Kernels("onednn", overrides={second: "tvm"}))
+    assert _roots(mixed) == [(first, "onednn"), (second, "tvm"), (third, "onednn")]
+    assert [(n.attrs["onednn_op"], n.attrs["onednn_layouts"]) for n in _onednn_nodes(mixed)] \
+        == [("conv2d+relu", "plain, plain"), ("conv2d", "plain, plain")]
+    assert sum(n.op == "tvm_op" for n in mixed.graph.nodes) == 3  # the TVM conv + add + relu
+    by_rule = _check(model, kernels=hgrt.Kernels("tvm", rules={"nn.conv*": "onednn"},
+                                                  overrides={first: "tvm"}))
+    assert _roots(by_rule) == [(first, "tvm"), (second, "onednn"), (third, "onednn")]
+    dense = _check(_dense_onnx(gemm=False), kernels=hgrt.Kernels("onednn",
+                                                                  rules={"matmul": "tvm"}))
+    assert not _onednn_nodes(dense) and {k for _, k in _roots(dense)} == {"tvm"}
+
+
+@needs_onednn
+def test_an_override_claims_what_auto_leaves_and_refuses_what_onednn_cannot_compute():
+    small = conv_onnx()  # too small for "auto" (see the test above)
+    (name, kernels), = _roots(_check(small, kernels="auto"))
+    assert kernels == "tvm"
+    forced = _check(small, kernels=hgrt.Kernels("auto", overrides={name: "onednn"}))
+    assert _roots(forced) == [(name, "onednn")] and len(_onednn_nodes(forced)) == 1
+    # a weight that is an input of the model, not a constant: no packed weights to make
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 4, 8, 8), "float32"))
+    w = relax.Var("w", relax.TensorType((8, 4, 3, 3), "float32"))
+    with bb.function("main", [x, w], attrs={"num_input": 2}):
+        with bb.dataflow():
+            y = bb.emit_output(bb.emit(relax.op.nn.conv2d(x, w, padding=1), "conv"))
+        bb.emit_func_output(y)
+    with pytest.raises(hgrt.BuildError, match=r"override 'conv'='onednn': oneDNN cannot "
+                                              r"compute this relax.nn.conv2d"):
+        hgrt.build(bb.finalize(), ["cpu"], params={},
+                   kernels=hgrt.Kernels("tvm", overrides={"conv": "onednn"}))
+
+
+def test_kernel_choices_name_what_exists():
+    model = _block_onnx()
+    with pytest.raises(hgrt.BuildError, match=r"override 'nope': is not a binding of main; "
+                                              r"providers are chosen for convolutions and "
+                                              r"matmuls: \['lv', 'lv"):
+        hgrt.build(model, ["cpu"], kernels=hgrt.Kernels(overrides={"nope": "tvm"}))
+    relu = next(r.node for r in hgrt.build(model, ["cpu"], kernels="tvm").placement_report
+                if r.op == "relax.nn.relu")
+    with pytest.raises(hgrt.BuildError, match=rf"override '{relu}': is a relax.nn.relu"):
+        hgrt.build(model, ["cpu"], kernels=hgrt.Kernels(overrides={relu: "tvm"}))
+    with pytest.raises(hgrt.BuildError, match=r"kernels rule 'matmul'='mkl': choose one of"):
+        hgrt.build(model, ["cpu"], kernels=hgrt.Kernels(rules={"matmul": "mkl"}))
+    with pytest.raises(hgrt.BuildError, match=r"a provider .* or hgrt.Kernels"):
+        hgrt.build(model, ["cpu"], kernels={"matmul": "tvm"})
+
+
 @pytest.fixture
 def no_onednn(monkeypatch):
     reason = f"oneDNN not installed: {onednn.INSTALL_HINT}"
@@ -355,6 +417,12 @@ def test_auto_without_onednn_builds_tvm_kernels_and_says_so_once(no_onednn, capl
 def test_onednn_without_onednn_is_a_build_error(no_onednn):
     with pytest.raises(hgrt.BuildError, match=r"kernels='onednn': oneDNN not installed: pip"):
         hgrt.build(conv_onnx(), ["cpu"], kernels="onednn")
+    with pytest.raises(hgrt.BuildError, match=r"kernels rule 'nn.conv2d'='onednn': oneDNN not "
+                                              r"installed"):
+        hgrt.build(conv_onnx(), ["cpu"], kernels=hgrt.Kernels("tvm", {"nn.conv2d": "onednn"}))
+    # nothing asks for oneDNN: no error, nothing said
+    res = hgrt.build(conv_onnx(), ["cpu"], kernels=hgrt.Kernels("auto", {"nn.conv2d": "tvm"}))
+    assert not _onednn_nodes(res)
 
 
 def test_unknown_kernels_and_foreign_targets_are_refused():
