@@ -23,6 +23,7 @@ from hgrt.lifetimes import DeviceMemory, memory_report
 from hgrt.relay_passes.assign_streams import assign_streams
 from hgrt.relay_passes.claim_affine import claim_affine
 from hgrt.relay_passes.claim_onednn import Kernels, claim_onednn
+from hgrt.relay_passes.concat_views import concat_views
 from hgrt.relay_passes.context import BuildContext, LoweringOptions, PlacementRow, Weights
 from hgrt.relay_passes.fold_batch_norm import fold_batch_norm
 from hgrt.relay_passes.graph_codegen import graph_codegen, static_shape
@@ -52,6 +53,7 @@ PASSES: tuple = (
     ("schedule_gpu", schedule_gpu),  # lower_model(schedule=True) stops here
     ("build_library", build_library),
     ("graph_codegen", graph_codegen),
+    ("concat_views", concat_views),  # concats whose pieces are written in place: views
     ("assign_streams", assign_streams),
     ("plan_memory", plan_memory),
 )

@@ -35,6 +35,7 @@ FORMAT_VERSION = 1
 COPY_FUNC = "__copy"
 ONEDNN_PREFIX = "hgrt.onednn."  # the functions oneDNN kernels' nodes name (runtime/onednn.py)
 NOP_FUNC = lifetimes.NOP_FUNC
+CONCAT_FUNC = lifetimes.CONCAT_FUNC
 _KNOWN_OPS = ("null", "tvm_op")
 # node attrs hgrt reads, and the form their (string) values must have
 NODE_ATTRS = {"func_name": r"\S+", "num_inputs": r"\d+", "num_outputs": r"\d+",
@@ -151,13 +152,51 @@ class Graph:
         return bisect.bisect_right(self.node_row_ptr, eid) - 1
 
     def alias_roots(self) -> list[int]:
-        """Per entry, the entry whose bytes it is: itself, or for a ``__nop`` output (a view)
-        the root of its input."""
-        root = list(range(self.num_entries))
+        """Per entry, the entry whose bytes it is part of: itself; for a ``__nop`` output (a
+        view) the root of its input; for a piece of a ``__concat`` the root of its output."""
+        return self._view_tree()[0]
+
+    def entry_offsets(self) -> list[int]:
+        """Per entry, its byte offset from the start of its root's bytes (``alias_roots``):
+        0 but for the pieces of a ``__concat``, which lie one after another in its output."""
+        return self._view_tree()[1]
+
+    def _view_tree(self) -> tuple[list[int], list[int]]:
+        n = self.num_entries
+        parent, rel = list(range(n)), [0] * n
         for nid, node in enumerate(self.nodes):
             if node.func_name == NOP_FUNC and len(node.inputs) == 1:
-                root[self.entry_id(nid)] = root[self.entry_id(*node.inputs[0][:2])]
-        return root
+                links = [(self.entry_id(nid), self.entry_id(*node.inputs[0][:2]), 0)]
+            elif node.func_name == CONCAT_FUNC:
+                links, at = [], 0
+                for src, idx, _ in node.inputs:
+                    piece = self.entry_id(src, idx)
+                    links.append((piece, self.entry_id(nid), at))
+                    at += self.entry_bytes(piece)
+            else:
+                continue
+            for child, up, offset in links:
+                if parent[child] != child:
+                    raise GraphError(f"{self.describe_entry(child)} is a view twice (of entry "
+                                     f"{parent[child]} and of entry {up}): a tensor's bytes "
+                                     f"have one place")
+                parent[child], rel[child] = up, offset
+        root, off = list(range(n)), [0] * n
+        done = [False] * n
+        for e in range(n):
+            path = []
+            x = e
+            while not done[x] and parent[x] != x:
+                path.append(x)
+                x = parent[x]
+                if len(path) > n:
+                    raise GraphError(f"entry {e} is a view of itself (a cycle of views)")
+            for y in reversed(path):  # nearest the root first
+                up = parent[y]
+                root[y], off[y] = root[up], off[up] + rel[y]
+                done[y] = True
+            done[x] = True
+        return root, off
 
     def describe_entry(self, eid: int) -> str:
         """``output 0 of node 3 'conv' ('fused_conv2d'), (1, 8, 4, 4) float32, 512 B``."""
@@ -418,8 +457,11 @@ def _parse_columns(attrs: dict, n: int) -> dict[str, Any]:
 
 def _check_special_ops(g: Graph) -> None:
     """``__copy`` moves one tensor to another device unchanged; ``__nop`` views its input's
-    bytes on the same device."""
+    bytes on the same device; ``__concat`` is its pieces laid one after another."""
     for nid, node in enumerate(g.nodes):
+        if node.func_name == CONCAT_FUNC:
+            _check_concat(g, nid)
+            continue
         if node.func_name not in (COPY_FUNC, NOP_FUNC):
             continue
         what = g.describe_node(nid)
@@ -436,6 +478,45 @@ def _check_special_ops(g: Graph) -> None:
         if node.func_name == NOP_FUNC and g.entry_bytes(src) != g.entry_bytes(dst):
             raise GraphError(f"{what}: __nop changes the byte size ({g.entry_bytes(src)} -> "
                              f"{g.entry_bytes(dst)})")
+    g.entry_offsets()  # a tensor that is a view twice, or of itself: a GraphError
+
+
+def concat_axis(shapes: list[tuple[int, ...]], out: tuple[int, ...]) -> int | None:
+    """The axis along which ``shapes`` laid one after another in memory make ``out`` (every
+    dimension before it 1, the others equal, the axis' sizes summing to out's), else None."""
+    if not shapes or any(len(s) != len(out) for s in shapes):
+        return None
+    differ = {a for s in shapes for a, (d, o) in enumerate(zip(s, out, strict=True)) if d != o}
+    if len(differ) > 1:
+        return None
+    axis = differ.pop() if differ else 0
+    if sum(s[axis] for s in shapes) != out[axis] or any(d != 1 for d in out[:axis]):
+        return None
+    return axis
+
+
+def _check_concat(g: Graph, nid: int) -> None:
+    node, what = g.nodes[nid], g.describe_node(nid)
+    out = g.entry_id(nid)
+    pieces = [g.entry_id(src, idx) for src, idx, _ in node.inputs]
+    if node.num_outputs != 1 or not pieces:
+        raise GraphError(f"{what}: __concat takes its pieces and gives one output")
+    if concat_axis([g.shapes[p] for p in pieces], g.shapes[out]) is None:
+        raise GraphError(f"{what}: pieces {[g.shapes[p] for p in pieces]} laid one after "
+                         f"another do not make {g.shapes[out]} (one axis may differ, every "
+                         f"dimension before it 1)")
+    at = 0
+    for p in pieces:
+        source = g.nodes[g.node_of_entry(p)]
+        why = ("is an input or a weight: no step writes it in place" if source.op == "null"
+               else "has another dtype" if g.dtypes[p] != g.dtypes[out]
+               else "is on another device" if g.entry_device(p) != g.entry_device(out)
+               else "has another storage id" if g.storage_ids[p] != g.storage_ids[out]
+               else f"would start at byte {at}, not a multiple of {lifetimes.ALIGN}"
+               if at % lifetimes.ALIGN else None)
+        if why is not None:
+            raise GraphError(f"{what}: piece {g.describe_entry(p)} {why}")
+        at += g.entry_bytes(p)
 
 
 def _parse_section(section: Any, g: Graph) -> None:
@@ -521,13 +602,14 @@ def _check_streams(g: Graph) -> None:
                 raise GraphError(f"{where}: waits for node {w}, which is not an earlier node "
                                  f"of another stream")
     order = lifetimes.Order(g)
-    roots = g.alias_roots()
+    writers = lifetimes.entry_writers(g)
     for nid, node in enumerate(g.nodes):
         if g.streams[nid] < 0:
             continue
         for src, idx, _ in node.inputs:
-            writer = g.node_of_entry(roots[g.entry_id(src, idx)])
-            if g.nodes[writer].op != "null" and not order.before(writer, nid):
+            for writer in writers[g.entry_id(src, idx)]:
+                if order.before(writer, nid):
+                    continue
                 raise GraphError(f"{g.describe_node(nid)} (stream {g.streams[nid]}) reads the "
                                  f"output of {g.describe_node(writer)} (stream "
                                  f"{g.streams[writer]}) with no event between them: a race")
@@ -538,6 +620,7 @@ def _check_pools(g: Graph) -> None:
     parameter when the plan has weight pools)."""
     if g.pool_bytes is None:
         return
+    offsets = g.entry_offsets()
     for eid, sid in enumerate(g.storage_ids):
         dev, weight = g.pool_of(eid)
         pools = g.weight_pool_bytes if weight else g.pool_bytes
@@ -545,7 +628,7 @@ def _check_pools(g: Graph) -> None:
         if dev >= len(pools):
             raise GraphError(f"entry {eid} is on device {dev} but the 'hgrt' section plans "
                              f"{what}s for {len(pools)} devices")
-        end = g.storage_offset[sid] + g.entry_bytes(eid)
+        end = g.storage_offset[sid] + offsets[eid] + g.entry_bytes(eid)
         if end > pools[dev]:
             raise GraphError(f"entry {eid} (storage {sid}) ends at byte {end}, past the "
                              f"{pools[dev]}-byte {what} of device {dev}")

@@ -10,7 +10,7 @@ import shutil
 import subprocess
 from collections import Counter
 
-from hgrt.graph import COPY_FUNC, NOP_FUNC, Graph, op_label
+from hgrt.graph import CONCAT_FUNC, COPY_FUNC, NOP_FUNC, Graph, op_label
 from hgrt.lifetimes import group_bytes, memory_report, merged_ranges
 
 # One colour per device position (Graphviz / matplotlib names).
@@ -22,7 +22,7 @@ def summary(g: Graph) -> dict:
     per_dev = Counter()
     copies = Counter()
     for nid, node in enumerate(g.nodes):
-        if node.op != "tvm_op" or node.func_name == NOP_FUNC:
+        if node.op != "tvm_op" or node.func_name in (NOP_FUNC, CONCAT_FUNC):
             continue
         dev = g.entry_device(g.entry_id(nid))
         if node.func_name == COPY_FUNC:
@@ -102,12 +102,14 @@ def _label(g: Graph, nid: int) -> str:
         return f"copy {g.entry_bytes(eid) / 1024:.0f} KiB"
     if node.func_name == NOP_FUNC:
         return f"view\n{shape}"
+    if node.func_name == CONCAT_FUNC:
+        return f"concat in place\n{shape}"
     return f"{op_label(node.func_name)}\n{shape}"
 
 
 def _title(g: Graph, n_devices: int, hidden: int) -> str:
     funcs = [n.func_name for n in g.nodes if n.op == "tvm_op"]
-    kernels = sum(1 for f in funcs if f not in (COPY_FUNC, NOP_FUNC))
+    kernels = sum(1 for f in funcs if f not in (COPY_FUNC, NOP_FUNC, CONCAT_FUNC))
     return (f"{kernels} kernels on {n_devices} devices, {funcs.count(COPY_FUNC)} copies; "
             f"{hidden} weights not drawn")
 

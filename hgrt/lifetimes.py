@@ -1,8 +1,10 @@
 """Liveness: which graph entries are alive at which step, and which bytes they occupy.
 
 The one home of the questions the memory planner, the graph verifier, the storage pools, the
-memory report and the pictures all ask. An entry group is an entry plus the ``__nop`` views of
-it (the same bytes); a step is a node id. Inputs and params are live from before the first
+memory report and the pictures all ask. An entry group is an entry plus the entries that are
+its bytes: its ``__nop`` views (the same bytes), and where it is the output of a ``__concat``,
+its pieces, which their kernels wrote in place, one after another (``Graph.entry_offsets``);
+a step is a node id. Inputs and params are live from before the first
 step to after the last, graph outputs from their producer to after the last step, so a run can
 be repeated without setting them again.
 
@@ -15,6 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 NOP_FUNC = "__nop"  # hgrt.graph's name of a view node (graph.py imports this module)
+# a concatenation whose pieces their kernels wrote in place, one after another in its bytes
+CONCAT_FUNC = "__concat"
+VIEW_FUNCS = (NOP_FUNC, CONCAT_FUNC)  # nodes that are views of bytes other steps write
 
 ALIGN = 64  # bytes: every storage of an hgrt memory plan starts at a multiple of this
 Graph = Any  # an hgrt.graph.Graph
@@ -26,9 +31,10 @@ def align(n: int) -> int:
 
 @dataclass(frozen=True)
 class Group:
-    """Entries that are the same bytes (an entry and its ``__nop`` views), and the steps they
-    are live in, ``first`` to ``last`` inclusive (-1: before the first step). ``writer`` is the
-    node that writes them (-1: an input or param), ``users`` the nodes that run and touch them,
+    """Entries that share bytes (an entry, its ``__nop`` views, the pieces of a ``__concat``),
+    and the steps they are live in, ``first`` to ``last`` inclusive (-1: before the first
+    step). ``writer`` is the first node that writes them (-1: an input or param), ``writers``
+    all (one, or a concat's piece by piece), ``users`` the nodes that run and touch them,
     ``forever``: never overwritten (an input, a param, a graph output)."""
 
     root: int
@@ -38,14 +44,32 @@ class Group:
     writer: int = -1
     users: tuple[int, ...] = ()
     forever: bool = False
+    writers: tuple[int, ...] = ()
 
     def overlaps(self, other: Group) -> bool:
         return self.first <= other.last and other.first <= self.last
 
 
 def runs(node) -> bool:
-    """Whether a node is a step of ``run()`` (a kernel or a copy; a ``__nop`` is a view)."""
-    return node.op == "tvm_op" and node.func_name != NOP_FUNC
+    """Whether a node is a step of ``run()`` (a kernel or a copy; ``__nop`` and ``__concat``
+    are views)."""
+    return node.op == "tvm_op" and node.func_name not in VIEW_FUNCS
+
+
+def entry_writers(g: Graph) -> list[tuple[int, ...]]:
+    """Per entry, the nodes that run and write its bytes: its kernel; for a view its input's;
+    for a ``__concat`` output its pieces' (none for an input or param)."""
+    writers: list[tuple[int, ...]] = [()] * g.num_entries
+    for nid, node in enumerate(g.nodes):
+        ins = [writers[g.entry_id(src, idx)] for src, idx, _ in node.inputs]
+        if node.func_name == NOP_FUNC and ins:
+            writers[g.entry_id(nid)] = ins[0]
+        elif node.func_name == CONCAT_FUNC:
+            writers[g.entry_id(nid)] = tuple(sorted({w for piece in ins for w in piece}))
+        elif runs(node):
+            for k in range(node.num_outputs):
+                writers[g.entry_id(nid, k)] = (nid,)
+    return writers
 
 
 def live_ranges(g: Graph) -> dict[int, Group]:
@@ -56,6 +80,7 @@ def live_ranges(g: Graph) -> dict[int, Group]:
     last: dict[int, int] = {}
     members: dict[int, list[int]] = {}
     users: dict[int, set[int]] = {}
+    writers: dict[int, set[int]] = {}
     for nid, node in enumerate(g.nodes):
         start = -1 if node.op == "null" else nid
         for k in range(node.num_outputs):
@@ -65,6 +90,7 @@ def live_ranges(g: Graph) -> dict[int, Group]:
             last[r] = max(last.get(r, start), end if node.op == "null" else start)
             if runs(node):
                 users.setdefault(r, set()).add(nid)
+                writers.setdefault(r, set()).add(nid)
         for src_nid, idx, _ in node.inputs:
             r = root[g.entry_id(src_nid, idx)]
             last[r] = max(last[r], nid)
@@ -73,7 +99,7 @@ def live_ranges(g: Graph) -> dict[int, Group]:
     for nid, idx, _ in g.heads:
         last[root[g.entry_id(nid, idx)]] = end
     return {r: Group(r, first[r], last[r], tuple(m), first[r], tuple(sorted(users.get(r, ()))),
-                     last[r] == end)
+                     last[r] == end, tuple(sorted(writers.get(r, ()))))
             for r, m in members.items()}
 
 
@@ -126,7 +152,8 @@ class Order:
         return self.clock[b].get(self.stream[a], -1) >= self.pos[a]
 
     def precedes(self, a: Group, b: Group) -> bool:
-        """Every use of ``a`` has finished before ``b`` is written: they may share bytes."""
+        """Every use of ``a`` has finished before ``b`` is written (by each of its writers):
+        they may share bytes."""
         if a.forever or b.writer < 0:
             return False
         uses = self._last_uses.get(a.root)
@@ -134,8 +161,8 @@ class Order:
             uses = self._last_uses[a.root] = {}
             for u in a.users:
                 uses[self.stream[u]] = max(uses.get(self.stream[u], -1), self.pos[u])
-        clock = self.clock[b.writer]
-        return all(clock.get(s, -1) >= p for s, p in uses.items())
+        return all(self.clock[w].get(s, -1) >= p for w in b.writers or (b.writer,)
+                   for s, p in uses.items())
 
     def conflict(self, a: Group, b: Group) -> bool:
         """``a`` and ``b`` may be live at once: they must not share bytes."""
@@ -166,7 +193,8 @@ def inplace_pairs(g: Graph, groups: dict[int, Group] | None = None,
         out = g.entry_id(nid)
         gi, go = groups[root[src]], groups[root[out]]
         others = {root[g.entry_id(*i[:2])] for j, i in enumerate(node.inputs) if j != k}
-        if (gi.writer < 0 or gi.forever or go.forever or go.root != out or gi.root in taken
+        if (gi.writer < 0 or len(gi.writers) > 1 or gi.forever or go.forever or go.root != out
+                or gi.root in taken
                 or gi.root in others or g.entry_device(src) != g.entry_device(out)
                 or group_bytes(g, gi) != g.entry_bytes(out) or g.dtypes[src] != g.dtypes[out]
                 or gi.last > nid  # a view of it after this node, read or not
@@ -197,12 +225,15 @@ def merged_ranges(g: Graph, order: Order | None = None,
         a, b = groups[into], groups.pop(out)
         groups[into] = Group(into, min(a.first, b.first), max(a.last, b.last),
                              a.members + b.members, a.writer,
-                             tuple(sorted(set(a.users) | set(b.users))), a.forever or b.forever)
+                             tuple(sorted(set(a.users) | set(b.users))), a.forever or b.forever,
+                             tuple(sorted(set(a.writers) | set(b.writers))))
     return groups
 
 
 def group_bytes(g: Graph, group: Group) -> int:
-    return max(g.entry_bytes(e) for e in group.members)
+    """The bytes a group spans from its root's start (a concat piece lies past the start)."""
+    offsets = g.entry_offsets()
+    return max(offsets[e] + g.entry_bytes(e) for e in group.members)
 
 
 def storage_devices(g: Graph, error: type[Exception]) -> dict[int, int]:
@@ -219,10 +250,12 @@ def storage_devices(g: Graph, error: type[Exception]) -> dict[int, int]:
 
 
 def storage_bytes(g: Graph) -> dict[int, int]:
-    """storage id -> its size: the largest entry using it, rounded up to ``ALIGN``."""
+    """storage id -> its size: the largest entry using it (where it ends: a concat piece lies
+    past the storage's start), rounded up to ``ALIGN``."""
     size: dict[int, int] = {}
+    offsets = g.entry_offsets()
     for eid, sid in enumerate(g.storage_ids):
-        size[sid] = max(size.get(sid, 0), align(g.entry_bytes(eid)))
+        size[sid] = max(size.get(sid, 0), align(offsets[eid] + g.entry_bytes(eid)))
     return size
 
 

@@ -27,19 +27,20 @@ from __future__ import annotations
 import dataclasses
 
 from hgrt.graph import Graph
-from hgrt.lifetimes import Order, runs
+from hgrt.lifetimes import Order, entry_writers, runs
 from hgrt.relay_passes.plan_memory import pool_bytes
 
 MEMORY_SLACK = 0.10  # extra streams may grow a device's pool by this much over sequential
 
 
-def _producers(g: Graph, nid: int, roots: list[int]) -> list[int]:
-    """The nodes that run and write what ``nid`` reads (through ``__nop`` views)."""
+def _producers(g: Graph, nid: int, writers: list[tuple[int, ...]]) -> list[int]:
+    """The nodes that run and write what ``nid`` reads (through ``__nop`` and ``__concat``
+    views; ``writers``: ``entry_writers``)."""
     found = []
     for src, idx, _ in g.nodes[nid].inputs:
-        writer = g.node_of_entry(roots[g.entry_id(src, idx)])
-        if runs(g.nodes[writer]) and writer not in found:
-            found.append(writer)
+        for writer in writers[g.entry_id(src, idx)]:
+            if writer not in found:
+                found.append(writer)
     return found
 
 
@@ -56,22 +57,23 @@ def assign_streams(graph: Graph, ctx: object = None, *, per_device: int = 1,
     memory_slack = opts.get("memory_slack", memory_slack)
     if single_stream:  # one stream over all devices: the sequential run, no section needed
         return dataclasses.replace(graph, streams=None, waits=None)
-    roots = graph.alias_roots()
+    writers = entry_writers(graph)
     caps: dict[int, int] = {}  # device -> streams it may have, where fewer than per_device
-    streams = _streams(graph, roots, per_device, caps)
+    streams = _streams(graph, writers, per_device, caps)
     sequential: list[int] | None = None  # the sequential plan's pools, planned once
     while memory_slack is not None and _several(graph, streams):
         if sequential is None:
             sequential = pool_bytes(dataclasses.replace(graph, streams=None, waits=None))
-        over = _over_budget(graph, roots, streams, sequential, memory_slack, ctx)
+        over = _over_budget(graph, writers, streams, sequential, memory_slack, ctx)
         if not over:
             break
         caps.update(over)
-        streams = _streams(graph, roots, per_device, caps)
-    return dataclasses.replace(graph, streams=streams, waits=_waits(graph, streams, roots))
+        streams = _streams(graph, writers, per_device, caps)
+    return dataclasses.replace(graph, streams=streams, waits=_waits(graph, streams, writers))
 
 
-def _streams(g: Graph, roots: list[int], per_device: int, caps: dict[int, int]) -> list[int]:
+def _streams(g: Graph, writers: list[tuple[int, ...]], per_device: int,
+             caps: dict[int, int]) -> list[int]:
     """Per node its stream (-1: it does not run), at most ``caps.get(device, per_device)``
     streams on a device."""
     streams = [-1] * len(g.nodes)
@@ -83,7 +85,7 @@ def _streams(g: Graph, roots: list[int], per_device: int, caps: dict[int, int]) 
             continue
         dev = g.entry_device(g.entry_id(nid))
         mine = [s for s, d in enumerate(device_of) if d == dev]
-        reuse = next((p for p in _producers(g, nid, roots) if p not in continued
+        reuse = next((p for p in _producers(g, nid, writers) if p not in continued
                       and streams[p] in mine and tail[streams[p]] == p), None)
         if reuse is not None:
             continued.add(reuse)
@@ -106,13 +108,13 @@ def _several(g: Graph, streams: list[int]) -> dict[int, int]:
     return {d: len(ss) for d, ss in count.items() if len(ss) > 1}
 
 
-def _over_budget(g: Graph, roots: list[int], streams: list[int], sequential: list[int],
-                 slack: float, ctx: object) -> dict[int, int]:
+def _over_budget(g: Graph, writers: list[tuple[int, ...]], streams: list[int],
+                 sequential: list[int], slack: float, ctx: object) -> dict[int, int]:
     """Devices with more than one stream whose activation pool exceeds ``1 + slack`` times
     the sequential plan's (``sequential``), each with one stream fewer than it has."""
     several = _several(g, streams)
     concurrent = pool_bytes(dataclasses.replace(g, streams=streams,
-                                                waits=_waits(g, streams, roots)))
+                                                waits=_waits(g, streams, writers)))
     over = {d: n - 1 for d, n in several.items() if concurrent[d] > (1 + slack) * sequential[d]}
     for d, n in over.items():
         if ctx is not None and hasattr(ctx, "log"):
@@ -122,7 +124,7 @@ def _over_budget(g: Graph, roots: list[int], streams: list[int], sequential: lis
     return over
 
 
-def _waits(g: Graph, streams: list[int], roots: list[int]) -> list[list[int]]:
+def _waits(g: Graph, streams: list[int], writers: list[tuple[int, ...]]) -> list[list[int]]:
     """A wait for each producer on another stream that earlier waits do not already order
     (latest producer first: waiting for it often orders the others too)."""
     order, waits = Order(), []
@@ -130,7 +132,7 @@ def _waits(g: Graph, streams: list[int], roots: list[int]) -> list[list[int]]:
         order.add(s)
         mine = []
         if s >= 0:
-            for p in sorted(_producers(g, nid, roots), key=lambda p: -order.pos[p]):
+            for p in sorted(_producers(g, nid, writers), key=lambda p: -order.pos[p]):
                 if streams[p] != s and not order.before(p, nid):
                     order.wait(nid, p)
                     mine.append(p)

@@ -1,7 +1,8 @@
 """plan_memory: one arena per device, byte offsets by greedy first-fit, proved by a verifier.
 
 Every entry gets its own storage id, except a ``__nop`` output, which shares its input's storage
-(it is a view), and an output its kernel may write over an input that dies there
+(it is a view), the pieces of a ``__concat``, which share its output's (at their offsets in
+it: ``Graph.entry_offsets``), and an output its kernel may write over an input that dies there
 (``lifetimes.inplace_pairs``: oneDNN's convolution adding a residual), which takes the
 input's. A storage is live from the node that first writes it to the last node that reads
 it; inputs and params are live for the whole run, graph outputs from their producer to the end
@@ -22,6 +23,7 @@ from hgrt.lifetimes import (
     Order,
     align,
     check_lifetimes,
+    group_bytes,
     inplace_chains,
     inplace_pairs,
     memory_report,
@@ -88,7 +90,7 @@ def _layout(g: Graph, n_dev: int, pairs: dict[int, int]
     weight_pools = [0] * n_dev
     for root, grp in sorted(merged_ranges(g, live, pairs).items()):
         sid = g.storage_ids[root]
-        size = align(max(g.entry_bytes(e) for e in grp.members))
+        size = align(group_bytes(g, grp))
         if sid in weights:
             offsets[sid] = weight_pools[owner[sid]]
             weight_pools[owner[sid]] += size
@@ -144,8 +146,10 @@ def verify_memory(g: Graph) -> None:
     if g.pool_bytes is None or g.storage_offset is None:
         raise PlanError("the graph has no memory plan (pool_bytes / storage_offset)")
     storage_devices(g, PlanError)
+    within = g.entry_offsets()
     for eid, sid in enumerate(g.storage_ids):
-        off, end = g.storage_offset[sid], g.storage_offset[sid] + g.entry_bytes(eid)
+        off = g.storage_offset[sid] + within[eid]
+        end = off + g.entry_bytes(eid)
         if off % ALIGN:
             raise PlanError(f"storage {sid}: offset {off} is not a multiple of {ALIGN}")
         dev, weight = g.pool_of(eid)

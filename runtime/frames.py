@@ -17,8 +17,8 @@ import numpy as np
 import tvm
 
 from hgrt.errors import GraphError
-from hgrt.graph import COPY_FUNC, NOP_FUNC, Graph
-from hgrt.lifetimes import ALIGN, storage_bytes, storage_devices
+from hgrt.graph import COPY_FUNC, Graph
+from hgrt.lifetimes import ALIGN, runs, storage_bytes, storage_devices
 from hgrt.runtime.onednn import PREFIX as ONEDNN
 from hgrt.runtime.onednn import kernel_function
 from hgrt.runtime.pools import StoragePools
@@ -46,11 +46,11 @@ def _find_function(lib, name: str):
 
 
 def bind_steps(graph: Graph, lib, storage: StoragePools) -> tuple[Step, ...]:
-    """Every kernel and copy of ``graph`` as a step on ``storage``'s views (a ``__nop`` is a
-    view, no step)."""
+    """Every kernel and copy of ``graph`` as a step on ``storage``'s views (a ``__nop`` or
+    ``__concat`` is a view, no step)."""
     steps = []
     for nid, node in enumerate(graph.nodes):
-        if node.op != "tvm_op" or node.func_name == NOP_FUNC:
+        if not runs(node):
             continue
         eids = [graph.entry_id(i, k) for i, k, _ in node.inputs]
         eids += [graph.entry_id(nid, k) for k in range(node.num_outputs)]

@@ -35,8 +35,10 @@ class StoragePools:
             self._allocate_arenas(devices, weights)
         else:
             self._allocate_storages(devices, weights)
-        for eid, root in enumerate(graph.alias_roots()):  # a __nop output views its input
-            self.base[eid], self.offset[eid] = self.base[root], self.offset[root]
+        # a __nop output views its input, a __concat's pieces lie in its output
+        within = graph.entry_offsets()
+        for eid, root in enumerate(graph.alias_roots()):
+            self.base[eid], self.offset[eid] = self.base[root], self.offset[root] + within[eid]
         self._kernel_views: dict[tuple[int, bool], object] = {}
         self._user_views: dict[int, object] = {}
 

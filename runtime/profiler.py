@@ -13,7 +13,8 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from hgrt.graph import COPY_FUNC, NOP_FUNC, node_work, op_label
+from hgrt.graph import COPY_FUNC, node_work, op_label
+from hgrt.lifetimes import VIEW_FUNCS
 from hgrt.runtime.threads import restore_thread_count
 
 
@@ -133,7 +134,7 @@ def _label(func: str, is_copy: bool, attrs: dict) -> str:
     kernel by its function's name (``op_label``)."""
     if is_copy:
         return "copy"
-    if func == NOP_FUNC:
+    if func in VIEW_FUNCS:
         return "view"
     if attrs.get("provider") == "onednn" and attrs.get("onednn_op"):
         return f"onednn {attrs['onednn_op']}"
