@@ -19,6 +19,7 @@ NUMPY_OPS = {
     "twice_out": lambda a: [a + 1, a * 2],
     "__copy": lambda a: [a],
     "__nop": lambda a: [a],
+    "__concat": lambda a, b: [np.concatenate([a.ravel(), b.ravel()])],
 }
 
 
@@ -35,7 +36,11 @@ def seed_graph(pools: bool) -> dict:
     q = g.op("add_one", [p], dev=1, sids=[4])  # storage 4 reused once c is dead
     r = g.copy(q, dev=0, sid=6)
     s = g.op("add", [r, o2], dev=0, sids=[2])  # storage 2 reused once o1 is dead
-    g.output(s, q)
+    # two pieces written in place into a concat's storage (7), at byte offsets 0 and 4N
+    p1 = g.op("add_one", [s], dev=0, sids=[7])
+    p2 = g.op("mul", [s, r], dev=0, sids=[7])
+    cat = g.op("__concat", [p1, p2], dev=0, sids=[7], shapes=[(2 * N,)])
+    g.output(s, q, cat)
     return g.doc(pools=pools)
 
 
@@ -77,8 +82,8 @@ def _delete(doc, path):
 
 
 REPLACEMENTS = st.one_of(
-    st.integers(-2, 9), st.sampled_from(["add", "mul", "__copy", "__nop", "null", "float64",
-                                         "int8", "tvm_op", "", "1"]),
+    st.integers(-2, 9), st.sampled_from(["add", "mul", "__copy", "__nop", "__concat", "null",
+                                         "float64", "int8", "tvm_op", "", "1"]),
     st.none(), st.just([]), st.just([0, 0, 0]), st.just(True))
 
 
