@@ -31,7 +31,10 @@ import numpy as np
 from hgrt import lifetimes
 from hgrt.errors import GraphError
 
-FORMAT_VERSION = 1
+# the 'hgrt' section's format: 2 where a graph has __concat views (an older hgrt, which would
+# look for a kernel of that name, refuses the version instead); 1 else, as before
+FORMAT_VERSION = 2
+FORMAT_VERSIONS = (1, 2)
 COPY_FUNC = "__copy"
 ONEDNN_PREFIX = "hgrt.onednn."  # the functions oneDNN kernels' nodes name (runtime/onednn.py)
 NOP_FUNC = lifetimes.NOP_FUNC
@@ -154,14 +157,16 @@ class Graph:
     def alias_roots(self) -> list[int]:
         """Per entry, the entry whose bytes it is part of: itself; for a ``__nop`` output (a
         view) the root of its input; for a piece of a ``__concat`` the root of its output."""
-        return self._view_tree()[0]
+        return list(self._view_tree[0])
 
     def entry_offsets(self) -> list[int]:
         """Per entry, its byte offset from the start of its root's bytes (``alias_roots``):
         0 but for the pieces of a ``__concat``, which lie one after another in its output."""
-        return self._view_tree()[1]
+        return self._view_tree[1]
 
+    @functools.cached_property
     def _view_tree(self) -> tuple[list[int], list[int]]:
+        """(alias roots, offsets), once per graph (a pass that changes nodes makes a new one)."""
         n = self.num_entries
         parent, rel = list(range(n)), [0] * n
         for nid, node in enumerate(self.nodes):
@@ -186,17 +191,15 @@ class Graph:
         for e in range(n):
             path = []
             x = e
-            while not done[x] and parent[x] != x:
-                path.append(x)
+            while not done[x] and parent[x] != x:  # no cycle: a __nop points to an earlier
+                path.append(x)  # entry, a concat piece to a later one, each entry once
                 x = parent[x]
-                if len(path) > n:
-                    raise GraphError(f"entry {e} is a view of itself (a cycle of views)")
             for y in reversed(path):  # nearest the root first
                 up = parent[y]
                 root[y], off[y] = root[up], off[up] + rel[y]
                 done[y] = True
             done[x] = True
-        return root, off
+        return tuple(root), tuple(off)
 
     def describe_entry(self, eid: int) -> str:
         """``output 0 of node 3 'conv' ('fused_conv2d'), (1, 8, 4, 4) float32, 512 B``."""
@@ -227,7 +230,8 @@ class Graph:
             "heads": [list(h) for h in self.heads],
             "attrs": attrs,
         }
-        section: dict[str, Any] = {"version": FORMAT_VERSION, "params": list(self.params)}
+        version = 2 if any(n.func_name == CONCAT_FUNC for n in self.nodes) else 1
+        section: dict[str, Any] = {"version": version, "params": list(self.params)}
         if self.device_names is not None:
             section["devices"] = list(self.device_names)
         if self.pool_bytes is not None:
@@ -484,7 +488,7 @@ def _check_special_ops(g: Graph) -> None:
 def concat_axis(shapes: list[tuple[int, ...]], out: tuple[int, ...]) -> int | None:
     """The axis along which ``shapes`` laid one after another in memory make ``out`` (every
     dimension before it 1, the others equal, the axis' sizes summing to out's), else None."""
-    if not shapes or any(len(s) != len(out) for s in shapes):
+    if not shapes or not out or any(len(s) != len(out) for s in shapes):
         return None
     differ = {a for s in shapes for a, (d, o) in enumerate(zip(s, out, strict=True)) if d != o}
     if len(differ) > 1:
@@ -495,28 +499,41 @@ def concat_axis(shapes: list[tuple[int, ...]], out: tuple[int, ...]) -> int | No
     return axis
 
 
-def _check_concat(g: Graph, nid: int) -> None:
-    node, what = g.nodes[nid], g.describe_node(nid)
+def concat_problem(g: Graph, nid: int, storage: bool = True) -> str | None:
+    """Why node ``nid``'s inputs cannot be pieces written in place in its output's bytes
+    (``__concat``), or None: shapes that do not lay one after another into the output, a piece
+    twice, a piece no step writes there (an input, a weight, a view), another dtype or device,
+    a piece not at a multiple of ``ALIGN`` bytes; with ``storage``, another storage id."""
+    node = g.nodes[nid]
     out = g.entry_id(nid)
     pieces = [g.entry_id(src, idx) for src, idx, _ in node.inputs]
     if node.num_outputs != 1 or not pieces:
-        raise GraphError(f"{what}: __concat takes its pieces and gives one output")
+        return "a __concat takes its pieces and gives one output"
     if concat_axis([g.shapes[p] for p in pieces], g.shapes[out]) is None:
-        raise GraphError(f"{what}: pieces {[g.shapes[p] for p in pieces]} laid one after "
-                         f"another do not make {g.shapes[out]} (one axis may differ, every "
-                         f"dimension before it 1)")
+        return (f"pieces {[g.shapes[p] for p in pieces]} laid one after another do not make "
+                f"{g.shapes[out]} (one axis may differ, every dimension before it 1)")
+    if len(set(pieces)) != len(pieces):
+        return "a piece appears twice"
     at = 0
     for p in pieces:
         source = g.nodes[g.node_of_entry(p)]
-        why = ("is an input or a weight: no step writes it in place" if source.op == "null"
+        why = ("is an input, a weight or a view: no step writes it in place"
+               if not (lifetimes.runs(source) or source.func_name == CONCAT_FUNC)
                else "has another dtype" if g.dtypes[p] != g.dtypes[out]
                else "is on another device" if g.entry_device(p) != g.entry_device(out)
-               else "has another storage id" if g.storage_ids[p] != g.storage_ids[out]
+               else "has another storage id" if storage and g.storage_ids[p] != g.storage_ids[out]
                else f"would start at byte {at}, not a multiple of {lifetimes.ALIGN}"
                if at % lifetimes.ALIGN else None)
         if why is not None:
-            raise GraphError(f"{what}: piece {g.describe_entry(p)} {why}")
+            return f"piece {g.describe_entry(p)} {why}"
         at += g.entry_bytes(p)
+    return None
+
+
+def _check_concat(g: Graph, nid: int) -> None:
+    problem = concat_problem(g, nid)
+    if problem is not None:
+        raise GraphError(f"{g.describe_node(nid)}: {problem}")
 
 
 def _parse_section(section: Any, g: Graph) -> None:
@@ -525,9 +542,9 @@ def _parse_section(section: Any, g: Graph) -> None:
     if not isinstance(section, dict):
         raise GraphError("'hgrt' section must be an object")
     version = section.get("version", FORMAT_VERSION)
-    if version != FORMAT_VERSION:
+    if version not in FORMAT_VERSIONS or isinstance(version, bool):
         raise GraphError(f"'hgrt' section: format version {version!r} is not supported "
-                         f"(this hgrt reads version {FORMAT_VERSION})")
+                         f"(this hgrt reads versions {list(FORMAT_VERSIONS)})")
     params = section.get("params", [])
     if not isinstance(params, list) or not all(isinstance(p, str) for p in params):
         raise GraphError("'hgrt' section: params must be a list of input names")

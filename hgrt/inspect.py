@@ -11,7 +11,7 @@ import subprocess
 from collections import Counter
 
 from hgrt.graph import CONCAT_FUNC, COPY_FUNC, NOP_FUNC, Graph, op_label
-from hgrt.lifetimes import group_bytes, memory_report, merged_ranges
+from hgrt.lifetimes import VIEW_FUNCS, group_bytes, memory_report, merged_ranges
 
 # One colour per device position (Graphviz / matplotlib names).
 PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#b07aa1", "#76b7b2"]
@@ -22,7 +22,7 @@ def summary(g: Graph) -> dict:
     per_dev = Counter()
     copies = Counter()
     for nid, node in enumerate(g.nodes):
-        if node.op != "tvm_op" or node.func_name in (NOP_FUNC, CONCAT_FUNC):
+        if node.op != "tvm_op" or node.func_name in VIEW_FUNCS:
             continue
         dev = g.entry_device(g.entry_id(nid))
         if node.func_name == COPY_FUNC:
@@ -109,7 +109,7 @@ def _label(g: Graph, nid: int) -> str:
 
 def _title(g: Graph, n_devices: int, hidden: int) -> str:
     funcs = [n.func_name for n in g.nodes if n.op == "tvm_op"]
-    kernels = sum(1 for f in funcs if f not in (COPY_FUNC, NOP_FUNC, CONCAT_FUNC))
+    kernels = sum(1 for f in funcs if f != COPY_FUNC and f not in VIEW_FUNCS)
     return (f"{kernels} kernels on {n_devices} devices, {funcs.count(COPY_FUNC)} copies; "
             f"{hidden} weights not drawn")
 

@@ -80,7 +80,6 @@ def live_ranges(g: Graph) -> dict[int, Group]:
     last: dict[int, int] = {}
     members: dict[int, list[int]] = {}
     users: dict[int, set[int]] = {}
-    writers: dict[int, set[int]] = {}
     for nid, node in enumerate(g.nodes):
         start = -1 if node.op == "null" else nid
         for k in range(node.num_outputs):
@@ -90,7 +89,6 @@ def live_ranges(g: Graph) -> dict[int, Group]:
             last[r] = max(last.get(r, start), end if node.op == "null" else start)
             if runs(node):
                 users.setdefault(r, set()).add(nid)
-                writers.setdefault(r, set()).add(nid)
         for src_nid, idx, _ in node.inputs:
             r = root[g.entry_id(src_nid, idx)]
             last[r] = max(last[r], nid)
@@ -98,8 +96,9 @@ def live_ranges(g: Graph) -> dict[int, Group]:
                 users.setdefault(r, set()).add(nid)
     for nid, idx, _ in g.heads:
         last[root[g.entry_id(nid, idx)]] = end
+    writers = entry_writers(g)  # a root's: every member's (views and pieces lie inside it)
     return {r: Group(r, first[r], last[r], tuple(m), first[r], tuple(sorted(users.get(r, ()))),
-                     last[r] == end, tuple(sorted(writers.get(r, ()))))
+                     last[r] == end, writers[r])
             for r, m in members.items()}
 
 
@@ -161,8 +160,7 @@ class Order:
             uses = self._last_uses[a.root] = {}
             for u in a.users:
                 uses[self.stream[u]] = max(uses.get(self.stream[u], -1), self.pos[u])
-        return all(self.clock[w].get(s, -1) >= p for w in b.writers or (b.writer,)
-                   for s, p in uses.items())
+        return all(self.clock[w].get(s, -1) >= p for w in b.writers for s, p in uses.items())
 
     def conflict(self, a: Group, b: Group) -> bool:
         """``a`` and ``b`` may be live at once: they must not share bytes."""

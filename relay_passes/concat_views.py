@@ -11,38 +11,39 @@ a ``__concat`` (a view: no step runs), its pieces share its storage at their off
 piece's writer to its last reader (``lifetimes``). A concat that is itself a piece nests
 (DenseNet's chain of concats is one buffer per block).
 
-Taken only where it stays exact and safe: a plain TVM concatenate (nothing fused into it), on
-one device, every piece the output of a step that runs (not an input, a weight or a view), a
-piece of no other concat, no piece twice, each piece at a multiple of ``ALIGN`` bytes (kernels
-may assume aligned data). oneDNN's NHWC concat is left alone (its pieces are not consecutive).
+Taken only where it stays exact and safe: a plain TVM concatenate (nothing fused into it: a
+fused concat of concats takes its inputs in another order than it lays them out), on one
+device whose pointers allow arithmetic (CPU, CUDA), every piece the output of a step that runs
+(not an input, a weight or a view), a piece of no other concat, no piece twice, each piece at a
+multiple of ``ALIGN`` bytes (kernels may assume aligned data): ``graph.concat_problem``, the
+check ``Graph.from_json`` makes of every ``__concat`` too. oneDNN's NHWC concat is left alone
+(its pieces are not consecutive bytes, and oneDNN 3.2 runs a convolution writing a channel
+slice of a wider NHWC tensor in its reference code, 200x slower).
 Runs after graph_codegen, before assign_streams: streams and events see each piece's writer
-(``entry_writers``); ``Graph.from_json`` checks every ``__concat`` of a graph it loads.
+(``entry_writers``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
-from hgrt.graph import CONCAT_FUNC, Graph, Node, concat_axis, op_label
-from hgrt.lifetimes import ALIGN, runs
+from hgrt.graph import CONCAT_FUNC, Graph, Node, concat_problem
+from hgrt.lifetimes import runs
+
+# a plain TVM concatenate kernel: ``concatenate``, ``concatenate3_llvm`` (a fused one,
+# ``fused_concatenate_concatenate1``, takes its inputs in another order than its bytes)
+PLAIN_CONCAT = re.compile(r"concatenate\d*(_(llvm|cuda|rocm))?")
+POINTER_DEVICES = ("cpu", "cuda", "rocm")  # views at byte offsets: pointer arithmetic
 
 
-def _pieces_fit(g: Graph, nid: int, taken: set[int]) -> bool:
-    node = g.nodes[nid]
-    out = g.entry_id(nid)
-    pieces = [g.entry_id(src, idx) for src, idx, _ in node.inputs]
-    if (len(pieces) < 2 or len(set(pieces)) != len(pieces) or taken.intersection(pieces)
-            or concat_axis([g.shapes[p] for p in pieces], g.shapes[out]) is None):
-        return False
-    at = 0
-    for p in pieces:
-        source = g.nodes[g.node_of_entry(p)]
-        written = runs(source) or source.func_name == CONCAT_FUNC
-        if (not written or at % ALIGN or g.dtypes[p] != g.dtypes[out]
-                or g.entry_device(p) != g.entry_device(out)):
-            return False
-        at += g.entry_bytes(p)
-    return True
+def _on_pointer_device(g: Graph, nid: int, ctx: object) -> bool:
+    dev = g.entry_device(g.entry_id(nid))
+    devices = getattr(ctx, "devices", None)
+    if devices is not None and dev < len(devices):
+        return devices[dev].kind in POINTER_DEVICES
+    names = g.device_names or []
+    return dev < len(names) and names[dev].split(":")[0] in POINTER_DEVICES
 
 
 def concat_views(graph: Graph, ctx: object = None) -> Graph:
@@ -53,16 +54,20 @@ def concat_views(graph: Graph, ctx: object = None) -> Graph:
     taken: set[int] = set()
     done = total = 0
     for nid, node in enumerate(nodes):
-        if not runs(node) or op_label(node.func_name or "") != "concatenate":
+        if not runs(node) or not PLAIN_CONCAT.fullmatch(node.func_name or ""):
             continue
         total += 1
-        if node.num_outputs != 1 or node.attrs.get("provider") or not _pieces_fit(g, nid, taken):
+        pieces = {g.entry_id(src, idx) for src, idx, _ in node.inputs}
+        if (node.attrs.get("provider") or len(pieces) < 2 or taken & pieces
+                or not _on_pointer_device(g, nid, ctx)
+                or concat_problem(g, nid, storage=False) is not None):
             continue
-        taken.update(g.entry_id(src, idx) for src, idx, _ in node.inputs)
+        taken |= pieces
         nodes[nid] = Node("tvm_op", node.name, list(node.inputs), {
             "func_name": CONCAT_FUNC, "num_inputs": str(len(node.inputs)), "num_outputs": "1",
             "flatten_data": "0"})
         done += 1
+    g = dataclasses.replace(graph, nodes=nodes)  # (the views of the graph as it now is)
     if total and ctx is not None and hasattr(ctx, "log"):
         ctx.log(f"concat_views: {done} of {total} concatenations written in place by the "
                 f"kernels of their pieces")

@@ -33,9 +33,9 @@ from hgrt.lifetimes import (
 
 
 def _assign_storage(g: Graph, pairs: dict[int, int]) -> list[int]:
-    """One storage per entry group: an entry and its ``__nop`` views share one, and so does an
-    in-place output (``pairs``: ``inplace_pairs``) with its input; numbered densely in order of
-    first use."""
+    """One storage per entry group: an entry and its views (``__nop``; a ``__concat``'s pieces)
+    share one, and so does an in-place output (``pairs``: ``inplace_pairs``) with its input;
+    numbered densely in order of first use."""
     merged = inplace_chains(pairs)
     root = [merged.get(r, r) for r in g.alias_roots()]
     dense: dict[int, int] = {}

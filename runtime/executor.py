@@ -273,9 +273,9 @@ class GraphModule(GraphModuleAPI):
         return profile(self, repeat=repeat, warmup=warmup)
 
     def _zero_copy(self, eid: int, value: Any, inputs: bool):
-        """``value`` bound in place of entry ``eid`` for one call, when that is safe: no
-        ``__nop`` view shares the entry's bytes, an input is not also an output, an output is
-        written by a step and listed once; else None (copied)."""
+        """``value`` bound in place of entry ``eid`` for one call, when that is safe: no view
+        shares the entry's bytes (``__nop``, ``__concat``), an input is not also an output, an
+        output is written by a step and listed once; else None (copied)."""
         g = self.graph
         if eid in self._viewed or (eid in self._output_eids if inputs else (
                 self._output_eids.count(eid) != 1 or g.nodes[g.node_of_entry(eid)].op == "null")):
@@ -285,7 +285,8 @@ class GraphModule(GraphModuleAPI):
 
     @functools.cached_property
     def _viewed(self) -> frozenset[int]:
-        """Entries that share their bytes with a ``__nop`` view (or are such a view)."""
+        """Entries that share their bytes with a view (or are one): ``__nop`` views, the
+        pieces of a ``__concat`` and its output."""
         roots = self.graph.alias_roots()
         shared = {r for e, r in enumerate(roots) if r != e}
         return frozenset(e for e, r in enumerate(roots) if r in shared)

@@ -104,8 +104,9 @@ def pointer_view(base, shape, dtype: str, byte_offset: int = 0, own_base: bool =
     if dev_type not in POINTER_ARITHMETIC_DEVICES:
         if own_base and byte_offset == 0:
             return base  # hgrt places entries at offsets only on the devices above
-        raise DeviceError(f"{dev}: storage pools at byte offsets need pointer arithmetic on the "
-                          f"device; plan this graph without the 'hgrt' pool section")
+        raise DeviceError(f"{dev}: tensors at byte offsets (storage pools, concat pieces) need "
+                          f"pointer arithmetic on the device; plan this graph without the "
+                          f"'hgrt' pool section and without __concat views")
     t = tvm.runtime.DataType(str(dtype))
     shape = tuple(int(s) for s in shape)
     if own_base:

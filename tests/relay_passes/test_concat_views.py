@@ -103,6 +103,27 @@ def test_pieces_made_on_another_device_and_several_streams_stay_exact():
             np.testing.assert_array_equal(m.get_output(k).numpy(), w)
 
 
+def test_a_fused_concat_of_concats_stays_a_kernel():
+    """s = concat(c, concat(a, b)): TVM fuses both concats into one kernel whose inputs come
+    in another order (a, b, c) than its output lays them out (c, a, b); it is no view."""
+    rng = np.random.default_rng(0)
+    inits, nodes = [], []
+    for out in "abc":
+        inits.append(numpy_helper.from_array(
+            (rng.standard_normal((16, 16, 3, 3)) / 12).astype("float32"), f"w_{out}"))
+        nodes.append(helper.make_node("Conv", ["x", f"w_{out}"], [out], pads=[1, 1, 1, 1]))
+    nodes += [helper.make_node("Concat", ["a", "b"], ["t"], axis=1),
+              helper.make_node("Concat", ["c", "t"], ["s"], axis=1)]
+    graph = helper.make_graph(
+        nodes, "concat_of_concat",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 4, 4])],
+        [helper.make_tensor_value_info("s", TensorProto.FLOAT, None)], inits)
+    res = build_and_compare(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]),
+                            **TOL)
+    fused = [n.func_name for n in res.graph.nodes if "concatenate" in (n.func_name or "")]
+    assert not _concats(res) and len(fused) == 1 and fused[0].startswith("fused_")
+
+
 def _doc():
     res = hgrt.build(dense_block_onnx(), ["cpu"], kernels="tvm")
     return res, json.loads(res.graph_json)
@@ -123,8 +144,21 @@ def test_a_loaded_concat_view_is_checked():
 
     bad = json.loads(res.graph_json)  # the model's input as a piece: nothing writes it there
     bad["nodes"][s1]["inputs"][0] = [0, 0, 0]
-    with pytest.raises(hgrt.GraphError, match=r"is an input or a weight"):
+    with pytest.raises(hgrt.GraphError, match=r"is an input, a weight or a view"):
         hgrt.Graph.from_json(bad)
+
+    bad = json.loads(res.graph_json)  # a scalar "concat": no axis to lay pieces along
+    bad["attrs"]["shape"][1] = [[] if eid in (b, g.entry_id(s1)) else shp
+                                for eid, shp in enumerate(bad["attrs"]["shape"][1])]
+    bad["nodes"][s1]["inputs"] = bad["nodes"][s1]["inputs"][1:]
+    bad["nodes"][s1]["attrs"]["num_inputs"] = "1"
+    with pytest.raises(hgrt.GraphError, match=r"laid one after another do not make \(\)"):
+        hgrt.Graph.from_json(bad)
+
+    assert doc["hgrt"]["version"] == 2  # an older hgrt refuses the format, not a kernel name
+    assert json.loads(hgrt.build(dense_block_onnx(), ["cpu"], kernels="tvm",
+                                 streams={"single_stream": True}).graph_json)["hgrt"]["version"] \
+        == 2
 
     bad = json.loads(res.graph_json)  # one tensor a piece of two concats
     bad["nodes"][s2]["inputs"].append(bad["nodes"][s1]["inputs"][0])
