@@ -66,6 +66,30 @@ def test_local_session_matches_local_run(session, remote_lib, pools, rng):
     assert m.benchmark(repeat=2, number=2).median > 0
 
 
+@pytest.mark.parametrize("pools", [False, True], ids=["per-storage", "arena"])
+def test_a_concat_view_runs_remotely_as_locally(session, remote_lib, pools, rng):
+    """A __concat whose pieces a kernel and a copy from cpu:1 write in place (storage 9): the
+    server lays them out as the client does; the concat and a piece at byte offset 4N (both
+    graph outputs) read back right."""
+    g = GraphBuilder()
+    x = g.input("x", dev=0)
+    w = g.input("w", dev=1, param=True)
+    p1 = g.op("add_one", [x], dev=0, sids=[9])
+    p2 = g.copy(g.op("mul", [g.copy(x, dev=1), w], dev=1), dev=0, sid=9)
+    cat = g.op("__concat", [p1, p2], dev=0, sids=[9], shapes=[(2 * N,)])
+    g.output(cat, p2)
+    x_v = rng.standard_normal(N).astype("float32")
+    w_v = rng.standard_normal(N).astype("float32")
+    want = np.concatenate([x_v + 1, x_v * w_v])
+    local = hgrt.create(g.json(pools=pools), elementwise_lib(), [tvm.cpu(0), tvm.cpu(1)])
+    m = hgrt.create(g.json(pools=pools), remote_lib, [session.cpu(0), session.cpu(1)])
+    for mod in (local, m):
+        mod.load_params({"w": w_v})
+        mod.run(x=x_v)
+        np.testing.assert_allclose(mod.get_output(0).numpy(), want, rtol=1e-6)
+        np.testing.assert_allclose(mod.get_output(1).numpy(), want[N:], rtol=1e-6)
+
+
 def test_a_local_module_or_a_path_is_uploaded_for_you(session, tmp_path):
     g = graph()
     path = str(tmp_path / "lib.so")
