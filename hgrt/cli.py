@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import re
+import shlex
 import sys
 import time
 
@@ -175,14 +176,15 @@ def cmd_tune(args: argparse.Namespace) -> int:
     for s in summaries:
         print(f"{s.target}: {s.tasks} tasks, {len(s.trials)} tuned now, "
               f"{len(s.skipped)} done before, {s.seconds:.0f} s")
-    same = [f"--device {d}" for d in args.device]
-    same += [f"--place {p}" for p in args.place or []]
-    same += [f"--override {o}" for o in args.override or []]
+    q = shlex.quote  # patterns (nn.conv*) would be globbed by the shell
+    same = [f"--device {q(d)}" for d in args.device]
+    same += [f"--place {q(p)}" for p in args.place or []]
+    same += [f"--override {q(o)}" for o in args.override or []]
     same += [f"--{k} {v}" for k, v in (("prefer", args.prefer), ("fallback", args.fallback),
                                        ("kernels", args.kernels)) if v and v != "auto"]
-    same += [f"--kernels-rule {r}" for r in args.kernels_rule or []]
-    same += [f"--kernels-override {o}" for o in args.kernels_override or []]
-    same += [f"--input-shape {i}" for i in args.input_shape or []]
+    same += [f"--kernels-rule {q(r)}" for r in args.kernels_rule or []]
+    same += [f"--kernels-override {q(o)}" for o in args.kernels_override or []]
+    same += [f"--input-shape {q(i)}" for i in args.input_shape or []]
     print(f"database {args.db}/ written in {time.perf_counter() - t0:.0f} s; build with "
           f"`hgrt compile {args.model} {' '.join(same)} --tuning-db {args.db} -o OUT`")
     return 0

@@ -61,7 +61,7 @@ def _builder_initializer() -> None:
 def fuse_for_tuning(model: Any, devices: Any = "cpu", placement: Any = None,
                     params: dict[str, Any] | None = None, *,
                     input_shapes: dict[str, Any] | None = None,
-                    kernels: str = "auto") -> tvm.IRModule:
+                    kernels: Any = "auto") -> tvm.IRModule:
     """A model (ONNX path / ModelProto, Relax IRModule) → the placed, fused module ``build``
     schedules (``hgrt.compiler.lower_model``): same passes, same devices, placement and kernel
     provider (``kernels``, as ``build``'s: the ops oneDNN computes are no TVM kernels, so there
@@ -251,7 +251,7 @@ def tune(model: Any, db_dir: str, trials_per_task: int = 16, *, devices: Any = "
          input_shapes: dict[str, Any] | None = None, trials_per_round: int = 16,
          population_size: int = 128, builder_timeout_sec: float = 60.0,
          max_workers: int | None = None, seed: int = 0, cost_model: str = "auto",
-         kernels: str = "auto", verify: bool = True,
+         kernels: Any = "auto", verify: bool = True,
          log: Callable[[str], None] | None = print) -> list[TuneSummary]:
     """Tune every distinct kernel of ``model`` placed on ``devices`` into ``db_dir``.
 
@@ -297,7 +297,7 @@ def verify_in_model(model: Any, db_dir: str, *, devices: Any = "cpu", placement:
                     params: dict[str, Any] | None = None,
                     input_shapes: dict[str, Any] | None = None, repeat: int = 20,
                     margin: float = 0.02, fused: tvm.IRModule | None = None,
-                    kernels: str = "auto", log: Callable[[str], None] | None = print
+                    kernels: Any = "auto", log: Callable[[str], None] | None = print
                     ) -> dict[str, tuple[float, float]]:
     """Time every tuned kernel inside the model against its default schedule; where the tuned
     one is slower (by more than ``margin``), record that the default wins, so that

@@ -108,6 +108,10 @@ class Kernels:
             else None
         if kernels is None:
             raise BuildError(f"kernels={value!r}: a provider ({list(KERNELS)}) or hgrt.Kernels")
+        for what, table in (("rules", kernels.rules), ("overrides", kernels.overrides)):
+            if not isinstance(table, dict) or not all(isinstance(k, str) for k in table):
+                raise BuildError(f"Kernels {what}={table!r}: a dict from "
+                                 f"{'op pattern' if what == 'rules' else 'node name'} to provider")
         for where, provider in kernels.choices():
             if provider not in KERNELS:
                 raise BuildError(f"{where}={provider!r}: choose one of {list(KERNELS)}")
@@ -350,16 +354,23 @@ def _provider(ctx: BuildContext, kernels: Kernels) -> Any | None:
     return None
 
 
-def _check_overrides(func: relax.Function, kernels: Kernels) -> None:
-    """Every node an override names is a convolution or matmul of ``main``."""
+def _check_choices(func: relax.Function, kernels: Kernels) -> None:
+    """Every node an override names is a convolution or matmul of ``main``, and every rule can
+    match one (a provider is chosen for those ops only)."""
     ops = {b.var.name: op_name(b.value) for b in bindings(func)}
     roots = [name for name, op in ops.items() if op in ROOTS]
     for name in kernels.overrides:
         if ops.get(name) not in ROOTS:
-            what = "is not a binding of main" if name not in ops else f"is a {ops[name]}"
+            parts = [r for r in roots if r.startswith(f"{name}_part")]
+            what = ("is not a binding of main" if name not in ops else f"is a {ops[name]}") + (
+                f" (split_concat split its convolution into {parts}: name those)" if parts else "")
             raise BuildError(f"kernels override {name!r}: {what}; providers are chosen for "
                              f"convolutions and matmuls: {roots[:20]}"
                              f"{' ...' if len(roots) > 20 else ''}")
+    for rule in kernels.rules:
+        if not any(match_op_rule(op, {rule: None}) for op in ROOTS):
+            raise BuildError(f"kernels rule {rule!r} matches no op a provider is chosen for: "
+                             f"{[op.removeprefix('relax.') for op in ROOTS]}")
 
 
 def _grow(g: _Graph, chain: Chain, block: set[relax.Var]) -> Chain:
@@ -372,8 +383,8 @@ def _grow(g: _Graph, chain: Chain, block: set[relax.Var]) -> Chain:
             return chain
 
 
-def find_chains(g: _Graph, kernels: Kernels, claim: frozenset[str] = frozenset(KERNELS)
-                ) -> list[Chain]:
+def find_chains(g: _Graph, kernels: Kernels,
+                claim: frozenset[str] = frozenset({"auto", "onednn"})) -> list[Chain]:
     """The chains of ``main`` that oneDNN kernels compute, in binding order: those whose root
     op ``kernels`` gives to a provider in ``claim`` and that oneDNN can compute. A node that an
     override gives to "onednn" and oneDNN cannot compute is a BuildError."""
@@ -383,10 +394,10 @@ def find_chains(g: _Graph, kernels: Kernels, claim: frozenset[str] = frozenset(K
         in_block = {b.var for b in block.bindings}
         for b in block.bindings:
             root = ROOTS.get(op_name(b.value))
-            if root is None or b.var in g.claimed:
+            if root is None:
                 continue
             choice, named = kernels.choice(b.var.name, op_name(b.value))
-            if choice == "tvm" or choice not in claim:
+            if choice not in claim:
                 continue
             device = ctx.placed.op_device.get(b.var.name)
             if device is None or not _runs_onednn(ctx, device):
@@ -551,17 +562,18 @@ def claim_onednn(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     """Claim what oneDNN computes (see module doc); ``mod`` untouched when nothing is claimed."""
     kernels = Kernels.of(ctx.options.kernels)
     func = mod["main"]
-    _check_overrides(func, kernels)
+    _check_choices(func, kernels)
     runtime = _provider(ctx, kernels)
     if runtime is None or "num_input" not in (func.attrs or {}):
         return mod
     g = _Graph(func, ctx)
     chains = find_chains(g, kernels)
     auto = [c for c in chains if c.choice == "auto"]
-    macs = sum(c.macs for c in auto)
+    macs = sum(c.macs for c in chains)  # the model's, whoever asked: auto's choice is per model
     if auto and macs < AUTO_MIN_MACS:
-        ctx.log(f"kernels: tvm (auto: the {len(auto)} ops oneDNN could take are {macs} "
-                f"multiply-adds, below {AUTO_MIN_MACS}: its per-call cost would outweigh them)")
+        ctx.log(f"kernels: tvm for {len(auto)} ops (auto: the {len(chains)} ops oneDNN could take "
+                f"are {macs} multiply-adds, below {AUTO_MIN_MACS}: its per-call cost would "
+                f"outweigh them)")
         g = _Graph(func, ctx)
         chains = find_chains(g, kernels, frozenset({"onednn"}))
     if not chains:

@@ -380,6 +380,28 @@ def test_an_override_claims_what_auto_leaves_and_refuses_what_onednn_cannot_comp
                    kernels=hgrt.Kernels("tvm", overrides={"conv": "onednn"}))
 
 
+@needs_onednn
+def test_auto_weighs_the_whole_model_whoever_asked_for_its_other_ops():
+    """A 32 -> 32 3x3 conv on 16x16 (2.4M multiply-adds: enough for auto) and a 32 -> 10
+    dense layer: auto gives both to oneDNN, and so it does when a rule restates the conv's
+    choice (auto's size rule counts every op oneDNN takes, not only auto's)."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.1).astype("float32"), n)
+             for n, s in (("w0", (32, 32, 3, 3)), ("fc", (10, 32)), ("fb", (10,)))]
+    nodes = [helper.make_node("Conv", ["x", "w0"], ["c0"], pads=[1] * 4),
+             helper.make_node("Relu", ["c0"], ["r0"]),
+             helper.make_node("GlobalAveragePool", ["r0"], ["p"]),
+             helper.make_node("Flatten", ["p"], ["f"]),
+             helper.make_node("Gemm", ["f", "fc", "fb"], ["y"], transB=1)]
+    graph = helper.make_graph(
+        nodes, "conv_fc", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 32, 16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    for kernels in ("auto", hgrt.Kernels("auto", rules={"nn.conv2d": "onednn"}),
+                    hgrt.Kernels("onednn", rules={"matmul": "auto"})):
+        assert {k for _, k in _roots(_check(model, kernels=kernels))} == {"onednn"}, kernels
+
+
 def test_kernel_choices_name_what_exists():
     model = _block_onnx()
     with pytest.raises(hgrt.BuildError, match=r"override 'nope': is not a binding of main; "
@@ -394,6 +416,13 @@ def test_kernel_choices_name_what_exists():
         hgrt.build(model, ["cpu"], kernels=hgrt.Kernels(rules={"matmul": "mkl"}))
     with pytest.raises(hgrt.BuildError, match=r"a provider .* or hgrt.Kernels"):
         hgrt.build(model, ["cpu"], kernels={"matmul": "tvm"})
+    # rules name ops: "conv2d" (not "nn.conv2d") or a relu would silently do nothing
+    for rule in ("conv2d", "nn.relu"):
+        with pytest.raises(hgrt.BuildError, match=rf"rule '{rule}' matches no op a provider is "
+                                                  r"chosen for: \['nn.conv2d', 'matmul'\]"):
+            hgrt.build(model, ["cpu"], kernels=hgrt.Kernels(rules={rule: "tvm"}))
+    with pytest.raises(hgrt.BuildError, match=r"Kernels rules=None: a dict from op pattern"):
+        hgrt.build(model, ["cpu"], kernels=hgrt.Kernels(rules=None))
 
 
 @pytest.fixture
