@@ -24,7 +24,11 @@ import tvm
 from tvm import relax
 
 from hgrt.errors import BuildError
-from hgrt.relay_passes.simplify import fold_weight_transforms, pairwise_reductions
+from hgrt.relay_passes.simplify import (
+    fold_weight_transforms,
+    inference_dropouts,
+    pairwise_reductions,
+)
 
 # what TVM's ONNX import says about every model hgrt gives it: the checker sees the weights that
 # _from_onnx took out of the graph inputs, and names are made identifiers (input_names has them)
@@ -160,4 +164,4 @@ def import_model(model: Any, params: dict[str, Any] | None = None,
     else:
         raise BuildError(f"cannot import a {type(model).__name__}: give an onnx ModelProto, a "
                          f"path to an .onnx file or a Relax IRModule")
-    return fold_weight_transforms(pairwise_reductions(mod), weights)
+    return fold_weight_transforms(inference_dropouts(pairwise_reductions(mod)), weights)

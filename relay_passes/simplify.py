@@ -16,6 +16,11 @@ their results as its weights (``fold_weight_transforms``). A model that places i
 (vdevices, ``R.to_vdevice``) has its transform run on this one CPU all the same; each result
 keeps, as a parameter of ``main``, the device the model gave it.
 
+An inference ``dropout`` passes its input through: the reads of its result
+(``R.nn.dropout(x)[0]``) read ``x`` itself, and the dropout goes where nothing reads its mask.
+A dropout between ops hid them from the passes that match them: squeezenet's last concat is
+read by a convolution through one, which ``split_concat`` then takes like the others.
+
 (Inference ``batch_norm`` is left to after placement, so that a rule naming ``nn.batch_norm``
 still places it: ``fold_batch_norm`` makes it a per-channel multiply and add, or lowering
 decomposes it; either fuses into the convolution before it.)
@@ -93,6 +98,35 @@ def pairwise_reductions(mod: tvm.IRModule) -> tvm.IRModule:
     """Stacked reductions of ``main`` rewritten as pairwise ops (see module doc)."""
     func = mod["main"]
     m = _StackedReductions(mod, relax.analysis.get_var2val(func))
+    new_func = m.visit_expr(func)
+    if not m.rewritten:
+        return mod
+    mod = mod.clone()
+    mod.update_func(mod.get_global_var("main"), new_func)
+    return relax.transform.DeadCodeElimination(["main"])(mod)
+
+
+@relax.expr_functor.mutator
+class _Dropouts(relax.PyExprMutator):
+    def __init__(self, mod: tvm.IRModule, var2val: dict) -> None:
+        super().__init__(mod)
+        self.var2val = var2val
+        self.rewritten = 0
+
+    def visit_tuple_getitem_(self, op: relax.TupleGetItem) -> relax.Expr:
+        source = op.tuple_value
+        value = self.var2val.get(source) if isinstance(source, relax.Var) else source
+        if op.index == 0 and op_name(value) == "relax.nn.dropout":
+            self.rewritten += 1
+            return self.visit_expr(value.args[0])
+        return super().visit_tuple_getitem_(op)
+
+
+def inference_dropouts(mod: tvm.IRModule) -> tvm.IRModule:
+    """``main`` reading each inference dropout's input where it read its result (see module
+    doc); the dropouts whose masks nothing reads are gone."""
+    func = mod["main"]
+    m = _Dropouts(mod, relax.analysis.get_var2val(func))
     new_func = m.visit_expr(func)
     if not m.rewritten:
         return mod

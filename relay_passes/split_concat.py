@@ -10,18 +10,22 @@ and a max pool between them (per channel) goes to the parts:
 element of ``a`` and ``b`` goes; the convolutions do the same multiply-adds, one more call, and
 the sum is the residual add that both kernel providers fuse (oneDNN's ``sum`` post-op, written in
 place where the plan lets it: ``claim_onednn``; TVM's fused elementwise tail). Seven of
-squeezenet's eight fire modules are this (the eighth's concat is read through a dropout);
+squeezenet's eight fire modules are this (the eighth's concat, read by the classifier, is not);
 measured there (2 threads, AVX-512, one build with the pass and one without, ``run()``
 interleaved 3 x 200 times in one process): oneDNN kernels 2.64-2.69 -> 2.45-2.50 ms (0.93x),
 TVM kernels 3.99-4.08 -> 3.77-3.89 ms (0.94-0.95x); the same split written into the ONNX model
 but with the two max pools left on the concat gained only 0.98x.
 
-Taken only where it costs one extra call per concat: exactly two parts, the concat (or the max
-pool of it) read by one convolution and nothing else, all on one CPU device (a GPU's concat is
-cheap next to a kernel launch: not measured, not taken), static float32 NCHW shapes, the
-convolution's weight known at build, no per-channel scale after it (a batch norm or a multiply,
-which oneDNN folds into one convolution's weights, not into a sum's). The weight's halves are
-new weights (``<name>.split0``, ``.split1``); the original goes when nothing else reads it.
+Taken only where it costs one extra call per concat and less traffic than the concat: exactly
+two parts, the concat (or the max pool of it) read by one convolution and nothing else, whose
+result is smaller than the concat (the sum writes and reads a partial result as large: a
+squeeze convolution's 16-64 channels from 128-512, yes; squeezenet's classifier, 1000 from
+512, no: 1.5 % slower whole runs with TVM kernels, 0.8 % with oneDNN's), all on one CPU device
+(a GPU's concat is cheap next to a kernel launch: not measured, not taken), static float32 NCHW
+shapes, the convolution's weight known at build, no per-channel scale after it (a batch norm or
+a multiply, which oneDNN folds into one convolution's weights, not into a sum's). The weight's
+halves are new weights (``<name>.split0``, ``.split1``); the original goes when nothing else
+reads it.
 Runs after insert_copies (devices known) and before claim_onednn; the new bindings join
 ``ctx.placed`` (device, report rows), the concat's and the pool's leave it.
 """
@@ -72,9 +76,10 @@ def _match(g: MainReader, b: relax.VarBinding, ctx: BuildContext) -> _Split | No
         if not _nchw(reader) or ctx.placed.op_device.get(reader.var.name) != device:
             return None
         reader, pool = g.only_user(reader.var), reader
+    conv_out = None if reader is None else _shape(reader.var)
     if (reader is None or op_name(reader.value) != "relax.nn.conv2d" or not _nchw(reader)
-            or ctx.placed.op_device.get(reader.var.name) != device
-            or _shape(reader.var) is None):
+            or ctx.placed.op_device.get(reader.var.name) != device or conv_out is None
+            or int(np.prod(conv_out)) >= int(np.prod(out))):
         return None
     weight = g.value(reader.value.args[1])
     if weight is None or weight.ndim != 4 or weight.dtype != np.float32 or weight.shape[1] != \

@@ -11,6 +11,7 @@ from onnx.reference import ReferenceEvaluator
 import hgrt
 from hgrt.compiler import lower_model
 from hgrt.frontend import import_model
+from hgrt.testing import build_and_compare
 
 
 def _model(nodes, inputs, output, inits=(), opset=13):
@@ -115,3 +116,21 @@ def test_batch_norm_fuses_into_its_convolution():
     want = np.maximum(bn, 0)
     got, _ = _run(model, {"x": x})
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_inference_dropouts_pass_their_input_through():
+    """x -> Conv -> Dropout -> Relu -> y: the dropout is no kernel (nor fused into one), and
+    the result equals the Relax VM's (which runs it)."""
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((8, 4, 3, 3)).astype("float32"), "w")
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Dropout", ["c"], ["d"]),
+             helper.make_node("Relu", ["d"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "dropout", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 6, 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    mod, _ = import_model(model)
+    assert "relax.nn.dropout" not in str(mod["main"].script())
+    res = build_and_compare(model, kernels="tvm", rtol=1e-5, atol=1e-5)
+    assert not [n for n in res.graph.nodes if "dropout" in (n.func_name or "")]

@@ -19,7 +19,7 @@ CA, CB, OC = 8, 12, 10  # unequal parts: a cut at the wrong channel gives wrong 
 
 
 def fire_onnx(pool=False, parts=2, concat_out=False, second_reader=False, groups=1, axis=1,
-              bn=False, shared_weight=False, seed=0):
+              bn=False, shared_weight=False, seed=0, oc=OC):
     """x -> [1x1 conv, 3x3 conv (, 1x1 conv)] -> Relu each -> Concat(axis) -> [MaxPool 3x3/2]
     -> Conv 1x1 (weight ``w``, bias ``b``) [-> BatchNormalization] -> Relu -> Conv 1x1 -> y;
     optionally the concat also an output, or also read by a Sigmoid (output ``s``), or ``w``
@@ -45,14 +45,14 @@ def fire_onnx(pool=False, parts=2, concat_out=False, second_reader=False, groups
         nodes.append(helper.make_node("MaxPool", ["cat"], ["pooled"], kernel_shape=[3, 3],
                                       strides=[2, 2]))
         read = "pooled"
-    nodes.append(helper.make_node("Conv", [read, init("w", (OC, sum(widths) // groups, 1, 1)),
-                                           init("b", (OC,))], ["y0"], group=groups))
+    nodes.append(helper.make_node("Conv", [read, init("w", (oc, sum(widths) // groups, 1, 1)),
+                                           init("b", (oc,))], ["y0"], group=groups))
     if bn:
-        stats = [init(n, (OC,)) for n in ("g", "beta", "m")]
-        inits.append(numpy_helper.from_array(np.full(OC, 2.0, "float32"), "v"))
+        stats = [init(n, (oc,)) for n in ("g", "beta", "m")]
+        inits.append(numpy_helper.from_array(np.full(oc, 2.0, "float32"), "v"))
         nodes.append(helper.make_node("BatchNormalization", ["y0", *stats, "v"], ["y0n"]))
     nodes.append(helper.make_node("Relu", ["y0n" if bn else "y0"], ["y1"]))
-    nodes.append(helper.make_node("Conv", ["y1", init("t", (4, OC, 1, 1))], ["y"]))
+    nodes.append(helper.make_node("Conv", ["y1", init("t", (4, oc, 1, 1))], ["y"]))
     outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
     if concat_out:
         outputs.append(helper.make_tensor_value_info("cat", TensorProto.FLOAT, None))
@@ -114,11 +114,14 @@ def test_a_negative_axis_and_a_weight_read_elsewhere():
 
 @pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("case", [
-    {"parts": 3}, {"concat_out": True}, {"second_reader": True}, {"groups": 2}, {"bn": True}])
+    {"parts": 3}, {"concat_out": True}, {"second_reader": True}, {"groups": 2}, {"bn": True},
+    {"oc": 2 * (CA + CB)}])
 def test_not_split_where_the_concat_is_needed_or_the_sum_would_not_hold(case, kernels):
     """Three parts (two more calls), a concat that is an output or read by another op (it is
     written anyway), a grouped convolution (not a sum over all input channels), a batch norm
-    after the convolution (oneDNN folds it into one convolution's weights, not a sum's)."""
+    after the convolution (oneDNN folds it into one convolution's weights, not a sum's), a
+    convolution whose result is larger than the concat (its partial sum would cost more than
+    the concat's copy)."""
     res = _build_and_check(fire_onnx(**case), kernels)
     assert _concats(res) and not any(".split" in name for name in res.params)
 
