@@ -25,6 +25,7 @@ from tvm import relax
 
 from hgrt.errors import BuildError
 from hgrt.relay_passes.simplify import (
+    elementwise_through_concats,
     fold_weight_transforms,
     inference_dropouts,
     pairwise_reductions,
@@ -164,4 +165,5 @@ def import_model(model: Any, params: dict[str, Any] | None = None,
     else:
         raise BuildError(f"cannot import a {type(model).__name__}: give an onnx ModelProto, a "
                          f"path to an .onnx file or a Relax IRModule")
-    return fold_weight_transforms(inference_dropouts(pairwise_reductions(mod)), weights)
+    mod = elementwise_through_concats(inference_dropouts(pairwise_reductions(mod)))
+    return fold_weight_transforms(mod, weights)

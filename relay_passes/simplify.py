@@ -21,6 +21,12 @@ An inference ``dropout`` passes its input through: the reads of its result
 A dropout between ops hid them from the passes that match them: squeezenet's last concat is
 read by a convolution through one, which ``split_concat`` then takes like the others.
 
+A unary element-wise op (ReLU, clip, sigmoid, ...) of a concat that nothing else reads
+becomes the concat of the op of each part: ``relu(concat([a, b]))`` is
+``concat([relu(a), relu(b)])``, the same numbers. FuseOps then fuses each op into its part's
+kernel, and the concat, plain, is written in place by them (``concat_views``): ShuffleNet's
+three stride-2 units (a pool and a convolution, concatenated, then ReLU).
+
 (Inference ``batch_norm`` is left to after placement, so that a rule naming ``nn.batch_norm``
 still places it: ``fold_batch_norm`` makes it a per-channel multiply and add, or lowering
 decomposes it; either fuses into the convolution before it.)
@@ -127,6 +133,66 @@ def inference_dropouts(mod: tvm.IRModule) -> tvm.IRModule:
     doc); the dropouts whose masks nothing reads are gone."""
     func = mod["main"]
     m = _Dropouts(mod, relax.analysis.get_var2val(func))
+    new_func = m.visit_expr(func)
+    if not m.rewritten:
+        return mod
+    mod = mod.clone()
+    mod.update_func(mod.get_global_var("main"), new_func)
+    return relax.transform.DeadCodeElimination(["main"])(mod)
+
+
+# element-wise ops of one tensor (their other arguments, if any, are attributes or scalars)
+UNARY = frozenset({"relax.nn.relu", "relax.clip", "relax.sigmoid", "relax.tanh",
+                   "relax.nn.silu", "relax.nn.gelu", "relax.exp", "relax.sqrt", "relax.abs",
+                   "relax.negative"})
+
+
+@relax.expr_functor.mutator
+class _ThroughConcat(relax.PyExprMutator):
+    def __init__(self, mod: tvm.IRModule, var2val: dict, reads: dict) -> None:
+        super().__init__(mod)
+        self.var2val, self.reads = var2val, reads
+        self.names = {v.name for v in reads} | {v.name for v in var2val}
+        self.rewritten = 0
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        src = call.args[0] if op_name(call) in UNARY and call.args else None
+        concat = self.var2val.get(src) if isinstance(src, relax.Var) else None
+        parts = None if op_name(concat) != "relax.concat" else concat.args[0]
+        parts = self.var2val.get(parts, parts) if isinstance(parts, relax.Var) else parts
+        if not isinstance(parts, relax.Tuple) or self.reads.get(src) != 1 or any(
+                isinstance(a, relax.Expr) and not isinstance(a, relax.PrimValue)
+                and not isinstance(a, relax.Constant) for a in call.args[1:]):
+            return super().visit_call_(call)
+        short = call.op.name.rsplit(".", 1)[-1]
+        mapped = [self.builder_.emit(relax.Call(call.op, [self.visit_expr(p), *call.args[1:]],
+                                                call.attrs), self._name(f"{src.name}_{short}{k}"))
+                  for k, p in enumerate(parts.fields)]
+        self.rewritten += 1
+        return self.builder_.normalize(relax.op.concat(mapped, axis=concat.attrs.axis))
+
+    def _name(self, want: str) -> str:
+        """``want``, or it with ``_`` appended until no variable of main has the name."""
+        while want in self.names:
+            want += "_"
+        self.names.add(want)
+        return want
+
+
+def _reads(func: relax.Function) -> dict:
+    """How many bindings (and the function's result) read each variable of ``func``."""
+    reads: dict = {}
+    exprs = [b.value for blk in func.body.blocks for b in blk.bindings] + [func.body.body]
+    for expr in exprs:
+        for v in relax.analysis.free_vars(expr):
+            reads[v] = reads.get(v, 0) + 1
+    return reads
+
+
+def elementwise_through_concats(mod: tvm.IRModule) -> tvm.IRModule:
+    """``main`` with unary element-wise ops of concats moved onto their parts (module doc)."""
+    func = mod["main"]
+    m = _ThroughConcat(mod, relax.analysis.get_var2val(func), _reads(func))
     new_func = m.visit_expr(func)
     if not m.rewritten:
         return mod

@@ -134,3 +134,37 @@ def test_inference_dropouts_pass_their_input_through():
     assert "relax.nn.dropout" not in str(mod["main"].script())
     res = build_and_compare(model, kernels="tvm", rtol=1e-5, atol=1e-5)
     assert not [n for n in res.graph.nodes if "dropout" in (n.func_name or "")]
+
+
+def _pool_conv_concat_relu(concat_out: bool):
+    """x -> [AveragePool 3x3/2, Conv 3x3/2] -> Concat -> Relu -> y (ShuffleNet's stride-2
+    unit); with ``concat_out`` the concat is an output too."""
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((16, 16, 3, 3)).astype("float32"), "w")
+    nodes = [helper.make_node("AveragePool", ["x"], ["p"], kernel_shape=[3, 3], strides=[2, 2],
+                              pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["x", "w"], ["c"], strides=[2, 2], pads=[1, 1, 1, 1]),
+             helper.make_node("Concat", ["p", "c"], ["cat"], axis=1),
+             helper.make_node("Relu", ["cat"], ["y"])]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
+    if concat_out:
+        outputs.append(helper.make_tensor_value_info("cat", TensorProto.FLOAT, None))
+    graph = helper.make_graph(
+        nodes, "unit", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 8, 8])],
+        outputs, [w])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+@pytest.mark.parametrize("concat_out", [False, True])
+def test_a_relu_of_a_concat_goes_to_its_parts(concat_out):
+    """relu(concat(pool, conv)) is concat(relu(pool), relu(conv)): each relu fuses into its
+    part's kernel and the concat is written in place by them; not where the concat is read
+    elsewhere (an output too)."""
+    res = build_and_compare(_pool_conv_concat_relu(concat_out), kernels="tvm", rtol=1e-5,
+                            atol=1e-5)
+    funcs = [n.func_name for n in res.graph.nodes if n.op == "tvm_op"]
+    if concat_out:  # the relu reads the whole concat (a view still: both parts are kernels')
+        assert "__concat" in funcs and [f for f in funcs if "relu" in f] == ["relu_llvm"]
+    else:
+        assert "__concat" in funcs and len(funcs) == 3  # pool+relu, conv+relu, the view
+        assert all("relu" in f for f in funcs if f != "__concat")
