@@ -102,8 +102,14 @@ class _StackedReductions(relax.PyExprMutator):
 
 def pairwise_reductions(mod: tvm.IRModule) -> tvm.IRModule:
     """Stacked reductions of ``main`` rewritten as pairwise ops (see module doc)."""
+    return _rewrite_main(mod, lambda f: _StackedReductions(mod, relax.analysis.get_var2val(f)))
+
+
+def _rewrite_main(mod: tvm.IRModule, make) -> tvm.IRModule:
+    """``mod`` with ``main`` visited by the mutator ``make(main)`` (counting ``rewritten``),
+    dead code gone; ``mod`` itself when nothing was rewritten."""
     func = mod["main"]
-    m = _StackedReductions(mod, relax.analysis.get_var2val(func))
+    m = make(func)
     new_func = m.visit_expr(func)
     if not m.rewritten:
         return mod
@@ -131,14 +137,7 @@ class _Dropouts(relax.PyExprMutator):
 def inference_dropouts(mod: tvm.IRModule) -> tvm.IRModule:
     """``main`` reading each inference dropout's input where it read its result (see module
     doc); the dropouts whose masks nothing reads are gone."""
-    func = mod["main"]
-    m = _Dropouts(mod, relax.analysis.get_var2val(func))
-    new_func = m.visit_expr(func)
-    if not m.rewritten:
-        return mod
-    mod = mod.clone()
-    mod.update_func(mod.get_global_var("main"), new_func)
-    return relax.transform.DeadCodeElimination(["main"])(mod)
+    return _rewrite_main(mod, lambda f: _Dropouts(mod, relax.analysis.get_var2val(f)))
 
 
 # element-wise ops of one tensor (their other arguments, if any, are attributes or scalars)
@@ -191,14 +190,8 @@ def _reads(func: relax.Function) -> dict:
 
 def elementwise_through_concats(mod: tvm.IRModule) -> tvm.IRModule:
     """``main`` with unary element-wise ops of concats moved onto their parts (module doc)."""
-    func = mod["main"]
-    m = _ThroughConcat(mod, relax.analysis.get_var2val(func), _reads(func))
-    new_func = m.visit_expr(func)
-    if not m.rewritten:
-        return mod
-    mod = mod.clone()
-    mod.update_func(mod.get_global_var("main"), new_func)
-    return relax.transform.DeadCodeElimination(["main"])(mod)
+    return _rewrite_main(mod, lambda f: _ThroughConcat(mod, relax.analysis.get_var2val(f),
+                                                       _reads(f)))
 
 
 def fold_weight_transforms(mod: tvm.IRModule, weights: dict[str, np.ndarray]
