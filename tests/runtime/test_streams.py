@@ -39,6 +39,22 @@ def branchy(depth: int = 6, even: bool = False) -> Graph:
     return Graph.from_json(g.json())
 
 
+def branchy_concat(depth: int = 6) -> Graph:
+    """``branchy``'s two chains joined by a concat written in place: one piece by a kernel on
+    cpu:0, the other by the copy back from cpu:1's stream (storage 99 for all three)."""
+    g = GraphBuilder()
+    x = g.input("x", dev=0)
+    w = g.input("w", dev=1, param=True)
+    a = g.op("add_one", [x], dev=0)
+    b = g.copy(a, dev=1)
+    for i in range(depth):
+        a = g.op("add_one", [a], dev=0)
+        b = g.op("mul" if i % 2 else "add", [b, w], dev=1)
+    pieces = [g.op("add_one", [a], dev=0, sids=[99]), g.copy(b, dev=0, sid=99)]
+    g.output(g.op("__concat", pieces, dev=0, sids=[99], shapes=[(2 * N,)]))
+    return Graph.from_json(g.json())
+
+
 def planned(graph: Graph, **opts) -> Graph:
     return plan_memory(assign_streams(graph, **opts))
 
@@ -72,10 +88,11 @@ def test_single_stream_option_and_a_graph_without_streams_run_as_today(rng):
     np.testing.assert_array_equal(outs[0], outs[2])
 
 
-def test_streams_forced_to_interleave_stay_bitwise_equal(rng):
+@pytest.mark.parametrize("graph", [branchy, branchy_concat])
+def test_streams_forced_to_interleave_stay_bitwise_equal(rng, graph):
     """300 runs with random sleeps injected before steps: every output equals the sequential
-    run's, bit for bit."""
-    m = module(planned(branchy()))
+    run's, bit for bit (also where the branches meet in a concat their steps write in place)."""
+    m = module(planned(graph()))
     assert m._streams is not None and m.parallel
     x = rng.standard_normal(N).astype("float32")
     m.run(x=x, parallel=False)
