@@ -39,6 +39,8 @@ def summary(g: Graph) -> dict:
         "memory": {names[d]: vars(m) for d, m in enumerate(mem) if d < len(names)},
         "streams": _streams(g, names),
         "providers": _providers(g),
+        # concats whose pieces their kernels write in place (concat_views): no step of their own
+        "concat_views": sum(1 for n in g.nodes if n.func_name == CONCAT_FUNC),
     }
 
 
@@ -73,6 +75,8 @@ def format_summary(s: dict) -> str:
             row[1].append(f"{n} with weights packed for {isa}")
     lines += [f"  of which {p}: {n}" + (f" ({', '.join(packed)})" if packed else "")
               for p, (n, packed) in by_provider.items()]
+    if s.get("concat_views"):
+        lines.append(f"concats written in place by their pieces' kernels: {s['concat_views']}")
     lines.append(f"copies: {s['num_copies']}")
     lines += [f"  {k}: {b} bytes per run" for k, b in s["copies"].items()]
     lines.append("streams: " + (", ".join(f"{k} on {v['device']}: {v['steps']} steps, waits "

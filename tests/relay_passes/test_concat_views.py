@@ -190,3 +190,15 @@ def test_a_reader_of_a_concat_view_must_wait_for_every_piece():
     with pytest.raises(hgrt.GraphError, match=rf"node {relu_s1} .* reads the output of node "
                                               rf"{conv_b} .* with no event between them"):
         hgrt.Graph.from_json(doc)
+
+
+def test_inspect_counts_and_draws_concat_views(tmp_path):
+    from hgrt.inspect import format_summary, inspect_artifacts
+
+    res = hgrt.build(dense_block_onnx(), ["cpu"], kernels="tvm")
+    hgrt.save(str(tmp_path / "art"), res)
+    summary, files = inspect_artifacts(str(tmp_path / "art"))
+    assert summary["concat_views"] == 2
+    assert "concats written in place by their pieces' kernels: 2" in format_summary(summary)
+    assert summary["kernels_per_device"] == {"cpu:0": 7}  # the convs, the relus: no concat
+    assert any(f.endswith(".png") for f in files)
