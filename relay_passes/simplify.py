@@ -25,7 +25,10 @@ A unary element-wise op (ReLU, clip, sigmoid, ...) of a concat that nothing else
 becomes the concat of the op of each part: ``relu(concat([a, b]))`` is
 ``concat([relu(a), relu(b)])``, the same numbers. FuseOps then fuses each op into its part's
 kernel, and the concat, plain, is written in place by them (``concat_views``): ShuffleNet's
-three stride-2 units (a pool and a convolution, concatenated, then ReLU).
+three stride-2 units (a pool and a convolution, concatenated, then ReLU). The op's binding
+then holds the concat, the parts' ops are ``<concat>_<op><k>`` (what a placement override
+names). Not where a dataflow variable would leave its block (a Relax module's concat read in
+a later block).
 
 (Inference ``batch_norm`` is left to after placement, so that a rule naming ``nn.batch_norm``
 still places it: ``fold_batch_norm`` makes it a per-channel multiply and add, or lowering
@@ -128,7 +131,8 @@ class _Dropouts(relax.PyExprMutator):
     def visit_tuple_getitem_(self, op: relax.TupleGetItem) -> relax.Expr:
         source = op.tuple_value
         value = self.var2val.get(source) if isinstance(source, relax.Var) else source
-        if op.index == 0 and op_name(value) == "relax.nn.dropout":
+        if (op.index == 0 and op_name(value) == "relax.nn.dropout"
+                and not _escapes(source, value.args[:1])):
             self.rewritten += 1
             return self.visit_expr(value.args[0])
         return super().visit_tuple_getitem_(op)
@@ -159,9 +163,10 @@ class _ThroughConcat(relax.PyExprMutator):
         concat = self.var2val.get(src) if isinstance(src, relax.Var) else None
         parts = None if op_name(concat) != "relax.concat" else concat.args[0]
         parts = self.var2val.get(parts, parts) if isinstance(parts, relax.Var) else parts
-        if not isinstance(parts, relax.Tuple) or self.reads.get(src) != 1 or any(
-                isinstance(a, relax.Expr) and not isinstance(a, relax.PrimValue)
-                and not isinstance(a, relax.Constant) for a in call.args[1:]):
+        if (not isinstance(parts, relax.Tuple) or self.reads.get(src) != 1
+                or any(isinstance(getattr(a, "ty", None), relax.TensorType)  # clip's bounds
+                       for a in call.args[1:])  # are scalars; a tensor operand is no unary op
+                or _escapes(src, parts.fields)):
             return super().visit_call_(call)
         short = call.op.name.rsplit(".", 1)[-1]
         mapped = [self.builder_.emit(relax.Call(call.op, [self.visit_expr(p), *call.args[1:]],
@@ -178,14 +183,35 @@ class _ThroughConcat(relax.PyExprMutator):
         return want
 
 
+def _escapes(var: relax.Expr, used: list) -> bool:
+    """Whether reading ``used`` where ``var`` is read could take a dataflow variable out of its
+    block: ``var`` leaves its block (a plain Var) while one of ``used`` may not."""
+    return not isinstance(var, relax.DataflowVar) and any(
+        isinstance(u, relax.DataflowVar) for u in used)
+
+
+@relax.expr_functor.visitor
+class _Reads(relax.PyExprVisitor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count: dict = {}
+
+    def visit_var_(self, var: relax.Var) -> None:
+        self.count[var] = self.count.get(var, 0) + 1
+
+    def visit_dataflow_var_(self, var: relax.DataflowVar) -> None:
+        self.count[var] = self.count.get(var, 0) + 1
+
+
 def _reads(func: relax.Function) -> dict:
-    """How many bindings (and the function's result) read each variable of ``func``."""
-    reads: dict = {}
-    exprs = [b.value for blk in func.body.blocks for b in blk.bindings] + [func.body.body]
-    for expr in exprs:
-        for v in relax.analysis.free_vars(expr):
-            reads[v] = reads.get(v, 0) + 1
-    return reads
+    """How many times each variable of ``func`` is read (each occurrence in a binding's value,
+    a branch of an ``If`` included, and in the function's result)."""
+    r = _Reads()
+    for blk in func.body.blocks:
+        for b in blk.bindings:
+            r.visit_expr(b.value)
+    r.visit_expr(func.body.body)
+    return r.count
 
 
 def elementwise_through_concats(mod: tvm.IRModule) -> tvm.IRModule:

@@ -7,11 +7,13 @@ import pytest
 import tvm
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
+from tvm import relax
 
 import hgrt
 from hgrt.compiler import lower_model
 from hgrt.frontend import import_model
-from hgrt.testing import build_and_compare
+from hgrt.relay_passes.relax_util import op_name
+from hgrt.testing import onnx_inputs, run_hgrt
 
 
 def _model(nodes, inputs, output, inits=(), opset=13):
@@ -132,8 +134,19 @@ def test_inference_dropouts_pass_their_input_through():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     mod, _ = import_model(model)
     assert "relax.nn.dropout" not in str(mod["main"].script())
-    res = build_and_compare(model, kernels="tvm", rtol=1e-5, atol=1e-5)
+    res = _against_onnx(model)
     assert not [n for n in res.graph.nodes if "dropout" in (n.func_name or "")]
+
+
+def _against_onnx(model):
+    """hgrt's build of ``model`` against ONNX's reference evaluator (the Relax VM would run the
+    rewritten import too); the build result."""
+    inputs = onnx_inputs(model)
+    res = hgrt.build(model, ["cpu"], kernels="tvm")
+    want = ReferenceEvaluator(model).run(None, inputs)
+    for got, w in zip(run_hgrt(res, inputs), want, strict=True):
+        np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-5)
+    return res
 
 
 def _pool_conv_concat_relu(concat_out: bool):
@@ -160,11 +173,31 @@ def test_a_relu_of_a_concat_goes_to_its_parts(concat_out):
     """relu(concat(pool, conv)) is concat(relu(pool), relu(conv)): each relu fuses into its
     part's kernel and the concat is written in place by them; not where the concat is read
     elsewhere (an output too)."""
-    res = build_and_compare(_pool_conv_concat_relu(concat_out), kernels="tvm", rtol=1e-5,
-                            atol=1e-5)
+    res = _against_onnx(_pool_conv_concat_relu(concat_out))
     funcs = [n.func_name for n in res.graph.nodes if n.op == "tvm_op"]
     if concat_out:  # the relu reads the whole concat (a view still: both parts are kernels')
         assert "__concat" in funcs and [f for f in funcs if "relu" in f] == ["relu_llvm"]
     else:
         assert "__concat" in funcs and len(funcs) == 3  # pool+relu, conv+relu, the view
         assert all("relu" in f for f in funcs if f != "__concat")
+
+
+def test_a_clip_of_a_concat_keeps_its_bounds():
+    """R.clip's bounds are scalars, not operands: clip(concat(x + y, x * y), 0, 6) becomes the
+    concat of the clipped parts, the same numbers."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 4), "float32"))
+    y = relax.Var("y", relax.TensorType((1, 4), "float32"))
+    with bb.function("main", [x, y], attrs={"num_input": 2}):
+        with bb.dataflow():
+            parts = [bb.emit(relax.op.add(x, y)), bb.emit(relax.op.multiply(x, y))]
+            cat = bb.emit(relax.op.concat(parts, axis=1))
+            out = bb.emit_output(bb.emit(relax.op.clip(cat, 0.0, 6.0)))
+        bb.emit_func_output(out)
+    mod, _ = import_model(bb.finalize())
+    assert [op_name(b.value) for b in mod["main"].body.blocks[0].bindings].count(
+        "relax.clip") == 2
+    xv, yv = (np.linspace(-3, 3, 4, dtype="float32").reshape(1, 4) * k for k in (1, 2))
+    res = hgrt.build(bb.finalize(), ["cpu"], params={}, kernels="tvm")
+    got = run_hgrt(res, {"x": xv, "y": yv})[0]
+    np.testing.assert_allclose(got, np.clip(np.concatenate([xv + yv, xv * yv], 1), 0, 6))
