@@ -33,18 +33,21 @@ def align(n: int) -> int:
 class Group:
     """Entries that share bytes (an entry, its ``__nop`` views, the pieces of a ``__concat``),
     and the steps they are live in, ``first`` to ``last`` inclusive (-1: before the first
-    step). ``writer`` is the first node that writes them (-1: an input or param), ``writers``
-    all (one, or a concat's piece by piece), ``users`` the nodes that run and touch them,
+    step). ``writers`` are the nodes that write them, in order (one, or a concat's piece by
+    piece; none for an input or param: ``writer`` -1), ``users`` the nodes that run and touch them,
     ``forever``: never overwritten (an input, a param, a graph output)."""
 
     root: int
     first: int
     last: int
     members: tuple[int, ...]
-    writer: int = -1
     users: tuple[int, ...] = ()
     forever: bool = False
     writers: tuple[int, ...] = ()
+
+    @property
+    def writer(self) -> int:
+        return self.writers[0] if self.writers else -1
 
     def overlaps(self, other: Group) -> bool:
         return self.first <= other.last and other.first <= self.last
@@ -97,7 +100,7 @@ def live_ranges(g: Graph) -> dict[int, Group]:
     for nid, idx, _ in g.heads:
         last[root[g.entry_id(nid, idx)]] = end
     writers = entry_writers(g)  # a root's: every member's (views and pieces lie inside it)
-    return {r: Group(r, first[r], last[r], tuple(m), first[r], tuple(sorted(users.get(r, ()))),
+    return {r: Group(r, first[r], last[r], tuple(m), tuple(sorted(users.get(r, ()))),
                      last[r] == end, writers[r])
             for r, m in members.items()}
 
@@ -222,7 +225,7 @@ def merged_ranges(g: Graph, order: Order | None = None,
     for out, into in inplace_chains(pairs).items():  # node order: earlier links first
         a, b = groups[into], groups.pop(out)
         groups[into] = Group(into, min(a.first, b.first), max(a.last, b.last),
-                             a.members + b.members, a.writer,
+                             a.members + b.members,
                              tuple(sorted(set(a.users) | set(b.users))), a.forever or b.forever,
                              tuple(sorted(set(a.writers) | set(b.writers))))
     return groups
