@@ -74,11 +74,12 @@ def _kernels(args: argparse.Namespace):
     ``hgrt.build(kernels=)`` takes."""
     rules = _pairs(args.kernels_rule, "--kernels-rule")
     overrides = _pairs(args.kernels_override, "--kernels-override")
-    if not rules and not overrides:
+    if not rules and not overrides and not args.no_winograd:
         return args.kernels
     from hgrt.relay_passes.claim_onednn import Kernels
 
-    return Kernels.of(Kernels(args.kernels, rules=rules, overrides=overrides))  # checked now
+    return Kernels.of(Kernels(args.kernels, rules=rules, overrides=overrides,  # checked now
+                              winograd=not args.no_winograd))
 
 
 def parse_targets(items: list[str] | None) -> dict[str, str] | None:
@@ -184,6 +185,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
                                        ("kernels", args.kernels)) if v and v != "auto"]
     same += [f"--kernels-rule {q(r)}" for r in args.kernels_rule or []]
     same += [f"--kernels-override {q(o)}" for o in args.kernels_override or []]
+    same += ["--no-winograd"] if args.no_winograd else []
     same += [f"--input-shape {q(i)}" for i in args.input_shape or []]
     print(f"database {args.db}/ written in {time.perf_counter() - t0:.0f} s; build with "
           f"`hgrt compile {args.model} {' '.join(same)} --tuning-db {args.db} -o OUT`")
@@ -355,6 +357,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernels-override", action="append", metavar="NODE=PROVIDER",
                    help="who computes one convolution or matmul (by its binding name, as the "
                         "placement report lists it) (repeat)")
+    p.add_argument("--no-winograd", action="store_true",
+                   help="oneDNN's 3x3 convolutions stay direct (Winograd, where it is faster, "
+                        "holds 4x their weights' bytes)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,17 +55,22 @@ enum Slot : int {
   // a max pool of the convolution's result (kPoolKH 0: none), and the pool's output H, W
   kPoolKH, kPoolKW, kPoolSH, kPoolSW, kPoolPadT, kPoolPadL, kPoolPadB, kPoolPadR, kPoolOH,
   kPoolOW,
+  kAlgo,  // how a convolution computes: 0 directly (oneDNN's convolution), 1 Winograd
   kUsedSlots
 };
 static_assert(kUsedSlots <= kSlots, "header overflows its bytes");
 enum Kind : int64_t { kConv2d = 1, kDense = 2 };
 enum PostOp : int64_t { kNoPost = 0, kRelu = 1, kClip = 2, kSum = 3 };
+enum Algo : int64_t { kDirect = 0, kWinograd = 1 };
 
 struct Header {
   int64_t v[kSlots];
   int64_t operator[](int i) const { return v[i]; }
   int64_t& operator[](int i) { return v[i]; }
   bool pooled() const { return v[kPoolKH] > 0; }
+  // F(4x4, 3x3) Winograd: a 3x3 stride-1 convolution of NHWC activations, its weights packed
+  // as the 36 matrices (C x K) of the Winograd domain (see the Winograd section below)
+  bool winograd() const { return v[kKind] == kConv2d && v[kAlgo] == kWinograd; }
   bool has_sum() const {
     for (int k = 0; k < kMaxPostOps; ++k) {
       if (v[kPost0 + 3 * k] == kSum) return true;
@@ -101,6 +106,7 @@ dnnl::stream& Stream() {
 
 memory::dims WeightDims(const Header& h) {
   if (h[kKind] == kDense) return {h[kOC], h[kIC]};
+  if (h.winograd()) return {36, h[kIC], h[kOC]};
   if (h[kGroups] > 1) {
     int64_t g = h[kGroups];
     return {g, h[kOC] / g, h[kIC] / g, h[kKH], h[kKW]};
@@ -109,7 +115,9 @@ memory::dims WeightDims(const Header& h) {
 }
 
 memory::desc PlainWeights(const Header& h) {
-  Tag tag = h[kKind] == kDense ? Tag::ab : (h[kGroups] > 1 ? Tag::goihw : Tag::oihw);
+  Tag tag = h[kKind] == kDense ? Tag::ab
+            : h.winograd()     ? Tag::abc
+                               : (h[kGroups] > 1 ? Tag::goihw : Tag::oihw);
   return memory::desc(WeightDims(h), memory::data_type::f32, tag);
 }
 
@@ -127,6 +135,31 @@ memory::dims DstDims(const Header& h) {
 memory::dims OutDims(const Header& h) {
   if (!h.pooled()) return DstDims(h);
   return {h[kN], h[kOC], h[kPoolOH], h[kPoolOW]};
+}
+
+// Winograd's output tiles (4 x 4 pixels each) over the batch, the rows of its matmul.
+int64_t WinogradTiles(const Header& h) {
+  return h[kN] * ((h[kOH] + 3) / 4) * ((h[kOW] + 3) / 4);
+}
+
+// Why a header cannot run as Winograd (nullptr: it can): a 3x3 stride-1 undilated ungrouped
+// convolution, NHWC in and out (and the residual), no pool, padding that keeps the 3x3 window.
+const char* WinogradProblem(const Header& h) {
+  if (h[kKH] != 3 || h[kKW] != 3 || h[kSH] != 1 || h[kSW] != 1 || h[kDilH] != 1 ||
+      h[kDilW] != 1 || h[kGroups] != 1) {
+    return "Winograd needs a 3x3 stride-1 undilated ungrouped convolution";
+  }
+  if (h.pooled()) return "Winograd does not fuse a pool";
+  if (h[kSrcTag] != dnnl_nhwc || h[kDstTag] != dnnl_nhwc ||
+      (h.has_sum() && h[kResTag] != dnnl_nhwc)) {
+    return "Winograd reads and writes NHWC activations only";
+  }
+  if (h[kN] < 1 || h[kIC] < 1 || h[kOC] < 1 || h[kOH] < 1 || h[kOW] < 1 || h[kPadT] < 0 ||
+      h[kPadL] < 0 || h[kOH] != h[kIH] + h[kPadT] + h[kPadB] - 2 ||
+      h[kOW] != h[kIW] + h[kPadL] + h[kPadR] - 2) {
+    return "Winograd: the output size does not follow from the input and padding";
+  }
+  return nullptr;
 }
 
 memory::desc WithTag(const memory::dims& dims, int64_t tag) {
@@ -212,6 +245,14 @@ dnnl::primitive_desc MakeDesc(const Header& h, const memory::desc& wei, bool in_
   auto conv_io = [&](memory::dims d, int64_t tag) { return tag > 0 ? WithTag(d, tag) : any(d); };
   memory::desc bias({h[kOC]}, memory::data_type::f32, Tag::a);
   auto kind = dnnl::prop_kind::forward_inference;
+  if (h.winograd()) {  // the 36 products of the Winograd domain, one batched matmul
+    int64_t tiles = WinogradTiles(h);
+    dnnl::primitive_attr attr;
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    return dnnl::matmul::primitive_desc(
+        Engine(), memory::desc({36, tiles, h[kIC]}, memory::data_type::f32, Tag::abc), wei,
+        memory::desc({36, tiles, h[kOC]}, memory::data_type::f32, Tag::abc), attr);
+  }
   if (h[kKind] == kDense) {
     return dnnl::inner_product_forward::primitive_desc(Engine(), kind, any(SrcDims(h)), wei, bias,
                                                        any(DstDims(h)), Attributes(h, in_place));
@@ -284,6 +325,13 @@ const Header& ReadHeader(const ffi::TensorView& blob) {
                      h[kPoolPadL] < 0 || h[kPoolPadB] < 0 || h[kPoolPadR] < 0)) {
     TVM_FFI_THROW(ValueError) << "oneDNN: bad max pool in the packed weights' header";
   }
+  if (h[kAlgo] != kDirect && (h[kAlgo] != kWinograd || h[kKind] != kConv2d)) {
+    TVM_FFI_THROW(ValueError) << "oneDNN: unknown convolution algorithm " << h[kAlgo]
+                              << " in the packed weights' header";
+  }
+  if (h.winograd() && WinogradProblem(h)) {
+    TVM_FFI_THROW(ValueError) << "oneDNN: " << WinogradProblem(h);
+  }
   if (h[kDnnlVersion] != DnnlVersion()) {
     TVM_FFI_THROW(ValueError) << "oneDNN: the weights were packed by oneDNN " << h[kDnnlVersion]
                               << ", this is " << DnnlVersion()
@@ -302,6 +350,12 @@ Header ReadPlainHeader(const ffi::TensorView& header) {
   CheckTensor(header, "header", DLDataType{kDLInt, 64, 1}, kSlots);
   Header h;
   std::memcpy(&h, DataOf(header), sizeof(Header));
+  if (h[kAlgo] != kDirect && (h[kAlgo] != kWinograd || h[kKind] != kConv2d)) {
+    TVM_FFI_THROW(ValueError) << "oneDNN: unknown convolution algorithm " << h[kAlgo];
+  }
+  if (h.winograd() && WinogradProblem(h)) {
+    TVM_FFI_THROW(ValueError) << "oneDNN: " << WinogradProblem(h);
+  }
   return h;
 }
 
@@ -427,6 +481,7 @@ std::shared_ptr<Entry> MakeEntry(const char* blob, std::shared_ptr<Repacked> rep
   e->src_user = Activation(SrcDims(h), h[kSrcTag]);
   e->dst_user = Activation(OutDims(h), h[kDstTag]);
   e->res_user = Activation(DstDims(h), h[kResTag]);
+  if (h.winograd()) return e;  // the transforms read and write the activations as they are
   e->reorder_src = e->src != e->src_user;
   e->reorder_dst = e->dst != e->dst_user;
   if (h.pooled()) {  // the pool runs in the layout oneDNN chose for the convolution's result
@@ -596,6 +651,228 @@ StageArgs& BoundArgs(const std::shared_ptr<Owner>& owner) {
   return slot.second;
 }
 
+// ---- Winograd F(4x4, 3x3) ---------------------------------------------------------------------
+
+// Lavin and Gray's minimal filtering: a 3x3 filter g and a 6x6 input tile d make the 4x4 output
+// tile A^T [(G g G^T) . (B^T d B)] A, 36 multiplies per input and output channel where the
+// direct convolution spends 144. The weights' transform U = G g G^T is made once, at pack (36
+// matrices C x K, packed in the layout oneDNN's matmul picks); per call every tile's input
+// transform V = B^T d B (36 matrices tiles x C), oneDNN's batched matmul M = V U (36 x tiles x
+// K), and the output transform A^T M A, which adds the bias and the post-ops as it writes the
+// NHWC output. (oneDNN 3.2 has no fp32 Winograd of its own: algorithm::convolution_winograd
+// finds no implementation, on AVX2 or AVX-512.) Measured against oneDNN's direct convolution
+// (2 threads, AVX-512 and AVX2; relay_passes/claim_onednn.py says where it is chosen): resnet50's
+// 64 -> 64 3x3 on 56x56 1013 -> 522 us, 256 -> 256 on 14x14 940 -> 469 us; on 7x7 (4 tiles)
+// the matmul reads 4x the weights for little work: 894 -> 973 us.
+constexpr int kWinoBlock = 64;  // channels per pass over a tile: the stack holds 36 x 64 floats
+
+struct WinoShape {
+  int64_t n, h, w, c, k, oh, ow, tiles_h, tiles_w, pad_t, pad_l, tiles;
+};
+
+WinoShape WinoShapeOf(const Header& h) {
+  int64_t th = (h[kOH] + 3) / 4, tw = (h[kOW] + 3) / 4;
+  return {h[kN], h[kIH], h[kIW], h[kIC], h[kOC], h[kOH], h[kOW], th, tw, h[kPadT], h[kPadL],
+          h[kN] * th * tw};
+}
+
+struct WinoPost {  // what the output transform adds: the bias, then the post-ops in order
+  const float* bias;
+  const float* residual;  // NHWC, the output's shape (a sum post-op), or nullptr
+  int64_t kind[kMaxPostOps];
+  float alpha[kMaxPostOps], beta[kMaxPostOps];
+};
+
+// o[i] = sum_j B^T[i][j] d[j], on n channels of each
+inline __attribute__((always_inline)) void WinoInputRows(const float* const d[6],
+                                                         float* const o[6], int n) {
+  const float *d0 = d[0], *d1 = d[1], *d2 = d[2], *d3 = d[3], *d4 = d[4], *d5 = d[5];
+  float *o0 = o[0], *o1 = o[1], *o2 = o[2], *o3 = o[3], *o4 = o[4], *o5 = o[5];
+#pragma omp simd
+  for (int c = 0; c < n; ++c) {
+    float a1 = d1[c], a2 = d2[c], a3 = d3[c], a4 = d4[c];
+    o0[c] = 4.f * d0[c] - 5.f * a2 + a4;
+    o1[c] = -4.f * (a1 + a2) + a3 + a4;
+    o2[c] = 4.f * (a1 - a2) - a3 + a4;
+    o3[c] = 2.f * (a3 - a1) - a2 + a4;
+    o4[c] = 2.f * (a1 - a3) - a2 + a4;
+    o5[c] = 4.f * a1 - 5.f * a3 + d5[c];
+  }
+}
+
+// o[i] = sum_j A^T[i][j] m[j], on n channels of each
+inline __attribute__((always_inline)) void WinoOutputRows(const float* const m[6],
+                                                          float* const o[4], int n) {
+  const float *m0 = m[0], *m1 = m[1], *m2 = m[2], *m3 = m[3], *m4 = m[4], *m5 = m[5];
+  float *o0 = o[0], *o1 = o[1], *o2 = o[2], *o3 = o[3];
+#pragma omp simd
+  for (int c = 0; c < n; ++c) {
+    float s12 = m1[c] + m2[c], d12 = m1[c] - m2[c], s34 = m3[c] + m4[c], d34 = m3[c] - m4[c];
+    o0[c] = m0[c] + s12 + s34;
+    o1[c] = d12 + 2.f * d34;
+    o2[c] = s12 + 4.f * s34;
+    o3[c] = d12 + 8.f * d34 + m5[c];
+  }
+}
+
+// V for tiles [t0, t1): rows of 6 then columns of 6, the padding read as zeros
+inline __attribute__((always_inline)) void WinoInputBody(const WinoShape& s, const float* x,
+                                                         float* v, int64_t t0, int64_t t1) {
+  alignas(64) static const float zeros[kWinoBlock] = {};
+  alignas(64) float tmp[6][6][kWinoBlock];
+  const int64_t per_image = s.tiles_h * s.tiles_w;
+  for (int64_t t = t0; t < t1; ++t) {
+    int64_t img = t / per_image, r = t % per_image;
+    int64_t y0 = r / s.tiles_w * 4 - s.pad_t, x0 = r % s.tiles_w * 4 - s.pad_l;
+    for (int64_t c0 = 0; c0 < s.c; c0 += kWinoBlock) {
+      int n = static_cast<int>(std::min<int64_t>(kWinoBlock, s.c - c0));
+      for (int i = 0; i < 6; ++i) {
+        const float* d[6];
+        float* o[6];
+        int64_t y = y0 + i;
+        for (int j = 0; j < 6; ++j) {
+          int64_t xj = x0 + j;
+          bool inside = y >= 0 && y < s.h && xj >= 0 && xj < s.w;
+          d[j] = inside ? x + ((img * s.h + y) * s.w + xj) * s.c + c0 : zeros;
+          o[j] = tmp[i][j];
+        }
+        WinoInputRows(d, o, n);
+      }
+      for (int j = 0; j < 6; ++j) {
+        const float* d[6];
+        float* o[6];
+        for (int i = 0; i < 6; ++i) {
+          d[i] = tmp[i][j];
+          o[i] = v + ((i * 6 + j) * s.tiles + t) * s.c + c0;
+        }
+        WinoInputRows(d, o, n);
+      }
+    }
+  }
+}
+
+// the output pixels of tiles [t0, t1) from M: columns of 6 to 4, rows of 6 to 4, then the
+// bias and the post-ops (the residual read where it is written: it may be the output's bytes)
+inline __attribute__((always_inline)) void WinoOutputBody(const WinoShape& s, const float* m,
+                                                          const WinoPost& post, float* out,
+                                                          int64_t t0, int64_t t1) {
+  alignas(64) float tmp[4][6][kWinoBlock];
+  alignas(64) float row[4][kWinoBlock];
+  const int64_t per_image = s.tiles_h * s.tiles_w;
+  for (int64_t t = t0; t < t1; ++t) {
+    int64_t img = t / per_image, r = t % per_image;
+    int64_t y0 = r / s.tiles_w * 4, x0 = r % s.tiles_w * 4;
+    for (int64_t k0 = 0; k0 < s.k; k0 += kWinoBlock) {
+      int n = static_cast<int>(std::min<int64_t>(kWinoBlock, s.k - k0));
+      for (int j = 0; j < 6; ++j) {
+        const float* mm[6];
+        float* o[4];
+        for (int i = 0; i < 6; ++i) mm[i] = m + ((i * 6 + j) * s.tiles + t) * s.k + k0;
+        for (int i = 0; i < 4; ++i) o[i] = tmp[i][j];
+        WinoOutputRows(mm, o, n);
+      }
+      for (int i = 0; i < 4 && y0 + i < s.oh; ++i) {
+        const float* mm[6];
+        float* o[4];
+        for (int j = 0; j < 6; ++j) mm[j] = tmp[i][j];
+        for (int j = 0; j < 4; ++j) o[j] = row[j];
+        WinoOutputRows(mm, o, n);
+        for (int j = 0; j < 4 && x0 + j < s.ow; ++j) {
+          int64_t at = ((img * s.oh + y0 + i) * s.ow + x0 + j) * s.k + k0;
+          float* dst = out + at;
+          const float* bias = post.bias + k0;
+          const float* res = post.residual ? post.residual + at : nullptr;
+          float* val = row[j];
+#pragma omp simd
+          for (int c = 0; c < n; ++c) val[c] += bias[c];
+          for (int p = 0; p < kMaxPostOps; ++p) {
+            float lo = post.alpha[p], hi = post.beta[p];
+            if (post.kind[p] == kRelu) {
+#pragma omp simd
+              for (int c = 0; c < n; ++c) val[c] = std::max(val[c], 0.f);
+            } else if (post.kind[p] == kClip) {
+#pragma omp simd
+              for (int c = 0; c < n; ++c) val[c] = std::min(std::max(val[c], lo), hi);
+            } else if (post.kind[p] == kSum) {
+#pragma omp simd
+              for (int c = 0; c < n; ++c) val[c] += res[c];
+            }
+          }
+#pragma omp simd
+          for (int c = 0; c < n; ++c) dst[c] = val[c];
+        }
+      }
+    }
+  }
+}
+
+// The transforms built for each vector ISA oneDNN may run at (its effective ISA, capped by
+// ONEDNN_MAX_CPU_ISA as its own kernels are): the same code, vectorized by the compiler.
+#define HGRT_WINO_KERNELS(suffix, target)                                                      \
+  target void WinoInput##suffix(const WinoShape& s, const float* x, float* v, int64_t t0,     \
+                                int64_t t1) {                                                  \
+    WinoInputBody(s, x, v, t0, t1);                                                            \
+  }                                                                                            \
+  target void WinoOutput##suffix(const WinoShape& s, const float* m, const WinoPost& post,    \
+                                 float* out, int64_t t0, int64_t t1) {                         \
+    WinoOutputBody(s, m, post, out, t0, t1);                                                   \
+  }
+HGRT_WINO_KERNELS(Avx512, __attribute__((target("avx512f,avx512vl,avx512dq,avx512bw,avx2,fma,"
+                                                "prefer-vector-width=512"))))
+HGRT_WINO_KERNELS(Avx2, __attribute__((target("avx2,fma"))))
+HGRT_WINO_KERNELS(Sse, )
+#undef HGRT_WINO_KERNELS
+
+using WinoInputFn = void (*)(const WinoShape&, const float*, float*, int64_t, int64_t);
+using WinoOutputFn = void (*)(const WinoShape&, const float*, const WinoPost&, float*, int64_t,
+                              int64_t);
+
+std::pair<WinoInputFn, WinoOutputFn> WinoKernels() {
+  auto isa = static_cast<int64_t>(dnnl::get_effective_cpu_isa());
+  auto has = [isa](dnnl::cpu_isa want) {
+    return (isa & static_cast<int64_t>(want)) == static_cast<int64_t>(want);
+  };
+  if (has(dnnl::cpu_isa::avx512_core)) return {WinoInputAvx512, WinoOutputAvx512};
+  if (has(dnnl::cpu_isa::avx2)) return {WinoInputAvx2, WinoOutputAvx2};
+  return {WinoInputSse, WinoOutputSse};
+}
+
+// f(begin, end) over [0, n) split evenly over `threads` OpenMP threads
+template <typename F>
+void SplitTiles(int threads, int64_t n, const F& f) {
+#pragma omp parallel num_threads(threads)
+  {
+    int64_t parts = omp_get_num_threads(), id = omp_get_thread_num();
+    int64_t begin = n * id / parts, end = n * (id + 1) / parts;
+    if (begin < end) f(begin, end);
+  }
+}
+
+// U = G g G^T of OIHW weights (K x C x 3 x 3) into 36 matrices C x K (row-major), in double
+void WinogradWeights(const Header& h, const float* g, float* u) {
+  static const double G[6][3] = {{1. / 4, 0, 0},           {-1. / 6, -1. / 6, -1. / 6},
+                                 {-1. / 6, 1. / 6, -1. / 6}, {1. / 24, 1. / 12, 1. / 6},
+                                 {1. / 24, -1. / 12, 1. / 6}, {0, 0, 1}};
+  const int64_t c_n = h[kIC], k_n = h[kOC];
+  for (int64_t k = 0; k < k_n; ++k) {
+    for (int64_t c = 0; c < c_n; ++c) {
+      const float* f = g + (k * c_n + c) * 9;
+      double half[6][3];  // G g
+      for (int i = 0; i < 6; ++i) {
+        for (int j = 0; j < 3; ++j) {
+          half[i][j] = G[i][0] * f[j] + G[i][1] * f[3 + j] + G[i][2] * f[6 + j];
+        }
+      }
+      for (int i = 0; i < 6; ++i) {
+        for (int j = 0; j < 6; ++j) {
+          double value = half[i][0] * G[j][0] + half[i][1] * G[j][1] + half[i][2] * G[j][2];
+          u[((i * 6 + j) * c_n + c) * k_n + k] = static_cast<float>(value);
+        }
+      }
+    }
+  }
+}
+
 // The sum-post-op twin of a convolution that reads its residual with a binary add: same
 // source, destination and packed weights, or none (then the caller copies the residual away).
 bool InPlaceTwin(Entry& e) {
@@ -614,6 +891,36 @@ bool InPlaceTwin(Entry& e) {
     }
   });
   return e.has_in_place;
+}
+
+// A Winograd convolution (the section above): input transform, the matmul, output transform.
+void RunWinograd(Entry& e, Args& mm, Scratch& s, const ffi::TensorView& x,
+                 const ffi::TensorView* residual, const ffi::TensorView& out, char* base,
+                 int threads) {
+  const Header& h = e.layout;
+  WinoShape shape = WinoShapeOf(h);
+  auto [input, output] = WinoKernels();
+  float* v = static_cast<float*>(s.src.get(e.src.get_size()));
+  float* m = static_cast<float*>(s.dst.get(e.dst.get_size()));
+  const float* src = static_cast<const float*>(DataOf(x));
+  SplitTiles(threads, shape.tiles, [&](int64_t a, int64_t b) { input(shape, src, v, a, b); });
+  char* weights = e.repacked ? e.repacked->base : base;
+  mm.Set(DNNL_ARG_SRC, e.src, v);
+  mm.Set(DNNL_ARG_WEIGHTS, e.wei, weights + h[kWeiOffset]);
+  mm.Set(DNNL_ARG_DST, e.dst, m);
+  mm.Set(DNNL_ARG_SCRATCHPAD, e.scratch, s.pad.get(e.scratch.get_size() + 64));
+  e.prim.execute(Stream(), mm.map());
+  Stream().wait();
+  WinoPost post{reinterpret_cast<const float*>(weights + h[kBiasOffset]),
+                residual ? static_cast<const float*>(DataOf(*residual)) : nullptr, {}, {}, {}};
+  for (int k = 0; k < kMaxPostOps; ++k) {
+    post.kind[k] = h[kPost0 + 3 * k];
+    post.alpha[k] = static_cast<float>(AsDouble(h[kPost0 + 3 * k + 1]));
+    post.beta[k] = static_cast<float>(AsDouble(h[kPost0 + 3 * k + 2]));
+  }
+  float* dst = static_cast<float*>(DataOf(out));
+  SplitTiles(threads, shape.tiles,
+             [&](int64_t a, int64_t b) { output(shape, m, post, dst, a, b); });
 }
 
 void Run(const ffi::TensorView& x, const ffi::TensorView& blob,
@@ -635,6 +942,10 @@ void Run(const ffi::TensorView& x, const ffi::TensorView& blob,
   thread_local Scratch s;
   dnnl::stream& stream = Stream();
   StageArgs& args = BoundArgs(e);
+  if (h.winograd()) {
+    RunWinograd(*e, args[kConv], s, x, residual, out, base, threads);
+    return;
+  }
   void* src = e->reorder_src ? s.src.get(e->src.get_size()) : DataOf(x);
   void* dst = e->reorder_dst || h.pooled() ? s.dst.get(e->dst.get_size()) : DataOf(out);
   if (e->reorder_src) {
@@ -955,13 +1266,22 @@ void Pack(const ffi::TensorView& header, const ffi::TensorView& weight,
           const ffi::TensorView& bias, const ffi::TensorView& blob) {
   Header h = Layout(ReadPlainHeader(header));
   memory::desc plain = PlainWeights(h);
-  CheckTensor(weight, "weight", kF32, static_cast<int64_t>(plain.get_size() / 4));
+  std::vector<float> transformed;  // Winograd's weights, from the OIHW ones
+  void* plain_data = DataOf(weight);
+  if (h.winograd()) {
+    CheckTensor(weight, "weight", kF32, h[kOC] * h[kIC] * 9);
+    transformed.resize(plain.get_size() / 4);
+    WinogradWeights(h, static_cast<const float*>(plain_data), transformed.data());
+    plain_data = transformed.data();
+  } else {
+    CheckTensor(weight, "weight", kF32, static_cast<int64_t>(plain.get_size() / 4));
+  }
   CheckTensor(bias, "bias", kF32, h[kOC]);
   CheckTensor(blob, "packed weights", kU8, h[kBiasOffset] + 4 * h[kOC]);
   char* base = static_cast<char*>(DataOf(blob));
   std::memset(base, 0, static_cast<size_t>(blob.numel()));
   std::memcpy(base, &h, sizeof(Header));
-  memory src(plain, Engine(), DataOf(weight));
+  memory src(plain, Engine(), plain_data);
   memory dst(WeightsWithTag(h, h[kWeiTag]), Engine(), base + h[kWeiOffset]);
   dnnl::reorder(src, dst).execute(Stream(), src, dst);
   Stream().wait();
@@ -990,7 +1310,8 @@ std::string IsaName(int64_t isa) {
 
 // Which implementation oneDNN runs for a packed blob (e.g. "brg:avx512_core"), for reports.
 std::string Implementation(const ffi::TensorView& blob) {
-  return RunDesc(ReadHeader(blob)).impl_info_str();
+  const Header& h = ReadHeader(blob);
+  return (h.winograd() ? "winograd_4x4_3x3+" : "") + std::string(RunDesc(h).impl_info_str());
 }
 
 template <typename F>

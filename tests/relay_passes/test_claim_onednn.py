@@ -485,3 +485,80 @@ def test_the_profiler_counts_a_onednn_kernels_flops():
     assert op.flops == 2 * (16 * 9 * 9) * (8 * 3 * 3)
     (rates,) = rep.rates().values()
     assert rates["flops_per_s"] > 0
+
+
+# ---- Winograd ------------------------------------------------------------------------------
+
+def _winograd_block_onnx(c=64, hw=24):
+    """x → 1x1 conv + relu = a → 3x3 conv(a) + bias + a → relu → 1x1 conv → y: the 3x3
+    convolution reads and writes NHWC between oneDNN kernels, its residual too."""
+    rng = np.random.default_rng(3)
+
+    def w(name, shape):
+        fan_in = int(np.prod(shape[1:]))
+        return numpy_helper.from_array(
+            (rng.standard_normal(shape) / np.sqrt(fan_in)).astype("float32"), name)
+
+    inits = [w("w0", (c, 8, 1, 1)), w("w1", (c, c, 3, 3)), w("b1", (c,)), w("w2", (8, c, 1, 1))]
+    nodes = [helper.make_node("Conv", ["x", "w0"], ["c0"]), helper.make_node("Relu", ["c0"], ["a"]),
+             helper.make_node("Conv", ["a", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+             helper.make_node("Add", ["c1", "a"], ["s"]), helper.make_node("Relu", ["s"], ["b"]),
+             helper.make_node("Conv", ["b", "w2"], ["y"])]
+    graph = helper.make_graph(nodes, "winograd", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, [1, 8, hw, hw])], [helper.make_tensor_value_info(
+            "y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+@needs_onednn
+def test_a_3x3_convolution_between_onednn_kernels_runs_as_winograd(caplog):
+    model = _winograd_block_onnx()
+    with caplog.at_level(logging.DEBUG, logger="hgrt.build"):
+        res = _check(model)
+    middle = _onednn_nodes(res)[1]
+    assert middle.attrs["onednn_op"] == "conv2d(winograd)+bias+add+relu"
+    assert middle.attrs["onednn_impl"].startswith("winograd_4x4_3x3+")
+    assert middle.attrs["onednn_layouts"] == "acdb, acdb, acdb"
+    assert "1 3x3 convolutions as Winograd F(4x4, 3x3), their weights 0.4 MiB larger" \
+        in caplog.text  # 64 x 64 x (36 - 9) floats
+    direct = _check(model, kernels=claim.Kernels("onednn", winograd=False))
+    assert _onednn_nodes(direct)[1].attrs["onednn_op"] == "conv2d+bias+add+relu"
+    inputs = onnx_inputs(model)
+    np.testing.assert_allclose(run_hgrt(res, inputs)[0], run_hgrt(direct, inputs)[0], **TOL)
+
+    def packed_bytes(r):  # the oneDNN blobs (uint8 weights): Winograd's hold 36 numbers a filter
+        return sum(v.nbytes for v in r.params.values() if v.dtype == np.uint8)
+
+    assert packed_bytes(res) - packed_bytes(direct) >= (36 - 9) * 4 * 64 * 64
+
+
+def _header(ic, oc, hw, k=3, stride=1, tags=True, pool=False, n=1):
+    h = claim.make_header("conv2d", (n, ic, hw, hw), (n, oc, hw // stride, hw // stride),
+                          (k, k), (stride, stride), (k // 2,) * 4)
+    if tags:
+        for slot in ("src_tag", "dst_tag", "res_tag"):
+            h[claim.SLOT[slot]] = 5
+    if pool:
+        h[claim.SLOT["pool_kh"]] = 3
+    return h
+
+
+@pytest.mark.parametrize("case, pays", [
+    (dict(ic=64, oc=64, hw=56), True),  # resnet50's first stage: 1013 -> 522 us
+    (dict(ic=256, oc=256, hw=14), True),  # 16 tiles, many input channels: 940 -> 469 us
+    (dict(ic=48, oc=192, hw=13), False),  # 16 tiles, few input channels: 131 -> 155 us
+    (dict(ic=512, oc=512, hw=7), False),  # 4 tiles: 894 -> 973 us
+    (dict(ic=128, oc=32, hw=56), False),  # densenet121: 32 outputs, 995 -> 1445 us
+    (dict(ic=64, oc=64, hw=56, k=1), False),
+    (dict(ic=64, oc=64, hw=56, stride=2), False),
+    (dict(ic=64, oc=64, hw=56, tags=False), False),  # NCHW: the transforms read NHWC
+    (dict(ic=64, oc=64, hw=56, pool=True), False),
+    (dict(ic=48, oc=192, hw=13, n=3), True),  # tiles over the batch: 48
+])
+def test_winograd_is_chosen_where_it_measured_faster(case, pays):
+    assert claim.winograd_pays(_header(**case), nhwc=5) is pays
+
+
+def test_winograd_takes_a_bool():
+    with pytest.raises(hgrt.BuildError, match="winograd='no'"):
+        claim.Kernels.of(claim.Kernels("onednn", winograd="no"))

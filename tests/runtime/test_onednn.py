@@ -334,3 +334,118 @@ def test_affine_clips_at_each_call_s_own_bounds():
         out = _t(np.zeros_like(x))
         affine(_t(x), _t(np.concatenate([[2, lo, hi], unit]).astype("float32")), out)
         np.testing.assert_array_equal(out.numpy(), np.clip(x, lo, hi))
+
+
+# ---- Winograd F(4x4, 3x3) ------------------------------------------------------------------
+
+def _conv3x3(x, w, b, pads):
+    """A 3x3 stride-1 convolution in numpy (float64), NCHW; pads top, left, bottom, right."""
+    t, left, bottom, r = pads
+    xp = np.pad(x.astype("float64"), ((0, 0), (0, 0), (t, bottom), (left, r)))
+    win = np.lib.stride_tricks.sliding_window_view(xp, (3, 3), axis=(2, 3))
+    return np.einsum("nchwij,ocij->nohw", win, w.astype("float64")) + b.reshape(1, -1, 1, 1)
+
+
+def _winograd(n, ic, oc, hw, pads, post, winograd=True):
+    """(x, w, b, blob) of a 3x3 NHWC convolution packed as Winograd (or direct)."""
+    from hgrt.relay_passes.claim_onednn import SLOT
+
+    x = RNG.standard_normal((n, ic, hw, hw)).astype("float32")
+    w = (RNG.standard_normal((oc, ic, 3, 3)) / np.sqrt(9 * ic)).astype("float32")
+    b = RNG.standard_normal(oc).astype("float32")
+    ohw = hw + pads[0] + pads[2] - 2, hw + pads[1] + pads[3] - 2
+    h = make_header("conv2d", x.shape, (n, oc, *ohw), (3, 3), (1, 1), pads, post=list(post))
+    for slot in ("src_tag", "dst_tag", "res_tag"):
+        h[SLOT[slot]] = onednn.nhwc_tag()
+    h[SLOT["algo"]] = int(winograd)
+    return x, w, b, onednn.pack(h, w, b)
+
+
+def _post_ops(y, post, r):
+    for op, lo, hi in post:
+        y = np.maximum(y, 0) if op == "relu" else np.clip(y, lo, hi) if op == "clip" \
+            else y + r
+    return y
+
+
+_WINOGRAD_CASES = [  # n, in channels, out channels, size, pads, post-ops
+    (1, 64, 64, 16, (1, 1, 1, 1), [("relu", 0, 0)]),
+    (2, 70, 130, 13, (1, 1, 1, 1), [("sum", 0, 0), ("relu", 0, 0)]),  # block tails, batch
+    (1, 3, 5, 9, (0, 0, 0, 0), [("clip", -0.5, 0.25)]),  # no padding: 7x7 out
+    (1, 16, 24, 10, (2, 0, 1, 2), [("relu", 0, 0), ("sum", 0, 0)]),  # lopsided pads
+]
+
+
+@pytest.mark.parametrize("case", _WINOGRAD_CASES, ids=lambda c: f"{c[1]}-{c[2]}-{c[3]}-{c[4]}")
+def test_winograd_equals_numpy_also_in_place(case):
+    """NHWC in and out: tiles cut at the edges, padding read as zeros, channel counts that
+    are no multiple of the transforms' block, the post-ops in their order; a residual that
+    is the output buffer itself is read before it is written."""
+    n, ic, oc, hw, pads, post = case
+    x, w, b, blob = _winograd(n, ic, oc, hw, pads, post)
+    assert onednn.implementation(blob).startswith("winograd_4x4_3x3+")
+    f = onednn.kernel_function("hgrt.onednn.conv2d")
+    y = _conv3x3(x, w, b, pads)
+    r = RNG.standard_normal(y.shape).astype("float32")
+    want = _post_ops(y, post, r).transpose(0, 2, 3, 1)
+    xn, res = _t(x.transpose(0, 2, 3, 1)), r.transpose(0, 2, 3, 1)
+    summed = any(op == "sum" for op, _, _ in post)
+    out = _t(np.zeros(want.shape, "float32"))
+    f(xn, _t(blob), *([_t(res)] if summed else []), out)
+    tol = 1e-4 * float(np.abs(want).max())  # F(4x4, 3x3) rounds more than a direct sum
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-4, atol=tol)
+    if summed:
+        same = _t(res)
+        f(xn, _t(blob), same, same)
+        np.testing.assert_allclose(same.numpy(), want, rtol=1e-4, atol=tol)
+
+
+_WINOGRAD_ISA = """
+import sys, numpy as np, tvm
+from hgrt.runtime import onednn
+x, blob, want = (np.load(f"{sys.argv[1]}/{k}.npy") for k in ("x", "blob", "want"))
+out = tvm.runtime.tensor(np.zeros_like(want))
+t = tvm.runtime.tensor(blob)
+onednn.kernel_function("hgrt.onednn.conv2d")(tvm.runtime.tensor(x), t, out)
+np.testing.assert_allclose(out.numpy(), want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+np.testing.assert_array_equal(t.numpy(), blob)  # any re-pack is aside: the params as shipped
+print(onednn.isa(), onednn.implementation(blob))
+"""
+
+
+@pytest.mark.parametrize("isa", ["AVX2", "SSE41"])
+def test_winograd_runs_each_isa_s_transforms_and_repacks_weights_packed_for_another(
+        isa, tmp_path):
+    """The transforms are built per vector ISA and chosen by oneDNN's (capped as its kernels
+    are); weights packed here for the matmul are re-packed where another ISA wants another
+    layout, never misread."""
+    post = [("relu", 0, 0)]
+    x, w, b, blob = _winograd(1, 40, 72, 12, (1, 1, 1, 1), post)
+    want = _post_ops(_conv3x3(x, w, b, (1, 1, 1, 1)), post, None).transpose(0, 2, 3, 1)
+    for k, v in {"x": x.transpose(0, 2, 3, 1), "want": want.astype("float32"),
+                 "blob": blob}.items():
+        np.save(tmp_path / f"{k}.npy", np.ascontiguousarray(v))
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": isa}
+    proc = subprocess.run([sys.executable, "-c", _WINOGRAD_ISA, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ran_isa, impl = proc.stdout.split()
+    assert ran_isa == isa.lower() and impl.startswith("winograd_4x4_3x3+"), proc.stdout
+
+
+def test_winograd_refuses_what_it_cannot_compute():
+    from hgrt.relay_passes.claim_onednn import SLOT
+
+    x, w, b, _ = _case()  # a 1x1 convolution
+    h = make_header("conv2d", x.shape, (1, 24, 7, 7))
+    h[SLOT["algo"]] = 1
+    with pytest.raises(ValueError, match="3x3 stride-1"):
+        onednn.pack(h, w, b)
+    x, w, b, blob = _winograd(1, 8, 8, 6, (1, 1, 1, 1), [])
+    h = np.frombuffer(blob[:512].tobytes(), "int64").copy()
+    for slot, value, match in (("src_tag", 0, "NHWC"), ("algo", 7, "unknown convolution "
+                                                                    "algorithm 7")):
+        bad = h.copy()
+        bad[SLOT[slot]] = value
+        with pytest.raises(ValueError, match=match):
+            onednn.pack(bad, w, b)
