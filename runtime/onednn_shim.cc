@@ -137,9 +137,31 @@ memory::dims OutDims(const Header& h) {
   return {h[kN], h[kOC], h[kPoolOH], h[kPoolOW]};
 }
 
-// Winograd's output tiles (4 x 4 pixels each) over the batch, the rows of its matmul.
+// Winograd's output tiles (4 x 4 pixels each) over the batch.
 int64_t WinogradTiles(const Header& h) {
   return h[kN] * ((h[kOH] + 3) / 4) * ((h[kOW] + 3) / 4);
+}
+
+// The tiles a call transforms and multiplies at once (the rows of its matmul): all of them, or
+// as many as keep the two transformed blocks (36 x tiles x (C + K) floats, per calling thread)
+// within HGRT_WINO_BUDGET bytes (default 4 MiB; at least 16 tiles), the blocks made even. The
+// last block's rows past the tiles are zeros, computed and dropped. (vgg19's 64 -> 64 on
+// 224x224 would hold 2 x 29 MB in one block; 1, 2, 4, 8 MiB and no bound measured alike on
+// resnet50 and vgg19 within this host's noise, 1 MiB a little slower.)
+size_t WinogradBudget() {
+  static size_t budget = [] {
+    const char* env = std::getenv("HGRT_WINO_BUDGET");
+    return env ? static_cast<size_t>(std::atoll(env)) : size_t{4} << 20;
+  }();
+  return budget;
+}
+
+int64_t WinogradRows(const Header& h) {
+  int64_t tiles = WinogradTiles(h);
+  int64_t fit = static_cast<int64_t>(WinogradBudget()) / (36 * 4 * (h[kIC] + h[kOC]));
+  fit = std::max<int64_t>(fit, 16);
+  int64_t blocks = (tiles + fit - 1) / fit;
+  return (tiles + blocks - 1) / blocks;
 }
 
 // Why a header cannot run as Winograd (nullptr: it can): a 3x3 stride-1 undilated ungrouped
@@ -246,7 +268,7 @@ dnnl::primitive_desc MakeDesc(const Header& h, const memory::desc& wei, bool in_
   memory::desc bias({h[kOC]}, memory::data_type::f32, Tag::a);
   auto kind = dnnl::prop_kind::forward_inference;
   if (h.winograd()) {  // the 36 products of the Winograd domain, one batched matmul
-    int64_t tiles = WinogradTiles(h);
+    int64_t tiles = WinogradRows(h);
     dnnl::primitive_attr attr;
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
     return dnnl::matmul::primitive_desc(
@@ -717,7 +739,8 @@ inline __attribute__((always_inline)) void WinoOutputRows(const float* const m[6
 
 // V for tiles [t0, t1): rows of 6 then columns of 6, the padding read as zeros
 inline __attribute__((always_inline)) void WinoInputBody(const WinoShape& s, const float* x,
-                                                         float* v, int64_t t0, int64_t t1) {
+                                                         float* v, int64_t rows, int64_t base,
+                                                         int64_t t0, int64_t t1) {
   alignas(64) static const float zeros[kWinoBlock] = {};
   alignas(64) float tmp[6][6][kWinoBlock];
   const int64_t per_image = s.tiles_h * s.tiles_w;
@@ -743,7 +766,7 @@ inline __attribute__((always_inline)) void WinoInputBody(const WinoShape& s, con
         float* o[6];
         for (int i = 0; i < 6; ++i) {
           d[i] = tmp[i][j];
-          o[i] = v + ((i * 6 + j) * s.tiles + t) * s.c + c0;
+          o[i] = v + ((i * 6 + j) * rows + t - base) * s.c + c0;
         }
         WinoInputRows(d, o, n);
       }
@@ -754,6 +777,7 @@ inline __attribute__((always_inline)) void WinoInputBody(const WinoShape& s, con
 // the output pixels of tiles [t0, t1) from M: columns of 6 to 4, rows of 6 to 4, then the
 // bias and the post-ops (the residual read where it is written: it may be the output's bytes)
 inline __attribute__((always_inline)) void WinoOutputBody(const WinoShape& s, const float* m,
+                                                          int64_t rows, int64_t base,
                                                           const WinoPost& post, float* out,
                                                           int64_t t0, int64_t t1) {
   alignas(64) float tmp[4][6][kWinoBlock];
@@ -767,7 +791,7 @@ inline __attribute__((always_inline)) void WinoOutputBody(const WinoShape& s, co
       for (int j = 0; j < 6; ++j) {
         const float* mm[6];
         float* o[4];
-        for (int i = 0; i < 6; ++i) mm[i] = m + ((i * 6 + j) * s.tiles + t) * s.k + k0;
+        for (int i = 0; i < 6; ++i) mm[i] = m + ((i * 6 + j) * rows + t - base) * s.k + k0;
         for (int i = 0; i < 4; ++i) o[i] = tmp[i][j];
         WinoOutputRows(mm, o, n);
       }
@@ -809,13 +833,14 @@ inline __attribute__((always_inline)) void WinoOutputBody(const WinoShape& s, co
 // The transforms built for each vector ISA oneDNN may run at (its effective ISA, capped by
 // ONEDNN_MAX_CPU_ISA as its own kernels are): the same code, vectorized by the compiler.
 #define HGRT_WINO_KERNELS(suffix, target)                                                      \
-  target void WinoInput##suffix(const WinoShape& s, const float* x, float* v, int64_t t0,     \
-                                int64_t t1) {                                                  \
-    WinoInputBody(s, x, v, t0, t1);                                                            \
+  target void WinoInput##suffix(const WinoShape& s, const float* x, float* v, int64_t rows,   \
+                                int64_t base, int64_t t0, int64_t t1) {                        \
+    WinoInputBody(s, x, v, rows, base, t0, t1);                                                \
   }                                                                                            \
-  target void WinoOutput##suffix(const WinoShape& s, const float* m, const WinoPost& post,    \
-                                 float* out, int64_t t0, int64_t t1) {                         \
-    WinoOutputBody(s, m, post, out, t0, t1);                                                   \
+  target void WinoOutput##suffix(const WinoShape& s, const float* m, int64_t rows,            \
+                                 int64_t base, const WinoPost& post, float* out, int64_t t0,  \
+                                 int64_t t1) {                                                 \
+    WinoOutputBody(s, m, rows, base, post, out, t0, t1);                                       \
   }
 HGRT_WINO_KERNELS(Avx512, __attribute__((target("avx512f,avx512vl,avx512dq,avx512bw,avx2,fma,"
                                                 "prefer-vector-width=512"))))
@@ -823,9 +848,10 @@ HGRT_WINO_KERNELS(Avx2, __attribute__((target("avx2,fma"))))
 HGRT_WINO_KERNELS(Sse, )
 #undef HGRT_WINO_KERNELS
 
-using WinoInputFn = void (*)(const WinoShape&, const float*, float*, int64_t, int64_t);
-using WinoOutputFn = void (*)(const WinoShape&, const float*, const WinoPost&, float*, int64_t,
-                              int64_t);
+using WinoInputFn = void (*)(const WinoShape&, const float*, float*, int64_t, int64_t, int64_t,
+                             int64_t);
+using WinoOutputFn = void (*)(const WinoShape&, const float*, int64_t, int64_t, const WinoPost&,
+                              float*, int64_t, int64_t);
 
 std::pair<WinoInputFn, WinoOutputFn> WinoKernels() {
   auto isa = static_cast<int64_t>(dnnl::get_effective_cpu_isa());
@@ -903,14 +929,11 @@ void RunWinograd(Entry& e, Args& mm, Scratch& s, const ffi::TensorView& x,
   float* v = static_cast<float*>(s.src.get(e.src.get_size()));
   float* m = static_cast<float*>(s.dst.get(e.dst.get_size()));
   const float* src = static_cast<const float*>(DataOf(x));
-  SplitTiles(threads, shape.tiles, [&](int64_t a, int64_t b) { input(shape, src, v, a, b); });
   char* weights = e.repacked ? e.repacked->base : base;
   mm.Set(DNNL_ARG_SRC, e.src, v);
   mm.Set(DNNL_ARG_WEIGHTS, e.wei, weights + h[kWeiOffset]);
   mm.Set(DNNL_ARG_DST, e.dst, m);
   mm.Set(DNNL_ARG_SCRATCHPAD, e.scratch, s.pad.get(e.scratch.get_size() + 64));
-  e.prim.execute(Stream(), mm.map());
-  Stream().wait();
   WinoPost post{reinterpret_cast<const float*>(weights + h[kBiasOffset]),
                 residual ? static_cast<const float*>(DataOf(*residual)) : nullptr, {}, {}, {}};
   for (int k = 0; k < kMaxPostOps; ++k) {
@@ -919,8 +942,30 @@ void RunWinograd(Entry& e, Args& mm, Scratch& s, const ffi::TensorView& x,
     post.beta[k] = static_cast<float>(AsDouble(h[kPost0 + 3 * k + 2]));
   }
   float* dst = static_cast<float*>(DataOf(out));
-  SplitTiles(threads, shape.tiles,
-             [&](int64_t a, int64_t b) { output(shape, m, post, dst, a, b); });
+  const int64_t rows = e.src.get_dims()[1];
+  size_t in_bytes = x.numel() * sizeof(float), out_bytes = out.numel() * sizeof(float);
+  if (rows < shape.tiles && reinterpret_cast<const char*>(src) < reinterpret_cast<char*>(dst) +
+      out_bytes && reinterpret_cast<char*>(dst) < reinterpret_cast<const char*>(src) + in_bytes) {
+    // the output in the input's bytes (its residual too: the plan put it there) and more
+    // than one block: a block's output would overwrite what the next one reads
+    src = static_cast<const float*>(std::memcpy(s.res.get(in_bytes), src, in_bytes));
+  }
+  for (int64_t t0 = 0; t0 < shape.tiles; t0 += rows) {
+    int64_t n = std::min(rows, shape.tiles - t0);
+    SplitTiles(threads, n, [&](int64_t a, int64_t b) {
+      input(shape, src, v, rows, t0, t0 + a, t0 + b);
+    });
+    if (n < rows) {  // the last block's spare rows: zeros (their products are dropped)
+      for (int p = 0; p < 36; ++p) {
+        std::memset(v + (p * rows + n) * shape.c, 0, (rows - n) * shape.c * sizeof(float));
+      }
+    }
+    e.prim.execute(Stream(), mm.map());
+    Stream().wait();
+    SplitTiles(threads, n, [&](int64_t a, int64_t b) {
+      output(shape, m, rows, t0, post, dst, t0 + a, t0 + b);
+    });
+  }
 }
 
 void Run(const ffi::TensorView& x, const ffi::TensorView& blob,

@@ -449,3 +449,34 @@ def test_winograd_refuses_what_it_cannot_compute():
         bad[SLOT[slot]] = value
         with pytest.raises(ValueError, match=match):
             onednn.pack(bad, w, b)
+
+
+_WINOGRAD_BLOCKS = """
+import sys, numpy as np, tvm
+from hgrt.runtime import onednn
+x, blob, want = (np.load(f"{sys.argv[1]}/{k}.npy") for k in ("x", "blob", "want"))
+f = onednn.kernel_function("hgrt.onednn.conv2d")
+tol = dict(rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+out = tvm.runtime.tensor(np.zeros_like(want))
+f(tvm.runtime.tensor(x), tvm.runtime.tensor(blob), tvm.runtime.tensor(x), out)
+np.testing.assert_allclose(out.numpy(), want, **tol)
+one = tvm.runtime.tensor(x)  # input, residual and output in one buffer
+f(one, tvm.runtime.tensor(blob), one, one)
+np.testing.assert_allclose(one.numpy(), want, **tol)
+"""
+
+
+def test_winograd_in_blocks_of_tiles_also_over_its_own_input(tmp_path):
+    """A call transforms and multiplies its tiles in blocks that fit a scratch budget (here
+    made small: 4 blocks of 13 tiles, the last one short); when the output takes the bytes of
+    the input (and residual) a block's output must not overwrite the next block's input."""
+    post = [("sum", 0, 0), ("relu", 0, 0)]
+    x, w, b, blob = _winograd(1, 8, 8, 26, (1, 1, 1, 1), post)
+    want = _post_ops(_conv3x3(x, w, b, (1, 1, 1, 1)), post, x).transpose(0, 2, 3, 1)
+    for k, v in {"x": x.transpose(0, 2, 3, 1), "want": want.astype("float32"),
+                 "blob": blob}.items():
+        np.save(tmp_path / f"{k}.npy", np.ascontiguousarray(v))
+    env = {**os.environ, "HGRT_WINO_BUDGET": "20000"}  # 20000 / (36 x 4 x 16) -> 16 tiles
+    proc = subprocess.run([sys.executable, "-c", _WINOGRAD_BLOCKS, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
