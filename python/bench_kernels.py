@@ -29,6 +29,12 @@ oneDNN is capped to it (unless ``ONEDNN_MAX_CPU_ISA`` is set):
 
     python python/bench_kernels.py --skip-unscheduled --target 'cpu=llvm -mcpu=haswell'
 
+Where oneDNN runs some 3x3 convolutions as Winograd, the same build with every convolution
+direct is timed in turns with it (``oneDNN direct``, ``oneDNN/direct``); ``--kernels onednn``
+writes a table of its own:
+
+    python python/bench_kernels.py --skip-unscheduled --kernels onednn --models resnet50 vgg19
+
 Every variant runs through ``hgrt.create`` on cpu:0 (the Relax VM on the same kernels is
 ``bench_models.py``'s business). The hgrt builds are timed interleaved call by call, onnxruntime
 after them on its own (``time_onnxruntime`` says why). ``--skip-unscheduled`` saves a minute.
@@ -117,6 +123,13 @@ def _variants(entry, skip_unscheduled: bool, kernels: list[str], db: str | None,
         res, secs = _build(entry.model, target, kernels="onednn")
         runners["onednn"] = hgrt_runner(res, entry.inputs)
         notes.append(f"oneDNN build {secs:.1f} s, {_claimed(res)}")
+        wino = sum("winograd" in n.attrs.get("onednn_op", "") for n in res.graph.nodes)
+        if wino:  # the A/B of Winograd: the same build with every convolution direct
+            from hgrt.relay_passes.claim_onednn import Kernels
+
+            res, _ = _build(entry.model, target, kernels=Kernels("onednn", winograd=False))
+            runners["onednn_direct"] = hgrt_runner(res, entry.inputs)
+            notes.append(f"oneDNN: {wino} convolutions as Winograd (oneDNN direct: none)")
     if db is not None:
         res, secs = _build(entry.model, target, tuning_db=db, kernels="tvm")
         runners["tuned"] = hgrt_runner(res, entry.inputs)
@@ -132,15 +145,18 @@ def _table(rows: list[tuple[str, str, dict]]) -> tuple[list[str], list[list[str]
     """The header and rows of the latency table: per model, the ISA of the TVM kernels, each
     variant's milliseconds and the ratios."""
     header = ["model", "ISA", "unscheduled ms", "default ms", "tuned ms", "oneDNN ms",
-              "onnxruntime ms", "unscheduled/default", "default/ORT", "tuned/ORT", "oneDNN/ORT"]
+              "oneDNN direct ms", "onnxruntime ms", "unscheduled/default", "default/ORT",
+              "tuned/ORT", "oneDNN/ORT", "oneDNN/direct"]
     table = []
     for name, isa, t in rows:
         def ratio(a, b, r=t):
             return f"{r[a] / r[b]:.2f}" if a in r and b in r else "-"
         table.append([name, isa] + [f"{t[c] * 1e3:.2f}" if c in t else "-" for c in
-                                    ("unscheduled", "default", "tuned", "onednn", "onnxruntime")]
+                                    ("unscheduled", "default", "tuned", "onednn",
+                                     "onednn_direct", "onnxruntime")]
                      + [ratio("unscheduled", "default"), ratio("default", "onnxruntime"),
-                        ratio("tuned", "onnxruntime"), ratio("onednn", "onnxruntime")])
+                        ratio("tuned", "onnxruntime"), ratio("onednn", "onnxruntime"),
+                        ratio("onednn", "onednn_direct")])
     return header, table
 
 
@@ -151,10 +167,11 @@ def _time(runners: dict, repeat: int) -> dict[str, float]:
 
     # oneDNN apart: its OpenMP threads and TVM's pool slow each other down when their
     # runs alternate call by call (measured 1.5-1.7x on both), which no user sees
+    onednn = ("onednn", "onednn_direct")
     times = timed_interleaved({k: m.run for k, m in runners.items()
-                               if k not in ("unscheduled", "onednn")}, repeat)
-    if "onednn" in runners:
-        times["onednn"] = median_time(runners["onednn"].run, repeat)
+                               if k != "unscheduled" and k not in onednn}, repeat)
+    # oneDNN's builds in turns with each other (one OpenMP team): Winograd's A/B
+    times.update(timed_interleaved({k: runners[k].run for k in onednn if k in runners}, repeat))
     if "unscheduled" in runners:  # seconds per run: a few runs are enough
         times["unscheduled"] = median_time(runners["unscheduled"].run, 3)
     return times
@@ -215,7 +232,8 @@ def main() -> None:
         md = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
                        + ["| " + " | ".join(r) + " |" for r in table])
         # one block per build: the host's, else the --target one
-        block = "bench_kernels" + ("_target" if target else "") + ort_block_suffix(ort_isa)
+        block = "bench_kernels" + ("_target" if target else "") + ort_block_suffix(ort_isa) + (
+            "_onednn" if kernels == ["onednn"] else "")  # oneDNN's A/B of Winograd
         write_block(args.markdown, block,
                     "python python/bench_kernels.py "
                     + shlex.join(sys.argv[1:]), md + "\n\n" + "\n".join(

@@ -44,6 +44,9 @@ def _parse() -> argparse.Namespace:
                         "VM alike), as `hgrt compile --target` takes it: 'cpu=llvm "
                         "-mcpu=haswell' (oneDNN is capped to its ISA; onnxruntime runs the "
                         "host's unless --cap-onnxruntime)")
+    p.add_argument("--no-winograd", action="store_true",
+                   help="oneDNN's 3x3 convolutions stay direct (hgrt compile --no-winograd): "
+                        "the A/B of Winograd, in a row of its own")
     add_onnxruntime_cap_option(p)
     return p.parse_args()
 
@@ -82,14 +85,17 @@ def bench_one(entry, repeat: int, tuning_db: str | None, kernels: str = "tvm",
         vm_call = vm_on_hgrt_kernels(entry.model, entry.inputs, tuning_db, target)
         vm_bytes = vm_planned_bytes(entry.model)
     row["isa"] = built_isa(single)
-    # who computes the heavy ops: oneDNN when it claimed any ("auto" / "onednn"), else TVM
+    # who computes the heavy ops: oneDNN when it claimed any ("auto" / "onednn"), else TVM;
+    # "+winograd" where some of its convolutions run as Winograd
     row["kernels"] = "onednn" if any(r.kernels == "onednn" for r in single.placement_report) \
         else "tvm"
+    if any("winograd" in n.attrs.get("onednn_op", "") for n in single.graph.nodes):
+        row["kernels"] += "+winograd"
     m = hgrt_runner(single, entry.inputs)
     ms = hgrt_runner(split, entry.inputs)
     ref = vm_call()
     row["diff_vm"] = max(max_diff(hgrt_outputs(m), ref), max_diff(hgrt_outputs(ms), ref))
-    if kernels == "tvm":
+    if kernels == "tvm":  # hgrt and the VM on the same TVM kernels, in turns
         row.update(timed_interleaved({"hgrt": m.run, "vm": vm_call.run, "split": ms.run}, repeat))
     else:  # oneDNN's OpenMP threads and TVM's pool slow each other when runs alternate
         row.update(timed_interleaved({"vm": vm_call.run}, repeat))
@@ -161,6 +167,13 @@ def main() -> None:
     from hgrt.devices import host_target, vector_isa
 
     target = parse_target_args(args.target)
+    kernels = args.kernels
+    if args.no_winograd and args.kernels == "tvm":
+        sys.exit("--no-winograd: Winograd is oneDNN's (--kernels onednn or auto)")
+    if args.no_winograd:
+        from hgrt.relay_passes.claim_onednn import Kernels
+
+        kernels = Kernels(args.kernels, winograd=False)
     ort_isa = cap_onnxruntime_isa(target, args.cap_onnxruntime)  # before it loads
     if args.kernels != "tvm":
         from hgrt.runtime import onednn
@@ -174,8 +187,8 @@ def main() -> None:
         entry = pytorch_case(name) if name in PYTORCH_CASES else light(name)
         if i == 0:  # warm-up, not shown: the first model timed in a fresh process ran 10-30 %
             # slower against onnxruntime than in a rerun (squeezenet 1.13-1.34 vs 1.03-1.05)
-            bench_one(entry, max(3, args.repeat // 3), args.tuning_db, args.kernels, target)
-        r = bench_one(entry, args.repeat, args.tuning_db, args.kernels, target)
+            bench_one(entry, max(3, args.repeat // 3), args.tuning_db, kernels, target)
+        r = bench_one(entry, args.repeat, args.tuning_db, kernels, target)
         rows.append(r)
         print(f"{name}: hgrt {_ms(r['hgrt'])} ms, VM {_ms(r['vm'])} ms, split "
               f"{_ms(r['split'])} ms, ORT {_ms(r['ort']) if 'ort' in r else '-'} ms (hgrt "
@@ -194,7 +207,8 @@ def main() -> None:
     if args.markdown:
         # one block per build kind: the host build with TVM kernels, else named after it
         block = "bench_models" + ("_target" if target else "") + (
-            f"_{args.kernels}" if args.kernels != "tvm" else "") + ort_block_suffix(ort_isa)
+            f"_{args.kernels}" if args.kernels != "tvm" else "") + ort_block_suffix(ort_isa) + (
+            "_direct" if args.no_winograd else "")
         write_block(args.markdown, block, "python python/bench_models.py "
                     + shlex.join(sys.argv[1:]), markdown_table(table) + f"\n\n- {note}")
 

@@ -41,6 +41,7 @@ using Tag = memory::format_tag;
 
 constexpr int64_t kMagic = 0x4c4e4e4454524748;  // "HGRTDNNL", little endian
 constexpr int64_t kVersion = 2;
+constexpr int64_t kVersionWinograd = 3;  // a Winograd blob: an older shim refuses it
 constexpr int64_t kHeaderBytes = 512;
 constexpr int kSlots = kHeaderBytes / 8;
 constexpr int kMaxPostOps = 3;
@@ -176,7 +177,8 @@ const char* WinogradProblem(const Header& h) {
       (h.has_sum() && h[kResTag] != dnnl_nhwc)) {
     return "Winograd reads and writes NHWC activations only";
   }
-  if (h[kN] < 1 || h[kIC] < 1 || h[kOC] < 1 || h[kOH] < 1 || h[kOW] < 1 || h[kPadT] < 0 ||
+  if (h[kN] < 1 || h[kIC] < 1 || h[kOC] < 1 || h[kIH] < 1 || h[kIW] < 1 || h[kOH] < 1 ||
+      h[kOW] < 1 || h[kPadT] < 0 ||
       h[kPadL] < 0 || h[kOH] != h[kIH] + h[kPadT] + h[kPadB] - 2 ||
       h[kOW] != h[kIW] + h[kPadL] + h[kPadR] - 2) {
     return "Winograd: the output size does not follow from the input and padding";
@@ -327,6 +329,15 @@ void CheckTensor(const ffi::TensorView& t, const char* what, DLDataType dtype, i
 const DLDataType kF32{kDLFloat, 32, 1};
 const DLDataType kU8{kDLUInt, 8, 1};
 
+void CheckPostOps(const Header& h) {
+  for (int k = 0; k < kMaxPostOps; ++k) {
+    int64_t kind = h[kPost0 + 3 * k];
+    if (kind != kNoPost && kind != kRelu && kind != kClip && kind != kSum) {
+      TVM_FFI_THROW(ValueError) << "oneDNN: unknown post-op " << kind << " in the header";
+    }
+  }
+}
+
 const Header& ReadHeader(const ffi::TensorView& blob) {
   CheckTensor(blob, "packed weights", kU8, -1);
   if (blob.numel() < kHeaderBytes) TVM_FFI_THROW(ValueError) << "oneDNN: packed weights too short";
@@ -335,13 +346,21 @@ const Header& ReadHeader(const ffi::TensorView& blob) {
     TVM_FFI_THROW(ValueError) << "oneDNN: the packed weights are zeros: load the params "
                                  "(load_params / share_params) before running";
   }
-  if (h[kMagicSlot] != kMagic || h[kVersionSlot] != kVersion) {
+  if (h[kMagicSlot] == kMagic && h[kVersionSlot] == kVersionWinograd &&
+      h[kAlgo] != kWinograd) {
+    TVM_FFI_THROW(ValueError) << "oneDNN: unknown convolution algorithm " << h[kAlgo]
+                              << " in the packed weights' header";
+  }
+  if (h[kMagicSlot] != kMagic ||
+      h[kVersionSlot] != (h[kAlgo] == kWinograd ? kVersionWinograd : kVersion)) {
     TVM_FFI_THROW(ValueError) << "oneDNN: the weights are not packed by this hgrt (header "
                                  "version mismatch); rebuild the model";
   }
-  if (h[kBiasOffset] + 4 * h[kOC] > blob.numel()) {
+  if (h[kOC] < 1 || h[kWeiOffset] < kHeaderBytes || h[kWeiBytes] < 0 ||
+      h[kWeiOffset] + h[kWeiBytes] > h[kBiasOffset] || h[kBiasOffset] + 4 * h[kOC] > blob.numel()) {
     TVM_FFI_THROW(ValueError) << "oneDNN: packed weights truncated";
   }
+  CheckPostOps(h);
   if (h.pooled() && (h[kKind] != kConv2d || h[kPoolKW] < 1 || h[kPoolSH] < 1 ||
                      h[kPoolSW] < 1 || h[kPoolOH] < 1 || h[kPoolOW] < 1 || h[kPoolPadT] < 0 ||
                      h[kPoolPadL] < 0 || h[kPoolPadB] < 0 || h[kPoolPadR] < 0)) {
@@ -372,6 +391,7 @@ Header ReadPlainHeader(const ffi::TensorView& header) {
   CheckTensor(header, "header", DLDataType{kDLInt, 64, 1}, kSlots);
   Header h;
   std::memcpy(&h, DataOf(header), sizeof(Header));
+  CheckPostOps(h);
   if (h[kAlgo] != kDirect && (h[kAlgo] != kWinograd || h[kKind] != kConv2d)) {
     TVM_FFI_THROW(ValueError) << "oneDNN: unknown convolution algorithm " << h[kAlgo];
   }
@@ -393,6 +413,7 @@ Header Layout(Header h) {
     chosen = MakeDesc(h, plain).weights_desc();
   }
   h[kWeiTag] = tag;
+  h[kVersionSlot] = h.winograd() ? kVersionWinograd : kVersion;
   h[kWeiOffset] = kHeaderBytes;
   h[kWeiBytes] = static_cast<int64_t>(chosen.get_size());
   h[kBiasOffset] = kHeaderBytes + Round64(h[kWeiBytes]);
@@ -494,6 +515,10 @@ std::shared_ptr<Entry> MakeEntry(const char* blob, std::shared_ptr<Repacked> rep
   e->layout = e->repacked ? e->repacked->layout : e->header;
   const Header& h = e->layout;
   e->wei = WeightsWithTag(h, h[kWeiTag]);
+  if (!e->repacked && static_cast<int64_t>(e->wei.get_size()) > h[kWeiBytes]) {
+    TVM_FFI_THROW(ValueError) << "oneDNN: the packed weights' layout needs "
+                              << e->wei.get_size() << " bytes, the blob holds " << h[kWeiBytes];
+  }
   dnnl::primitive_desc pd = RunDesc(h);
   e->prim = dnnl::primitive(pd);
   e->src = pd.src_desc();

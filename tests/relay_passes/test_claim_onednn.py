@@ -532,12 +532,15 @@ def test_a_3x3_convolution_between_onednn_kernels_runs_as_winograd(caplog):
     assert packed_bytes(res) - packed_bytes(direct) >= (36 - 9) * 4 * 64 * 64
 
 
+NHWC = 1000  # stands for oneDNN's NHWC tag: the rule compares with the tag it is given
+
+
 def _header(ic, oc, hw, k=3, stride=1, tags=True, pool=False, n=1):
     h = claim.make_header("conv2d", (n, ic, hw, hw), (n, oc, hw // stride, hw // stride),
                           (k, k), (stride, stride), (k // 2,) * 4)
     if tags:
         for slot in ("src_tag", "dst_tag", "res_tag"):
-            h[claim.SLOT[slot]] = 5
+            h[claim.SLOT[slot]] = NHWC
     if pool:
         h[claim.SLOT["pool_kh"]] = 3
     return h
@@ -556,7 +559,7 @@ def _header(ic, oc, hw, k=3, stride=1, tags=True, pool=False, n=1):
     (dict(ic=48, oc=192, hw=13, n=3), True),  # tiles over the batch: 48
 ])
 def test_winograd_is_chosen_where_it_measured_faster(case, pays):
-    assert claim.winograd_pays(_header(**case), nhwc=5) is pays
+    assert claim.winograd_pays(_header(**case), nhwc=NHWC) is pays
 
 
 def test_winograd_takes_a_bool():

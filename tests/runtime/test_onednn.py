@@ -414,11 +414,12 @@ print(onednn.isa(), onednn.implementation(blob))
 
 
 @pytest.mark.parametrize("isa", ["AVX2", "SSE41"])
-def test_winograd_runs_each_isa_s_transforms_and_repacks_weights_packed_for_another(
-        isa, tmp_path):
+def test_winograd_runs_each_isa_s_transforms_on_weights_packed_for_another(isa, tmp_path):
     """The transforms are built per vector ISA and chosen by oneDNN's (capped as its kernels
-    are); weights packed here for the matmul are re-packed where another ISA wants another
-    layout, never misread."""
+    are); the matmul's weights, packed for this host's ISA, are re-packed aside where the
+    capped one picks another layout, never misread."""
+    if isa == "AVX2" and not onednn.isa().startswith(("avx2", "avx512")):
+        pytest.skip(f"this host runs {onednn.isa()}, below AVX2")
     post = [("relu", 0, 0)]
     x, w, b, blob = _winograd(1, 40, 72, 12, (1, 1, 1, 1), post)
     want = _post_ops(_conv3x3(x, w, b, (1, 1, 1, 1)), post, None).transpose(0, 2, 3, 1)
@@ -443,12 +444,23 @@ def test_winograd_refuses_what_it_cannot_compute():
         onednn.pack(h, w, b)
     x, w, b, blob = _winograd(1, 8, 8, 6, (1, 1, 1, 1), [])
     h = np.frombuffer(blob[:512].tobytes(), "int64").copy()
-    for slot, value, match in (("src_tag", 0, "NHWC"), ("algo", 7, "unknown convolution "
-                                                                    "algorithm 7")):
+    f = onednn.kernel_function("hgrt.onednn.conv2d")
+    xn, out = _t(x.transpose(0, 2, 3, 1)), _t(np.zeros((1, 6, 6, 8), "float32"))
+    for slot, value, match in (("src_tag", 0, "NHWC"), ("ih", -4, "output size"),
+                               ("algo", 7, "unknown convolution algorithm 7"),
+                               ("post0", 9, "unknown post-op 9"),
+                               ("wei_bytes", 10 ** 9, "truncated")):
         bad = h.copy()
         bad[SLOT[slot]] = value
+        if slot != "wei_bytes":  # (pack computes the layout's bytes itself)
+            with pytest.raises(ValueError, match=match):
+                onednn.pack(bad, w, b)
+        edited = blob.copy()  # a blob whose header was changed after packing: refused at run
+        edited[:512] = bad.view(np.uint8)
         with pytest.raises(ValueError, match=match):
-            onednn.pack(bad, w, b)
+            f(xn, _t(edited), out)
+    old = blob.copy()  # a Winograd blob says so in its version: an older hgrt refuses it
+    assert np.frombuffer(old[:16].tobytes(), "int64")[1] == 3
 
 
 _WINOGRAD_BLOCKS = """
@@ -468,10 +480,10 @@ np.testing.assert_allclose(one.numpy(), want, **tol)
 
 def test_winograd_in_blocks_of_tiles_also_over_its_own_input(tmp_path):
     """A call transforms and multiplies its tiles in blocks that fit a scratch budget (here
-    made small: 4 blocks of 13 tiles, the last one short); when the output takes the bytes of
+    made small: 2 images of 49 tiles in 7 blocks of 14, the last one short); when the output takes the bytes of
     the input (and residual) a block's output must not overwrite the next block's input."""
     post = [("sum", 0, 0), ("relu", 0, 0)]
-    x, w, b, blob = _winograd(1, 8, 8, 26, (1, 1, 1, 1), post)
+    x, w, b, blob = _winograd(2, 8, 8, 26, (1, 1, 1, 1), post)  # blocks across images too
     want = _post_ops(_conv3x3(x, w, b, (1, 1, 1, 1)), post, x).transpose(0, 2, 3, 1)
     for k, v in {"x": x.transpose(0, 2, 3, 1), "want": want.astype("float32"),
                  "blob": blob}.items():
