@@ -210,6 +210,11 @@ def vm_on_hgrt_kernels(model, inputs: dict[str, np.ndarray], tuning_db: str | No
     return call
 
 
+def winograd_layers(result) -> int:
+    """How many of a build's convolutions oneDNN runs as Winograd (its graph's ``onednn_op``)."""
+    return sum("winograd" in n.attrs.get("onednn_op", "") for n in result.graph.nodes)
+
+
 def parse_target_args(items: list[str] | None) -> dict | None:
     """``--target KIND=TARGET`` values as ``hgrt compile`` reads them (``hgrt.cli``), or exit
     with the error."""

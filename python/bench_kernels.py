@@ -105,7 +105,7 @@ def _variants(entry, skip_unscheduled: bool, kernels: list[str], db: str | None,
               target: dict | None) -> tuple[dict, list[str], str]:
     """The builds of one model to time, as GraphModules by variant name, notes, and the
     vector ISA the TVM kernels were built for."""
-    from bench_common import built_isa, hgrt_runner
+    from bench_common import built_isa, hgrt_runner, winograd_layers
 
     runners, notes = {}, []
     if not skip_unscheduled:
@@ -123,7 +123,7 @@ def _variants(entry, skip_unscheduled: bool, kernels: list[str], db: str | None,
         res, secs = _build(entry.model, target, kernels="onednn")
         runners["onednn"] = hgrt_runner(res, entry.inputs)
         notes.append(f"oneDNN build {secs:.1f} s, {_claimed(res)}")
-        wino = sum("winograd" in n.attrs.get("onednn_op", "") for n in res.graph.nodes)
+        wino = winograd_layers(res)
         if wino:  # the A/B of Winograd: the same build with every convolution direct
             from hgrt.relay_passes.claim_onednn import Kernels
 

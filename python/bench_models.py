@@ -67,6 +67,7 @@ def bench_one(entry, repeat: int, tuning_db: str | None, kernels: str = "tvm",
         time_against_onnxruntime,
         timed_interleaved,
         vm_on_hgrt_kernels,
+        winograd_layers,
     )
     from bench_memory import vm_planned_bytes
 
@@ -89,7 +90,7 @@ def bench_one(entry, repeat: int, tuning_db: str | None, kernels: str = "tvm",
     # "+winograd" where some of its convolutions run as Winograd
     row["kernels"] = "onednn" if any(r.kernels == "onednn" for r in single.placement_report) \
         else "tvm"
-    if any("winograd" in n.attrs.get("onednn_op", "") for n in single.graph.nodes):
+    if winograd_layers(single):
         row["kernels"] += "+winograd"
     m = hgrt_runner(single, entry.inputs)
     ms = hgrt_runner(split, entry.inputs)

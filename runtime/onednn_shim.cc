@@ -329,12 +329,21 @@ void CheckTensor(const ffi::TensorView& t, const char* what, DLDataType dtype, i
 const DLDataType kF32{kDLFloat, 32, 1};
 const DLDataType kU8{kDLUInt, 8, 1};
 
-void CheckPostOps(const Header& h) {
+// What a header asks to compute, checked at pack and at run: known post-ops and algorithm,
+// and a Winograd convolution Winograd can compute.
+void CheckOps(const Header& h) {
   for (int k = 0; k < kMaxPostOps; ++k) {
     int64_t kind = h[kPost0 + 3 * k];
     if (kind != kNoPost && kind != kRelu && kind != kClip && kind != kSum) {
       TVM_FFI_THROW(ValueError) << "oneDNN: unknown post-op " << kind << " in the header";
     }
+  }
+  if (h[kAlgo] != kDirect && (h[kAlgo] != kWinograd || h[kKind] != kConv2d)) {
+    TVM_FFI_THROW(ValueError) << "oneDNN: unknown convolution algorithm " << h[kAlgo]
+                              << " in the header";
+  }
+  if (h.winograd() && WinogradProblem(h)) {
+    TVM_FFI_THROW(ValueError) << "oneDNN: " << WinogradProblem(h);
   }
 }
 
@@ -346,11 +355,7 @@ const Header& ReadHeader(const ffi::TensorView& blob) {
     TVM_FFI_THROW(ValueError) << "oneDNN: the packed weights are zeros: load the params "
                                  "(load_params / share_params) before running";
   }
-  if (h[kMagicSlot] == kMagic && h[kVersionSlot] == kVersionWinograd &&
-      h[kAlgo] != kWinograd) {
-    TVM_FFI_THROW(ValueError) << "oneDNN: unknown convolution algorithm " << h[kAlgo]
-                              << " in the packed weights' header";
-  }
+  if (h[kMagicSlot] == kMagic) CheckOps(h);  // (a foreign header: the version says so)
   if (h[kMagicSlot] != kMagic ||
       h[kVersionSlot] != (h[kAlgo] == kWinograd ? kVersionWinograd : kVersion)) {
     TVM_FFI_THROW(ValueError) << "oneDNN: the weights are not packed by this hgrt (header "
@@ -360,18 +365,10 @@ const Header& ReadHeader(const ffi::TensorView& blob) {
       h[kWeiOffset] + h[kWeiBytes] > h[kBiasOffset] || h[kBiasOffset] + 4 * h[kOC] > blob.numel()) {
     TVM_FFI_THROW(ValueError) << "oneDNN: packed weights truncated";
   }
-  CheckPostOps(h);
   if (h.pooled() && (h[kKind] != kConv2d || h[kPoolKW] < 1 || h[kPoolSH] < 1 ||
                      h[kPoolSW] < 1 || h[kPoolOH] < 1 || h[kPoolOW] < 1 || h[kPoolPadT] < 0 ||
                      h[kPoolPadL] < 0 || h[kPoolPadB] < 0 || h[kPoolPadR] < 0)) {
     TVM_FFI_THROW(ValueError) << "oneDNN: bad max pool in the packed weights' header";
-  }
-  if (h[kAlgo] != kDirect && (h[kAlgo] != kWinograd || h[kKind] != kConv2d)) {
-    TVM_FFI_THROW(ValueError) << "oneDNN: unknown convolution algorithm " << h[kAlgo]
-                              << " in the packed weights' header";
-  }
-  if (h.winograd() && WinogradProblem(h)) {
-    TVM_FFI_THROW(ValueError) << "oneDNN: " << WinogradProblem(h);
   }
   if (h[kDnnlVersion] != DnnlVersion()) {
     TVM_FFI_THROW(ValueError) << "oneDNN: the weights were packed by oneDNN " << h[kDnnlVersion]
@@ -391,13 +388,7 @@ Header ReadPlainHeader(const ffi::TensorView& header) {
   CheckTensor(header, "header", DLDataType{kDLInt, 64, 1}, kSlots);
   Header h;
   std::memcpy(&h, DataOf(header), sizeof(Header));
-  CheckPostOps(h);
-  if (h[kAlgo] != kDirect && (h[kAlgo] != kWinograd || h[kKind] != kConv2d)) {
-    TVM_FFI_THROW(ValueError) << "oneDNN: unknown convolution algorithm " << h[kAlgo];
-  }
-  if (h.winograd() && WinogradProblem(h)) {
-    TVM_FFI_THROW(ValueError) << "oneDNN: " << WinogradProblem(h);
-  }
+  CheckOps(h);
   return h;
 }
 
@@ -718,9 +709,8 @@ struct WinoShape {
 };
 
 WinoShape WinoShapeOf(const Header& h) {
-  int64_t th = (h[kOH] + 3) / 4, tw = (h[kOW] + 3) / 4;
-  return {h[kN], h[kIH], h[kIW], h[kIC], h[kOC], h[kOH], h[kOW], th, tw, h[kPadT], h[kPadL],
-          h[kN] * th * tw};
+  return {h[kN], h[kIH], h[kIW], h[kIC], h[kOC], h[kOH], h[kOW], (h[kOH] + 3) / 4,
+          (h[kOW] + 3) / 4, h[kPadT], h[kPadL], WinogradTiles(h)};
 }
 
 struct WinoPost {  // what the output transform adds: the bias, then the post-ops in order
@@ -878,7 +868,7 @@ using WinoInputFn = void (*)(const WinoShape&, const float*, float*, int64_t, in
 using WinoOutputFn = void (*)(const WinoShape&, const float*, int64_t, int64_t, const WinoPost&,
                               float*, int64_t, int64_t);
 
-std::pair<WinoInputFn, WinoOutputFn> WinoKernels() {
+std::pair<WinoInputFn, WinoOutputFn> PickWinoKernels() {
   auto isa = static_cast<int64_t>(dnnl::get_effective_cpu_isa());
   auto has = [isa](dnnl::cpu_isa want) {
     return (isa & static_cast<int64_t>(want)) == static_cast<int64_t>(want);
@@ -886,6 +876,12 @@ std::pair<WinoInputFn, WinoOutputFn> WinoKernels() {
   if (has(dnnl::cpu_isa::avx512_core)) return {WinoInputAvx512, WinoOutputAvx512};
   if (has(dnnl::cpu_isa::avx2)) return {WinoInputAvx2, WinoOutputAvx2};
   return {WinoInputSse, WinoOutputSse};
+}
+
+// (oneDNN fixes its effective ISA at its first use: looked up once)
+std::pair<WinoInputFn, WinoOutputFn> WinoKernels() {
+  static const std::pair<WinoInputFn, WinoOutputFn> kernels = PickWinoKernels();
+  return kernels;
 }
 
 // f(begin, end) over [0, n) split evenly over `threads` OpenMP threads
