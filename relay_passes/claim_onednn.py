@@ -453,12 +453,19 @@ def make_header(kind: str, x: tuple[int, ...], out: tuple[int, ...],
 def winograd_pays(h: np.ndarray, nhwc: int) -> bool:
     """Whether the convolution of header ``h`` runs faster as Winograd F(4x4, 3x3) (the shim's
     Winograd section): a 3x3 stride-1 undilated ungrouped convolution between NHWC tensors, no
-    pool, at least 64 output channels (fewer leave the transforms most of the work: densenet121's
-    128 -> 32 on 56x56 995 -> 1445 us) and at least 16 tiles of 4x4 pixels per call, 36 when
-    fewer than 96 input channels (a small matmul reads its weights, 4x the direct ones, for
-    little work: 48 -> 192 on 13x13 131 -> 155 us, 512 -> 512 on 7x7 894 -> 973 us). Measured
-    against oneDNN's direct convolution, 2 threads, AVX-512 and AVX2 alike: 64 -> 64 on 56x56
-    1013 -> 522 us, 16 -> 64 on 55x55 495 -> 310, 96 -> 208 on 14x14 312 -> 220."""
+    pool, whose tiles of 4x4 output pixels are many enough and whose channels are balanced
+    enough. Per tile the batched matmul does work in proportion to ``ic * oc`` (4x less than the
+    direct convolution) and the transforms in proportion to ``ic + oc``: the rule asks
+    ``ic * oc / (ic + oc)`` >= 12 over 36 tiles or more, >= 32 over 16-35 tiles (13x13 to 24x24
+    outputs), none under 16 (a 7x7 output: the matmul reads its weights, 4x the direct ones,
+    for 4 tiles). Measured in the shim against oneDNN's direct convolution, the kernel timed
+    inside a 3-conv model (2 threads, AMD EPYC: AVX-512 and an AVX2 build alike), us:
+    densenet121's 128 -> 32 on 56x56 976 -> 455 (balance 26; on 28x28 241 -> 114, but on 14x14
+    60 -> 51 (AVX2 79 -> 66) for 4x the weights: left direct), 64 -> 16 on 28x28 68 -> 57 (AVX2
+    66 -> 63), 16 -> 32 on 28x28 36 -> 40 (AVX2; balance 11), 16 -> 16 on 56x56 69 -> 90 (AVX2),
+    squeezenet's 48 -> 192 on 13x13 118 -> 79, 64 -> 64 on 14x14 62 -> 41, 64 -> 32 on 14x14
+    34 -> 33 (AVX2 36 -> 39), 128 -> 16 on 14x14 32 -> 39; inside whole models 512 -> 512 on
+    7x7 (resnet50) 940 -> 1180 and inception's 7x7 layers 1.3-1.6x slower."""
     v = {name: int(h[SLOT[name]]) for name in HEADER_SLOTS}
     if v["kind"] != KIND["conv2d"] or (v["kh"], v["kw"], v["sh"], v["sw"], v["dil_h"],
                                        v["dil_w"], v["groups"]) != (3, 3, 1, 1, 1, 1, 1):
@@ -468,7 +475,8 @@ def winograd_pays(h: np.ndarray, nhwc: int) -> bool:
             or (has_sum and v["res_tag"] != nhwc):
         return False
     tiles = v["n"] * -(-v["oh"] // 4) * -(-v["ow"] // 4)
-    return v["oc"] >= 64 and tiles >= (16 if v["ic"] >= 96 else 36)
+    balance = v["ic"] * v["oc"] / (v["ic"] + v["oc"])
+    return (tiles >= 36 and balance >= 12) or (tiles >= 16 and balance >= 32)
 
 
 def header(chain: Chain) -> np.ndarray:
