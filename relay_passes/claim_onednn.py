@@ -456,7 +456,7 @@ def winograd_pays(h: np.ndarray, nhwc: int) -> bool:
     pool, whose tiles of 4x4 output pixels are many enough and whose channels are balanced
     enough. Per tile the batched matmul does work in proportion to ``ic * oc`` (4x less than the
     direct convolution) and the transforms in proportion to ``ic + oc``: the rule asks
-    ``ic * oc / (ic + oc)`` >= 12 over 36 tiles or more, >= 32 over 16-35 tiles (13x13 to 24x24
+    ``ic * oc / (ic + oc)`` >= 12 over 36 tiles or more, >= 32 over 16-35 tiles (13x13 to 20x20
     outputs), none under 16 (a 7x7 output: the matmul reads its weights, 4x the direct ones,
     for 4 tiles). Measured in the shim against oneDNN's direct convolution, the kernel timed
     inside a 3-conv model (2 threads, AMD EPYC: AVX-512 and an AVX2 build alike), us:
@@ -475,8 +475,8 @@ def winograd_pays(h: np.ndarray, nhwc: int) -> bool:
             or (has_sum and v["res_tag"] != nhwc):
         return False
     tiles = v["n"] * -(-v["oh"] // 4) * -(-v["ow"] // 4)
-    balance = v["ic"] * v["oc"] / (v["ic"] + v["oc"])
-    return (tiles >= 36 and balance >= 12) or (tiles >= 16 and balance >= 32)
+    product, total = v["ic"] * v["oc"], v["ic"] + v["oc"]  # balance: product / total
+    return (tiles >= 36 and product >= 12 * total) or (tiles >= 16 and product >= 32 * total)
 
 
 def header(chain: Chain) -> np.ndarray:
