@@ -43,6 +43,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from hgrt.devices import resolve_device
 from hgrt.errors import BuildError
 from hgrt.graph import ONEDNN_PREFIX
 from hgrt.relay_passes import channels_last
@@ -518,14 +519,35 @@ def _blob_param(chain: Chain, blob: np.ndarray, g: _Graph, taken: set[str]) -> r
     return _new_weight(g, pname, blob, vdevice, taken, only_here)
 
 
+def weight_room(func: relax.Function, ctx: BuildContext) -> dict[int, int]:
+    """Device -> the bytes of weights it may still take, for the devices a placement budget
+    bounds (``Placement.budgets``: what auto placement filled with the model's weights):
+    Winograd's weights, 4x the direct ones, must fit in it too."""
+    budgets = getattr(ctx.placement, "budgets", None) or {}
+    if not budgets:
+        return {}
+    room = {resolve_device(k, ctx.devices, "budget"): int(v) for k, v in budgets.items()}
+    reader = MainReader(func, ctx)
+    for p in func.params[int(func.attrs["num_input"]):]:
+        dev = ctx.device_of_vdevice(getattr(p.ty, "vdevice", None))
+        value = reader.value(p)
+        if dev in room and value is not None:
+            room[dev] -= value.nbytes
+    return room
+
+
 class _Emitter:
     """Packs the chains in dataflow order and makes their calls. Tensors the plan keeps NHWC
     (``channels_last``) are read and written so: the kernel's result is a new variable of
-    shape N, H, W, C."""
+    shape N, H, W, C. ``room``: weight bytes a budgeted device may still take (``weight_room``);
+    a Winograd convolution whose larger weights would not fit stays direct."""
 
-    def __init__(self, g: _Graph, chains: list[Chain], runtime: Any, winograd: bool) -> None:
+    def __init__(self, g: _Graph, chains: list[Chain], runtime: Any, winograd: bool,
+                 room: dict[int, int] | None = None) -> None:
         self.g, self.runtime, self.winograd = g, runtime, winograd
         self.winograd_bytes: list[int] = []  # per Winograd convolution: the weights' growth
+        self.room = dict(room or {})
+        self.over_budget: dict[int, int] = {}  # device -> convolutions kept direct for it
         self.taken = {p.name for p in g.func.params}
         convs = [c for c in chains if c.kind == "conv2d"]
         readers = {c.root.var for c in convs} | {c.residual_at for c in convs
@@ -549,9 +571,18 @@ class _Emitter:
         for slot, v in (("src_tag", chain.x), ("res_tag", chain.residual), ("dst_tag", chain.end)):
             h[SLOT[slot]] = self._tag(v)
         winograd = self.winograd and winograd_pays(h, self.nhwc)
+        # 6x6 numbers per filter where the direct convolution keeps 3x3 (the shim pads neither)
+        growth = (36 - 9) * 4 * int(h[SLOT["ic"]]) * int(h[SLOT["oc"]])
+        dev = self.g.ctx.device_of_vdevice(getattr(chain.x.ty, "vdevice", None))
+        if winograd and dev in self.room:
+            if growth > self.room[dev]:
+                winograd = False
+                self.over_budget[dev] = self.over_budget.get(dev, 0) + 1
+            else:
+                self.room[dev] -= growth
         h[SLOT["algo"]] = int(winograd)
-        if winograd:  # 6x6 numbers per filter where the direct convolution keeps 3x3
-            self.winograd_bytes.append((36 - 9) * 4 * int(h[SLOT["ic"]]) * int(h[SLOT["oc"]]))
+        if winograd:
+            self.winograd_bytes.append(growth)
         blob = self.runtime.pack(h, chain.weight, chain.bias)
         param = _blob_param(chain, blob, self.g, self.taken)
         self.blobs.append(param)
@@ -621,7 +652,7 @@ def claim_onednn(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
         chains = find_chains(g, kernels, frozenset({"onednn"}))
     if not chains:
         return mod
-    emitter = _Emitter(g, chains, runtime, kernels.winograd)
+    emitter = _Emitter(g, chains, runtime, kernels.winograd, weight_room(func, ctx))
     position = {b.var: i for i, b in enumerate(bindings(func))}
     for chain in sorted(chains, key=lambda c: position[c.end]):  # producers first
         emitter.emit(chain)
@@ -636,6 +667,9 @@ def claim_onednn(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
         ctx.log(f"oneDNN: {len(emitter.winograd_bytes)} 3x3 convolutions as Winograd F(4x4, 3x3),"
                 f" their weights {sum(emitter.winograd_bytes) / 2**20:.1f} MiB larger "
                 f"(Kernels(..., winograd=False) / --no-winograd keeps them direct)")
+    for dev, n in emitter.over_budget.items():
+        ctx.log(f"oneDNN: {n} 3x3 convolutions on {ctx.devices[dev].name} kept direct: as "
+                f"Winograd their weights would not fit its placement budget")
     new = mod.clone()
     new.update_func(new.get_global_var("main"), _rewrite(func, emitter, drop, ctx))
     return new

@@ -532,6 +532,26 @@ def test_a_3x3_convolution_between_onednn_kernels_runs_as_winograd(caplog):
     assert packed_bytes(res) - packed_bytes(direct) >= (36 - 9) * 4 * 64 * 64
 
 
+@needs_onednn
+def test_winograd_stays_within_a_placement_budget(caplog):
+    """Auto placement fills a device's weight budget with the model's weights; Winograd's
+    (4x the bytes) are taken only where they still fit, else the convolution stays direct
+    and the log says why."""
+    model = _winograd_block_onnx()  # its 3x3 64 -> 64: 147 KiB of weights, 576 KiB Winograd
+    weights = sum(numpy_helper.to_array(t).nbytes for t in model.graph.initializer)
+    growth = (36 - 9) * 4 * 64 * 64
+
+    def middle(budget):
+        res = _check(model, ("cpu:0",), hgrt.Placement(auto=True, budgets={"cpu:0": budget}))
+        return _onednn_nodes(res)[1].attrs["onednn_op"]
+
+    with caplog.at_level(logging.DEBUG, logger="hgrt.build"):
+        assert middle(weights + growth // 2) == "conv2d+bias+add+relu"
+    assert "1 3x3 convolutions on cpu:0 kept direct: as Winograd their weights would not fit " \
+        "its placement budget" in caplog.text
+    assert middle(weights + 2 * growth) == "conv2d(winograd)+bias+add+relu"
+
+
 NHWC = 1000  # stands for oneDNN's NHWC tag: the rule compares with the tag it is given
 
 
