@@ -60,6 +60,21 @@ class Budget:
         return f"{self.name} {_mib(self.free)} of {_mib(self.total)} MiB free"
 
 
+def _winograd_share(graph: Graph, device: int) -> str:
+    """What Winograd convolutions' weights take of a logical device's (oneDNN packs 36
+    numbers per filter where a direct convolution keeps 9), said where there are any."""
+    nbytes = 0
+    for node in graph.nodes:
+        if "(winograd)" in node.attrs.get("onednn_op", "") and len(node.inputs) > 1:
+            blob = graph.entry_id(node.inputs[1][0], node.inputs[1][1])  # (input, blob, ...)
+            if graph.entry_device(blob) == device:
+                nbytes += graph.entry_bytes(blob)
+    if not nbytes:
+        return ""
+    return (f"; {_mib(nbytes)} MiB of the weights are Winograd convolutions' (built with "
+            f"Kernels(..., winograd=False) / --no-winograd they take about a quarter of that)")
+
+
 def _mib(nbytes: int) -> str:
     return f"{nbytes / MIB:.1f}"
 
@@ -207,7 +222,8 @@ class Host:
                 raise ProvisionError(
                     f"{what} needs {_mib(weights + activations)} MiB on {best.name}: "
                     f"{_mib(weights)} weights + {_mib(activations)} activations; "
-                    f"{_mib(best.free)} MiB free (the most of any free {kind} device; {self})")
+                    f"{_mib(best.free)} MiB free (the most of any free {kind} device; {self})"
+                    + _winograd_share(graph, i))
             mapping[i] = self._devices.index(best)
         return [mapping[i] for i in range(n)], needs
 

@@ -552,6 +552,18 @@ def test_winograd_stays_within_a_placement_budget(caplog):
     assert middle(weights + 2 * growth) == "conv2d(winograd)+bias+add+relu"
 
 
+@needs_onednn
+def test_a_host_without_room_says_what_winograd_takes():
+    res = _check(_winograd_block_onnx())
+    with pytest.raises(hgrt.ProvisionError, match=r"needs .* MiB on cpu:0: .*; 0.6 MiB of the "
+                       r"weights are Winograd convolutions' \(built with Kernels"):
+        hgrt.Host(["cpu:0"], budgets=1 << 16).add("net", res)
+    direct = _check(_winograd_block_onnx(), kernels=claim.Kernels("onednn", winograd=False))
+    with pytest.raises(hgrt.ProvisionError) as e:
+        hgrt.Host(["cpu:0"], budgets=1 << 16).add("net", direct)
+    assert "Winograd" not in str(e.value)
+
+
 NHWC = 1000  # stands for oneDNN's NHWC tag: the rule compares with the tag it is given
 
 
