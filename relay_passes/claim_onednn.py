@@ -519,18 +519,18 @@ def _blob_param(chain: Chain, blob: np.ndarray, g: _Graph, taken: set[str]) -> r
     return _new_weight(g, pname, blob, vdevice, taken, only_here)
 
 
-def weight_room(func: relax.Function, ctx: BuildContext) -> dict[int, int]:
+def weight_room(g: _Graph) -> dict[int, int]:
     """Device -> the bytes of weights it may still take, for the devices a placement budget
     bounds (``Placement.budgets``: what auto placement filled with the model's weights):
     Winograd's weights, 4x the direct ones, must fit in it too."""
+    ctx = g.ctx
     budgets = getattr(ctx.placement, "budgets", None) or {}
     if not budgets:
         return {}
     room = {resolve_device(k, ctx.devices, "budget"): int(v) for k, v in budgets.items()}
-    reader = MainReader(func, ctx)
-    for p in func.params[int(func.attrs["num_input"]):]:
+    for p in g.func.params[int(g.func.attrs["num_input"]):]:
         dev = ctx.device_of_vdevice(getattr(p.ty, "vdevice", None))
-        value = reader.value(p)
+        value = g.value(p)
         if dev in room and value is not None:
             room[dev] -= value.nbytes
     return room
@@ -563,6 +563,18 @@ class _Emitter:
         self.blobs.append(var)
         return var
 
+    def _fits(self, chain: Chain, growth: int) -> bool:
+        """Whether ``growth`` more bytes of weights fit the budget of ``chain``'s device (taken
+        from its room if so; a device without a budget always has room)."""
+        dev = self.g.ctx.device_of_vdevice(getattr(chain.x.ty, "vdevice", None))
+        if dev not in self.room:
+            return True
+        if growth > self.room[dev]:
+            self.over_budget[dev] = self.over_budget.get(dev, 0) + 1
+            return False
+        self.room[dev] -= growth
+        return True
+
     def _tag(self, v: relax.Var | None) -> int:
         return self.nhwc if v in self.plan.nhwc else 0
 
@@ -570,16 +582,9 @@ class _Emitter:
         h = header(chain)
         for slot, v in (("src_tag", chain.x), ("res_tag", chain.residual), ("dst_tag", chain.end)):
             h[SLOT[slot]] = self._tag(v)
-        winograd = self.winograd and winograd_pays(h, self.nhwc)
         # 6x6 numbers per filter where the direct convolution keeps 3x3 (the shim pads neither)
         growth = (36 - 9) * 4 * int(h[SLOT["ic"]]) * int(h[SLOT["oc"]])
-        dev = self.g.ctx.device_of_vdevice(getattr(chain.x.ty, "vdevice", None))
-        if winograd and dev in self.room:
-            if growth > self.room[dev]:
-                winograd = False
-                self.over_budget[dev] = self.over_budget.get(dev, 0) + 1
-            else:
-                self.room[dev] -= growth
+        winograd = self.winograd and winograd_pays(h, self.nhwc) and self._fits(chain, growth)
         h[SLOT["algo"]] = int(winograd)
         if winograd:
             self.winograd_bytes.append(growth)
@@ -652,7 +657,7 @@ def claim_onednn(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
         chains = find_chains(g, kernels, frozenset({"onednn"}))
     if not chains:
         return mod
-    emitter = _Emitter(g, chains, runtime, kernels.winograd, weight_room(func, ctx))
+    emitter = _Emitter(g, chains, runtime, kernels.winograd, weight_room(g))
     position = {b.var: i for i, b in enumerate(bindings(func))}
     for chain in sorted(chains, key=lambda c: position[c.end]):  # producers first
         emitter.emit(chain)
