@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import functools
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,7 @@ from hgrt.errors import GraphError
 # look for a kernel of that name, refuses the version instead); 1 else, as before
 FORMAT_VERSION = 2
 FORMAT_VERSIONS = (1, 2)
+MAX_ENTRY_BYTES = 1 << 48  # one tensor's bytes at most (256 TiB): shapes beyond are refused
 COPY_FUNC = "__copy"
 ONEDNN_PREFIX = "hgrt.onednn."  # the functions oneDNN kernels' nodes name (runtime/onednn.py)
 NOP_FUNC = lifetimes.NOP_FUNC
@@ -130,7 +132,7 @@ class Graph:
         return self.device_index[eid] if self.device_index is not None else 0
 
     def entry_bytes(self, eid: int) -> int:
-        return int(np.prod(self.shapes[eid], dtype=np.int64)) * dtype_bytes(self.dtypes[eid])
+        return math.prod(self.shapes[eid]) * dtype_bytes(self.dtypes[eid])
 
     def input_names(self) -> list[str]:
         """Names of the arg nodes that are user inputs (not parameters), in arg order."""
@@ -328,6 +330,7 @@ def _parse(doc: Any) -> Graph:
     _check_special_ops(g)
     _check_streams(g)
     lifetimes.storage_devices(g, GraphError)
+    _check_weight_storages(g)
     _check_pools(g)
     lifetimes.check_lifetimes(g, GraphError)
     return g
@@ -448,9 +451,12 @@ def _parse_columns(attrs: dict, n: int) -> dict[str, Any]:
         if not isinstance(d, str):
             raise GraphError(f"attrs column 'dltype', entry {eid}: {d!r} is not a string")
         try:
-            dtype_bytes(d)
+            nbytes = math.prod(shapes[eid]) * dtype_bytes(d)
         except GraphError as e:
             raise GraphError(f"attrs column 'dltype', entry {eid}: {e}") from None
+        if nbytes > MAX_ENTRY_BYTES:  # sizes past int64 would wrap in TVM's own arithmetic
+            raise GraphError(f"entry {eid}: shape {list(shapes[eid])} of {d} is {nbytes} bytes, "
+                             f"more than hgrt allocates for one tensor ({MAX_ENTRY_BYTES})")
     extra = {key: _int_column(attrs, key, n) for key, col in attrs.items()
              if key not in ("shape", "dltype", "storage_id", "device_index")
              and isinstance(col, list) and len(col) == 2 and col[0] == "list_int"}
@@ -577,6 +583,9 @@ def _parse_section(section: Any, g: Graph) -> None:
         if isinstance(off, bool) or not isinstance(off, int) or off < 0:
             raise GraphError(f"'hgrt' section: storage_offset[{sid}] = {off!r} is not a byte "
                              f"offset")
+        if off % lifetimes.ALIGN:  # kernels assume aligned data: a misaligned one may crash
+            raise GraphError(f"'hgrt' section: storage_offset[{sid}] = {off} is not a multiple "
+                             f"of {lifetimes.ALIGN} bytes (every storage starts aligned)")
     g.pool_bytes = pools
     g.storage_offset = offsets
     g.weight_pool_bytes = weights
@@ -618,6 +627,11 @@ def _check_streams(g: Graph) -> None:
             if not 0 <= w < nid or g.streams[w] < 0 or g.streams[w] == s:
                 raise GraphError(f"{where}: waits for node {w}, which is not an earlier node "
                                  f"of another stream")
+    used = sorted(set(g.streams) - {-1})
+    if used != list(range(len(used))):
+        missing = sorted(set(range(used[-1] + 1)) - set(used))
+        raise GraphError(f"'hgrt' section: stream ids must be 0..{len(used) - 1}, got {used} "
+                         f"(no node on stream {missing[0]})")
     order = lifetimes.Order(g)
     writers = lifetimes.entry_writers(g)
     for nid, node in enumerate(g.nodes):
@@ -630,6 +644,25 @@ def _check_streams(g: Graph) -> None:
                 raise GraphError(f"{g.describe_node(nid)} (stream {g.streams[nid]}) reads the "
                                  f"output of {g.describe_node(writer)} (stream "
                                  f"{g.streams[writer]}) with no event between them: a race")
+
+
+def _check_weight_storages(g: Graph) -> None:
+    """A parameter's storage holds that parameter (and views of it) only: call frames and other
+    modules share weight storages, so an activation there would be shared by every call."""
+    roots = g.alias_roots()
+    owner: dict[int, int] = {}
+    params = set(g.params)
+    for n in g.arg_nodes:
+        if g.nodes[n].name in params:
+            eid = g.entry_id(n)
+            first = owner.setdefault(g.storage_ids[eid], eid)
+            if first != eid:
+                raise GraphError(f"parameters {g.describe_entry(first)} and "
+                                 f"{g.describe_entry(eid)} share storage {g.storage_ids[eid]}")
+    for eid, sid in enumerate(g.storage_ids):
+        if sid in owner and roots[eid] != owner[sid]:
+            raise GraphError(f"{g.describe_entry(eid)} uses storage {sid} of parameter "
+                             f"{g.describe_entry(owner[sid])}: a weight's storage holds only it")
 
 
 def _check_pools(g: Graph) -> None:

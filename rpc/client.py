@@ -224,13 +224,8 @@ class RemoteGraphModule(GraphModuleAPI):
         return results if outs is None else outs
         return results
 
-    def _set_one(self, idx: int, value: Any, what: str = "input") -> None:
-        if not self._stateful.acquire(blocking=False):
-            raise self._in_use("set_input")
-        try:
-            self._send(idx, value, what)
-        finally:
-            self._stateful.release()
+    def _store(self, idx: int, value: Any) -> None:
+        self._send(idx, value, "input")
 
     def _send(self, idx: int, value: Any, what: str) -> None:
         """numpy data is sent as bytes (one round trip); a tensor of this session is copied in

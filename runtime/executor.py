@@ -96,10 +96,8 @@ class GraphModule(GraphModuleAPI):
                 self._uses.setdefault(eid, []).append((si, pos))
 
     def _release(self) -> None:
-        closed = ClosedError("GraphModule is closed; create or load it again")
-
-        def refuse():
-            raise closed
+        def refuse():  # a new error each time: one raised again would pile up tracebacks
+            raise ClosedError("GraphModule is closed; create or load it again")
 
         self.steps, self._calls, self.lib = (), ((refuse, ()),), None  # run() raises, for free
         self._streams = self._frames = None
@@ -111,13 +109,15 @@ class GraphModule(GraphModuleAPI):
         streams runs them at once when they can overlap and it pays (``configure_streams``
         says when; ``parallel=True`` forces it, ``parallel=False`` or ``HGRT_SEQUENTIAL=1`` runs
         the steps one after another: the same results)."""
-        if inputs:
-            self.set_input(**inputs)
-        if self._unset:
-            raise self._unset_error("run")
+        items = self._checked_inputs(inputs) if inputs else ()
         if not self._stateful.acquire(blocking=False):
             raise self._in_use("run")
         try:
+            for idx, value in items:  # under the same claim: no other thread's input between
+                self._store(idx, value)
+            if self._unset:
+                self._check_open()
+                raise self._unset_error("run")
             runner = self._streams if (self.parallel if parallel is None else parallel) else None
             if runner is None:
                 restore_thread_count()
@@ -129,8 +129,9 @@ class GraphModule(GraphModuleAPI):
 
     def _run_streams(self, runner: StreamRunner, record: list | None = None) -> None:
         runner.run(record)
-        if runner.failed is not None:
-            step, cause = runner.failed
+        failure = runner.take_failure()
+        if failure is not None:
+            step, cause = failure
             if isinstance(cause, ClosedError):
                 raise cause
             err = self.execution_error(step, cause)
@@ -174,6 +175,10 @@ class GraphModule(GraphModuleAPI):
         if unknown:
             raise InputError(f"configure_streams: threads for {unknown}, but the streams run on "
                              f"{names}")
+        for name, n in share.items():
+            if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+                raise InputError(f"configure_streams: threads for {name} must be a positive "
+                                 f"integer, got {n!r}")
         per_dev = {d: share.get(n, max(1, process_threads() // len(devs)))
                    for d, n in zip(devs, names, strict=True)}
         counts = {d: list(stream_dev.values()).count(d) for d in devs}
@@ -198,8 +203,11 @@ class GraphModule(GraphModuleAPI):
         ``threads_per_call`` threads (default: cores // callers) in an activation frame of its
         own; at most ``max_frames`` frames (default: callers) exist, one weight copy."""
         self.budget = CallBudget(callers, threads_per_call, max_frames)
+        # a partial, not a closure over self: the module must not be in a reference cycle
+        # (its pools and stream workers go when the user drops it, not at the next collection)
         self._frames = FramePool(
-            lambda: Frame(self.graph, self.lib, self.devices, self._storage), self.budget.frames)
+            functools.partial(Frame, self.graph, self.lib, self.devices, self._storage),
+            self.budget.frames)
 
     @property
     def frame_bytes(self) -> list[int]:
@@ -220,7 +228,10 @@ class GraphModule(GraphModuleAPI):
         items = self._call_inputs(inputs)
         outs = self._call_outputs(out)
         set_thread_count(self.budget.threads)
-        frame = self._frames.take()
+        frames = self._frames  # the frame goes back where it came from, whatever happens
+        if frames is None:  # closed meanwhile
+            self._check_open()
+        frame = frames.take()
         try:
             bound = {}
             for idx, value in items:
@@ -237,7 +248,7 @@ class GraphModule(GraphModuleAPI):
             self._run_calls(frame.calls_with(bound, self._uses))
             return self._call_results(frame, bound, outs)
         finally:
-            self._frames.give(frame)
+            frames.give(frame)
 
     def execution_error(self, step: int, cause: Exception) -> ExecutionError:
         """The error of step ``step`` failing: names its node and the device it ran on."""
@@ -314,15 +325,10 @@ class GraphModule(GraphModuleAPI):
             copy_tensor(src, out)
 
     # ---- values ---------------------------------------------------------------------------
-    def _set_one(self, idx: int, value: Any, what: str = "input") -> None:
-        if not self._stateful.acquire(blocking=False):
-            raise self._in_use("set_input")
-        try:
-            self._copy_in(self._storage.user_view(self._input_eids[idx]), value)
-            if self._unset:
-                self._unset -= {self._arg_names[idx]}
-        finally:
-            self._stateful.release()
+    def _store(self, idx: int, value: Any) -> None:
+        self._copy_in(self._storage.user_view(self._input_eids[idx]), value)
+        if self._unset:
+            self._unset -= {self._arg_names[idx]}
 
     def _get(self, kind: str, idx: int, out):
         if not self._stateful.acquire(blocking=False):
@@ -352,7 +358,8 @@ class GraphModule(GraphModuleAPI):
                 value = self._checked_input(idx, value, "param")
             except InputError as e:
                 raise ParamError(str(e)) from None
-            self._set_one(idx, value)  # runs go once the last weight is here
+            with self._claim("load_params"):
+                self._store(idx, value)  # runs go once the last weight is here
 
     def defer_params(self) -> None:
         """Refuse ``run()`` and calls until every parameter has come (again) through

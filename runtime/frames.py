@@ -124,7 +124,7 @@ class Frame:
             return self.calls
         calls = list(self.calls)
         for eid, tensor in bound.items():
-            for si, pos in uses[eid]:
+            for si, pos in uses.get(eid, ()):  # an input no step reads
                 func, args = calls[si]
                 view = args[pos]
                 arg = tensor if tuple(tensor.shape) == tuple(view.shape) else \

@@ -3,11 +3,12 @@
 ``GraphModuleAPI`` answers everything that only needs the graph (input names and indices, input
 info, output count, how ``set_input`` may be called, what ``out=`` must look like) and checks
 every argument at the boundary. A module kind (the local ``GraphModule``, the ``RemoteGraphModule``
-of hgrt.rpc) adds how values move: ``_set_one``, ``_get``, ``run``, params and benchmarks.
+of hgrt.rpc) adds how values move: ``_store``, ``_get``, ``run``, params and benchmarks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import threading
 from collections.abc import Mapping
@@ -99,14 +100,29 @@ class GraphModuleAPI:
         """Free what the module holds (device memory, the server's module) now rather than when
         the last reference goes; any later call is a ``ClosedError``. Closing twice is fine."""
         if not self.closed:
-            self.closed = True
-            self._release()
+            with self._stateful:  # a run, set_input or get_output in flight finishes first
+                if self.closed:
+                    return
+                self.closed = True
+                self._release()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    @contextlib.contextmanager
+    def _claim(self, what: str):
+        """The module's state (inputs, outputs, ``run``) for this thread, or an error: another
+        thread's values would mix with this one's."""
+        if not self._stateful.acquire(blocking=False):
+            raise self._in_use(what)
+        try:
+            self._check_open()
+            yield
+        finally:
+            self._stateful.release()
 
     def _in_use(self, what: str) -> ExecutionError:
         return ExecutionError(
@@ -125,8 +141,8 @@ class GraphModuleAPI:
     def _release(self) -> None:
         raise NotImplementedError
 
-    def _set_one(self, idx: int, value: Any, what: str = "input") -> None:
-        """Copy a checked ``value`` into input ``idx``."""
+    def _store(self, idx: int, value: Any) -> None:
+        """Copy a checked ``value`` into input ``idx`` (the caller holds ``_claim``)."""
         raise NotImplementedError
 
     def _get(self, kind: str, idx: int, out):
@@ -185,10 +201,16 @@ class GraphModuleAPI:
                 raise InputError(f"set_input({key!r}): no value given")
             inputs = {key: value, **inputs}
         self._check_open()
-        items = [(i, self._checked_input(i, v, "input"))
-                 for i, v in ((self._resolve_input(k), v) for k, v in inputs.items())]
-        for idx, val in items:
-            self._set_one(idx, val)
+        items = self._checked_inputs(inputs)
+        with self._claim("set_input"):
+            for idx, val in items:
+                self._store(idx, val)
+
+    def _checked_inputs(self, inputs: Mapping) -> list[tuple[int, Any]]:
+        """``(index, value)`` of every input named in ``inputs``, each key, shape and dtype
+        checked (nothing is copied before all are)."""
+        return [(i, self._checked_input(i, v, "input"))
+                for i, v in ((self._resolve_input(k), v) for k, v in inputs.items())]
 
     def get_input(self, key: int | str, out=None):
         """The tensor holding input ``key`` (by name or index); copied into ``out`` if given."""
@@ -219,6 +241,8 @@ class GraphModuleAPI:
             if isinstance(o, np.ndarray):
                 eid = self._output_eids[i]
                 checked_value(o, self.graph.shapes[eid], self.graph.dtypes[eid], f"out[{i}]")
+                if not o.flags.writeable:
+                    raise InputError(f"call: out[{i}] is a read-only array")
             else:
                 self._checked_out(o, self._output_eids[i], f"out[{i}]")
         return out

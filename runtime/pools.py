@@ -56,10 +56,13 @@ class StoragePools:
                 self.device_bytes[d] += int(nbytes)
         self.buffers += list(arenas.values())
         pools = [g.pool_of(e) for e in range(g.num_entries)]
-        self.base = [weights.base[e] if weights is not None and p[1] else arenas[p]
-                     for e, p in enumerate(pools)]
-        self.offset = [weights.offset[e] if weights is not None and p[1] else
-                       g.storage_offset[g.storage_ids[e]] for e, p in enumerate(pools)]
+        # a frame reads the module's parameters, in its weight pool or (a plan without weight
+        # pools) in its activation pool: the frame's own copy of those bytes is never loaded
+        shared = [weights is not None and g.storage_ids[e] in g.weight_storages
+                  for e in range(g.num_entries)]
+        self.base = [weights.base[e] if shared[e] else arenas[p] for e, p in enumerate(pools)]
+        self.offset = [weights.offset[e] if shared[e] else g.storage_offset[g.storage_ids[e]]
+                       for e in range(g.num_entries)]
 
     def _allocate_storages(self, devices: list, weights: StoragePools | None) -> None:
         """Classic layout: each storage id sized by the largest entry that uses it."""
@@ -79,11 +82,16 @@ class StoragePools:
                        for e, sid in enumerate(g.storage_ids)]
 
     def adopt(self, dst: int, other: StoragePools, src: int) -> None:
-        """Entry ``dst`` uses entry ``src`` of another module's pools (``share_params``)."""
-        self.base[dst], self.offset[dst] = other.base[src], other.offset[src]
+        """Entry ``dst`` uses entry ``src`` of another module's pools (``share_params``), and
+        so do the views of it (``__nop`` outputs whose bytes are ``dst``'s)."""
+        roots, within = self.graph.alias_roots(), self.graph.entry_offsets()
+        moved = {e for e, r in enumerate(roots) if r == dst} | {dst}
+        for e in moved:
+            self.base[e], self.offset[e] = other.base[src], other.offset[src] + within[e]
         self.buffers.append(other)  # keep the other module's memory alive as long as ours
-        self._kernel_views = {k: v for k, v in self._kernel_views.items() if k[0] != dst}
-        self._user_views.pop(dst, None)
+        self._kernel_views = {k: v for k, v in self._kernel_views.items() if k[0] not in moved}
+        for e in moved:
+            self._user_views.pop(e, None)
 
     def kernel_view(self, eid: int, flat: bool = False):
         """The tensor passed to kernels for entry ``eid`` (1-D when ``flat``)."""

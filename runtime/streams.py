@@ -9,6 +9,7 @@ stops every stream (waiters are woken) and the error names its node, device and 
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -109,8 +110,8 @@ class StreamRunner:
         weakref.finalize(self, _stop, list(self._queues))
 
     def run(self, record: list | None = None) -> None:
-        """Run every stream once; raise the first failure as ``(step index, exception)`` in
-        ``self.failed`` after all streams stopped. ``record`` gets (step, stream, t0, t1)."""
+        """Run every stream once, returning when all have stopped; the first failure is then
+        ``take_failure()``'s. ``record`` gets (step, stream, t0, t1) per step."""
         if not self._queues and len(self.streams) > 1:
             self._start()
         for ev in self.events.values():
@@ -118,33 +119,45 @@ class StreamRunner:
         self._failed = None
         done = [threading.Event() for _ in self._queues]
         for s, (q, ev) in enumerate(zip(self._queues, done, strict=True), start=1):
-            q.put(lambda s=s, ev=ev: (self._run_stream(s, record), ev.set()))
-        self._run_stream(0, record)
-        for ev in done:
-            ev.wait()
+            q.put(functools.partial(self._job, s, record, ev))
+        try:
+            self._run_stream(0, record)
+        finally:  # even when the caller's stream is interrupted: no worker outlives the run
+            for ev in done:
+                ev.wait()
 
-    @property
-    def failed(self) -> tuple[int, BaseException] | None:
-        return self._failed
+    def take_failure(self) -> tuple[int, BaseException] | None:
+        """``(step index, exception)`` of the last run's first failure, once (then None: the
+        runner keeps no traceback, which would hold it in a cycle)."""
+        failed, self._failed = self._failed, None
+        return failed
+
+    def _job(self, s: int, record: list | None, done: threading.Event) -> None:
+        try:
+            self._run_stream(s, record)
+        finally:
+            done.set()
 
     def _run_stream(self, s: int, record: list | None) -> None:
-        set_thread_count(self.threads[s])
         clock = time.perf_counter
-        for idx, func, args, waits, signal in self.streams[s]:
-            for ev in waits:
-                ev.wait()
-            if self._failed is not None:
-                return
-            try:
+        idx = self.streams[s][0][0]
+        try:
+            set_thread_count(self.threads[s])
+            for idx, func, args, waits, signal in self.streams[s]:
+                for ev in waits:
+                    ev.wait()
+                if self._failed is not None:
+                    return
                 t0 = clock()
                 func(*args)
                 if record is not None:
                     record.append((idx, s, t0, clock()))
-            except Exception as e:
-                with self._lock:
-                    self._failed = self._failed or (idx, e)
-                for ev in self.events.values():  # wake every waiter: they see the failure
-                    ev.set()
-                return
-            if signal is not None:
-                signal.set()
+                if signal is not None:
+                    signal.set()
+        except BaseException as e:  # whatever it is, every other stream must stop and return
+            with self._lock:
+                self._failed = self._failed or (idx, e)
+            for ev in self.events.values():  # wake every waiter: they see the failure
+                ev.set()
+            if s == 0 and not isinstance(e, Exception):
+                raise  # Ctrl-C in the caller's stream: after the workers stop (``run``)
