@@ -36,7 +36,7 @@ from hgrt.errors import GraphError
 from hgrt.graph import ONEDNN_PREFIX as PREFIX
 from hgrt.runtime.threads import use_all_cores
 
-__all__ = ["FUNCTIONS", "INSTALL_HINT", "implementation", "isa", "kernel_function",
+__all__ = ["FUNCTIONS", "INSTALL_HINT", "forget", "implementation", "isa", "kernel_function",
            "layout_name", "load", "nhwc_tag", "pack", "unavailable_reason", "version"]
 
 INSTALL_HINT = "pip install -e '.[onednn]'"
@@ -143,6 +143,16 @@ def kernel_function(name: str):
     if name.startswith(PREFIX):
         load()
     return tvm.get_global_func(name, allow_missing=True)
+
+
+def forget(ranges: list[tuple[int, int]]) -> None:
+    """Drop what the kernels cache for weights in the byte ranges ``[begin, end)`` (memory a
+    module frees: its entries and any re-packed weights would otherwise stay until the caches
+    fill); nothing to do where the shim was never loaded."""
+    if _module:
+        f = tvm.get_global_func(PREFIX + "forget")
+        for begin, end in ranges:
+            f(begin, end)
 
 
 def _call(name: str, *args):

@@ -103,6 +103,19 @@ dnnl::stream& Stream() {
   return stream;
 }
 
+// Primitives are shared by every thread that calls them (cached per blob or per shapes), so
+// none keeps a scratchpad of its own: each is made in user scratchpad mode and every call
+// passes its thread's buffer. (In oneDNN's default mode a primitive owns one scratchpad: the
+// concat kept its operands' pointers there, and two calls at once read each other's data.)
+dnnl::primitive_attr UserScratchpad(dnnl::primitive_attr attr = dnnl::primitive_attr()) {
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  return attr;
+}
+
+dnnl::reorder::primitive_desc ReorderDesc(const memory::desc& from, const memory::desc& to) {
+  return dnnl::reorder::primitive_desc(Engine(), from, Engine(), to, UserScratchpad());
+}
+
 // ---- descriptors from a header ------------------------------------------------------------
 
 memory::dims WeightDims(const Header& h) {
@@ -361,8 +374,11 @@ const Header& ReadHeader(const ffi::TensorView& blob) {
     TVM_FFI_THROW(ValueError) << "oneDNN: the weights are not packed by this hgrt (header "
                                  "version mismatch); rebuild the model";
   }
-  if (h[kOC] < 1 || h[kWeiOffset] < kHeaderBytes || h[kWeiBytes] < 0 ||
-      h[kWeiOffset] + h[kWeiBytes] > h[kBiasOffset] || h[kBiasOffset] + 4 * h[kOC] > blob.numel()) {
+  // each field within the blob before any sum (a damaged header must not wrap around)
+  int64_t n = blob.numel();
+  if (h[kOC] < 1 || h[kOC] > n / 4 || h[kWeiOffset] < kHeaderBytes || h[kWeiOffset] > n ||
+      h[kWeiBytes] < 0 || h[kWeiBytes] > n || h[kBiasOffset] < 0 || h[kBiasOffset] > n ||
+      h[kWeiOffset] + h[kWeiBytes] > h[kBiasOffset] || h[kBiasOffset] + 4 * h[kOC] > n) {
     TVM_FFI_THROW(ValueError) << "oneDNN: packed weights truncated";
   }
   if (h.pooled() && (h[kKind] != kConv2d || h[kPoolKW] < 1 || h[kPoolSH] < 1 ||
@@ -482,6 +498,7 @@ struct Entry {
   dnnl::primitive pool;
   memory::desc pooled, pool_scratch;
   dnnl::reorder to_src, from_dst, residual_to_dst;
+  memory::desc to_src_pad, from_dst_pad, residual_pad;  // their scratchpads (the caller's)
 };
 
 // The primitive for a packed blob. Asked with `any` weights first: passing the packed layout
@@ -548,40 +565,91 @@ std::shared_ptr<Entry> MakeEntry(const char* blob, std::shared_ptr<Repacked> rep
     }
   }
   e->reorder_res = h.has_sum() && !e->residual_arg && e->res_user != e->dst;
-  auto reorder = [](const memory::desc& a, const memory::desc& b) {
-    return dnnl::reorder(dnnl::reorder::primitive_desc(Engine(), a, Engine(), b));
+  auto reorder = [](dnnl::reorder& prim, memory::desc& pad, const memory::desc& a,
+                    const memory::desc& b) {
+    auto pd = ReorderDesc(a, b);
+    prim = dnnl::reorder(pd);
+    pad = pd.scratchpad_desc();
   };
-  if (e->reorder_src) e->to_src = reorder(e->src_user, e->src);
-  if (e->reorder_dst) e->from_dst = reorder(h.pooled() ? e->pooled : e->dst, e->dst_user);
-  if (e->reorder_res) e->residual_to_dst = reorder(e->res_user, e->dst);
+  if (e->reorder_src) reorder(e->to_src, e->to_src_pad, e->src_user, e->src);
+  if (e->reorder_dst) {
+    reorder(e->from_dst, e->from_dst_pad, h.pooled() ? e->pooled : e->dst, e->dst_user);
+  }
+  if (e->reorder_res) reorder(e->residual_to_dst, e->residual_pad, e->res_user, e->dst);
   return e;
 }
 
 // The entry of a call site: per (blob address, thread count), remade when the blob's header
 // changed; a re-pack is shared by the thread counts that pick the same layout. Called with the
-// caller's OpenMP thread count set: oneDNN's choices depend on it. Blobs of freed modules leave
-// entries behind: past a bound both caches start over (entries in use live on, shared).
+// caller's OpenMP thread count set: oneDNN's choices depend on it. A module's pools drop their
+// blobs' entries when they are freed (`Forget`); past a bound both caches start over (entries
+// in use live on, shared).
 constexpr size_t kMaxEntries = 4096, kMaxRepacks = 512;
 
+struct EntryCache {
+  std::mutex mu;
+  std::map<std::pair<const void*, int>, std::shared_ptr<Entry>> entries;
+  std::map<std::pair<const void*, int64_t>, std::shared_ptr<Repacked>> repacks;
+};
+
+EntryCache& Entries() {
+  static EntryCache* cache = new EntryCache();  // never destroyed: used until the process ends
+  return *cache;
+}
+
 std::shared_ptr<Entry> GetEntry(const char* blob, int threads) {
-  static std::mutex mu;
-  static std::map<std::pair<const void*, int>, std::shared_ptr<Entry>> cache;
-  static std::map<std::pair<const void*, int64_t>, std::shared_ptr<Repacked>> repacks;
-  std::lock_guard<std::mutex> lock(mu);
-  if (cache.size() >= kMaxEntries) cache.clear();
-  if (repacks.size() >= kMaxRepacks) repacks.clear();
-  auto& slot = cache[{blob, threads}];
+  EntryCache& c = Entries();
+  std::lock_guard<std::mutex> lock(c.mu);
+  if (c.entries.size() >= kMaxEntries) c.entries.clear();
+  if (c.repacks.size() >= kMaxRepacks) c.repacks.clear();
+  auto& slot = c.entries[{blob, threads}];
   if (slot && std::memcmp(&slot->header, blob, sizeof(Header)) == 0) return slot;
   const Header& h = *reinterpret_cast<const Header*>(blob);
+  // the packed layout fits the bytes the header gives it (a re-pack reads them all)
+  if (static_cast<int64_t>(WeightsWithTag(h, h[kWeiTag]).get_size()) > h[kWeiBytes]) {
+    TVM_FFI_THROW(ValueError) << "oneDNN: the packed weights' layout needs "
+                              << WeightsWithTag(h, h[kWeiTag]).get_size()
+                              << " bytes, the blob holds " << h[kWeiBytes];
+  }
+  // the weights are the ones packed: once per blob and header, one pass over its bytes
+  size_t bytes = static_cast<size_t>(h[kBiasOffset] + 4 * h[kOC] - kHeaderBytes);
+  if (static_cast<int64_t>(Checksum(blob + kHeaderBytes, bytes)) != h[kChecksum]) {
+    TVM_FFI_THROW(ValueError) << "oneDNN: the packed weights do not match their header's "
+                                 "checksum (a damaged params file?); load the params again, "
+                                 "or rebuild the model";
+  }
   Header layout = Layout(h);  // what oneDNN picks here, now
   std::shared_ptr<Repacked> repacked;
   if (layout[kWeiTag] != h[kWeiTag]) {
-    auto& r = repacks[{blob, layout[kWeiTag]}];
+    auto& r = c.repacks[{blob, layout[kWeiTag]}];
     if (!r || std::memcmp(&r->layout, &layout, sizeof(Header)) != 0) r = Repack(blob, layout);
     repacked = r;
   }
   slot = MakeEntry(blob, repacked);
   return slot;
+}
+
+// Drops what the caches hold for blobs in [begin, end): memory freed by a module (its weight
+// pool), called when it goes. A module made later at those addresses would find its header
+// differs and make its own entries anyway; this frees the dropped one's (re-packed weights:
+// a model's size each) now rather than never.
+int64_t Forget(int64_t begin, int64_t end) {
+  EntryCache& c = Entries();
+  std::lock_guard<std::mutex> lock(c.mu);
+  int64_t dropped = 0;
+  auto inside = [&](const void* p) {
+    auto a = static_cast<int64_t>(reinterpret_cast<uintptr_t>(p));
+    return begin <= a && a < end;
+  };
+  for (auto it = c.entries.begin(); it != c.entries.end();) {
+    bool gone = inside(it->first.first);
+    dropped += gone;
+    it = gone ? c.entries.erase(it) : std::next(it);
+  }
+  for (auto it = c.repacks.begin(); it != c.repacks.end();) {
+    it = inside(it->first.first) ? c.repacks.erase(it) : std::next(it);
+  }
+  return dropped;
 }
 
 // Per-thread buffers for the reordered activations and oneDNN's scratchpad.
@@ -591,9 +659,11 @@ struct Buffer {
   void* get(size_t want) {
     if (want > size) {
       std::free(ptr);
-      size = static_cast<size_t>(Round64(static_cast<int64_t>(want)));
-      ptr = std::aligned_alloc(64, size);
+      size = 0;  // (a failed allocation leaves none: a smaller request must not get nullptr)
+      auto rounded = static_cast<size_t>(Round64(static_cast<int64_t>(want)));
+      ptr = std::aligned_alloc(64, rounded);
       if (ptr == nullptr) TVM_FFI_THROW(RuntimeError) << "oneDNN: out of memory";
+      size = rounded;
     }
     return ptr;
   }
@@ -601,8 +671,9 @@ struct Buffer {
 };
 
 struct Scratch {
-  Buffer src, dst, pad, res, pooled, pool_pad;
+  Buffer src, dst, pad, res, pooled, pool_pad, reorder_pad;
 };
+
 
 // Denormals flushed to zero, as TVM's thread pool does for its kernels: random-weight models
 // make denormals, and without this a resnet50 conv on one thread took 5 s instead of 1 ms.
@@ -693,6 +764,25 @@ StageArgs& BoundArgs(const std::shared_ptr<Owner>& owner) {
   auto& slot = bound[owner.get()];
   if (slot.first.expired()) slot = {std::weak_ptr<const void>(owner), StageArgs()};
   return slot.second;
+}
+
+struct Shared {
+  dnnl::primitive prim;
+  memory::desc scratch;
+  // run with `args` (the scratchpad added: this thread's) and wait for it
+  void Run(Args& args) const {
+    thread_local Buffer pad;
+    if (scratch.get_size() > 0) {
+      args.Set(DNNL_ARG_SCRATCHPAD, scratch, pad.get(scratch.get_size() + 64));
+    }
+    prim.execute(Stream(), args.map());
+    Stream().wait();
+  }
+};
+
+template <typename Prim, typename Desc>
+Shared MakeShared(const Desc& pd) {
+  return Shared{Prim(pd), pd.scratchpad_desc()};
 }
 
 // ---- Winograd F(4x4, 3x3) ---------------------------------------------------------------------
@@ -1024,6 +1114,7 @@ void Run(const ffi::TensorView& x, const ffi::TensorView& blob,
     Args& a = args[kToSrc];
     a.Set(DNNL_ARG_FROM, e->src_user, DataOf(x));
     a.Set(DNNL_ARG_TO, e->src, src);
+    a.Set(DNNL_ARG_SCRATCHPAD, e->to_src_pad, s.reorder_pad.get(e->to_src_pad.get_size() + 64));
     e->to_src.execute(stream, a.map());
   }
   // the output's buffer may hold the residual (the plan wrote the output over it, node attr
@@ -1040,6 +1131,8 @@ void Run(const ffi::TensorView& x, const ffi::TensorView& blob,
     Args& a = args[kResidual];
     a.Set(DNNL_ARG_FROM, e->res_user, copied_out(DataOf(*residual)));
     a.Set(DNNL_ARG_TO, e->dst, dst);
+    a.Set(DNNL_ARG_SCRATCHPAD, e->residual_pad,
+          s.reorder_pad.get(e->residual_pad.get_size() + 64));
     e->residual_to_dst.execute(stream, a.map());
   } else if (residual && DataOf(*residual) != dst) {  // same layout: copy
     std::memcpy(dst, DataOf(*residual), e->dst.get_size());
@@ -1066,6 +1159,8 @@ void Run(const ffi::TensorView& x, const ffi::TensorView& blob,
     Args& a = args[kFromDst];
     a.Set(DNNL_ARG_FROM, h.pooled() ? e->pooled : e->dst, dst);
     a.Set(DNNL_ARG_TO, e->dst_user, DataOf(out));
+    a.Set(DNNL_ARG_SCRATCHPAD, e->from_dst_pad,
+          s.reorder_pad.get(e->from_dst_pad.get_size() + 64));
     e->from_dst.execute(stream, a.map());
   }
   stream.wait();
@@ -1104,18 +1199,18 @@ void Concat(ffi::PackedArgs args) {
                               << " channels, the operands " << channels;
   }
   key.insert(key.end(), {out.shape()[0], out.shape()[1], out.shape()[2], UseBudgetThreads()});
-  auto prim = Cached<dnnl::concat>(key, [&] {
+  auto prim = Cached<Shared>(key, [&] {
     std::vector<memory::desc> srcs;
     for (size_t i = 0; i + 1 < ts.size(); ++i) srcs.push_back(Nhwc(ts[i]));
-    return dnnl::concat(dnnl::concat::primitive_desc(Engine(), Nhwc(out), 1, srcs));
+    return MakeShared<dnnl::concat>(
+        dnnl::concat::primitive_desc(Engine(), Nhwc(out), 1, srcs, UserScratchpad()));
   });
   Args& a = BoundArgs(prim)[0];
   for (size_t i = 0; i + 1 < ts.size(); ++i) {
     a.Set(DNNL_ARG_MULTIPLE_SRC + static_cast<int>(i), Nhwc(ts[i]), DataOf(ts[i]));
   }
   a.Set(DNNL_ARG_DST, Nhwc(out), DataOf(out));
-  prim->execute(Stream(), a.map());
-  Stream().wait();
+  prim->Run(a);
 }
 
 // ---- pooling of NHWC tensors ----------------------------------------------------------------
@@ -1194,12 +1289,11 @@ void RunSameShape(const ffi::TensorView& x, const ffi::TensorView& out, const ch
   key.insert(key.end(), x.shape().begin(), x.shape().end());
   key.push_back(threads);
   memory::desc md = Nhwc(x);
-  auto prim = Cached<dnnl::primitive>(key, [&] { return make(md); });
+  auto prim = Cached<Shared>(key, [&] { return make(md); });
   Args& args = BoundArgs(prim)[0];
   args.Set(DNNL_ARG_SRC, md, DataOf(x));
   args.Set(DNNL_ARG_DST, md, DataOf(out));
-  prim->execute(Stream(), args.map());
-  Stream().wait();
+  prim->Run(args);
 }
 
 // `fn(x, attrs, out)`: ShuffleNet's channel shuffle with `groups` = attrs[0] (int64): the C
@@ -1214,9 +1308,9 @@ void Shuffle(const ffi::TensorView& x, const ffi::TensorView& attrs, const ffi::
   }
   RunSameShape(x, out, "shuffle", {0, groups}, [&](const memory::desc& md) {
     // oneDNN's group_size G sees the axis as C/G x G and transposes it: G = C / groups
-    return dnnl::primitive(dnnl::shuffle_forward(dnnl::shuffle_forward::primitive_desc(
+    return MakeShared<dnnl::shuffle_forward>(dnnl::shuffle_forward::primitive_desc(
         Engine(), dnnl::prop_kind::forward_inference, md, md, 1,
-        static_cast<int>(channels / groups))));
+        static_cast<int>(channels / groups), UserScratchpad()));
   });
 }
 
@@ -1233,9 +1327,9 @@ void Lrn(const ffi::TensorView& x, const ffi::TensorView& attrs, const ffi::Tens
   std::vector<int64_t> key{1, size};
   PushBits(key, a + 1, 3);
   RunSameShape(x, out, "LRN", key, [&](const memory::desc& md) {
-    return dnnl::primitive(dnnl::lrn_forward(dnnl::lrn_forward::primitive_desc(
+    return MakeShared<dnnl::lrn_forward>(dnnl::lrn_forward::primitive_desc(
         Engine(), dnnl::prop_kind::forward_inference, dnnl::algorithm::lrn_across_channels, md,
-        md, size, a[1], a[2], a[3])));
+        md, size, a[1], a[2], a[3], UserScratchpad()));
   });
 }
 
@@ -1281,15 +1375,15 @@ void Affine(const ffi::TensorView& x, const ffi::TensorView& params, const ffi::
   // binary kernels take (a 2-D or plain 4-D view of the same bytes ran its reference code)
   memory::desc md({1, channels, rows, 1}, memory::data_type::f32, Tag::nhwc);
   memory::desc per_channel({1, channels, 1, 1}, memory::data_type::f32, Tag::nchw);
-  auto prim = Cached<dnnl::primitive>(key, [&] {
+  auto prim = Cached<Shared>(key, [&] {
     dnnl::post_ops ops;
     ops.append_binary(dnnl::algorithm::binary_add, per_channel);
     if (act == kActRelu) ops.append_eltwise(dnnl::algorithm::eltwise_relu, 0.f, 0.f);
     if (act == kActClip) ops.append_eltwise(dnnl::algorithm::eltwise_clip, a[1], a[2]);
     dnnl::primitive_attr attr;
     attr.set_post_ops(ops);
-    return dnnl::primitive(dnnl::binary(dnnl::binary::primitive_desc(
-        Engine(), dnnl::algorithm::binary_mul, md, per_channel, md, attr)));
+    return MakeShared<dnnl::binary>(dnnl::binary::primitive_desc(
+        Engine(), dnnl::algorithm::binary_mul, md, per_channel, md, UserScratchpad(attr)));
   });
   float* scale = const_cast<float*>(a + kAffineHead);
   Args& args = BoundArgs(prim)[0];
@@ -1297,8 +1391,7 @@ void Affine(const ffi::TensorView& x, const ffi::TensorView& params, const ffi::
   args.Set(DNNL_ARG_SRC_1, per_channel, scale);
   args.Set(DNNL_ARG_ATTR_MULTIPLE_POST_OP(0) | DNNL_ARG_SRC_1, per_channel, scale + channels);
   args.Set(DNNL_ARG_DST, md, DataOf(out));
-  prim->execute(Stream(), args.map());
-  Stream().wait();
+  prim->Run(args);
 }
 
 // ---- NHWC back to NCHW ----------------------------------------------------------------------
@@ -1317,14 +1410,13 @@ void ToNchw(const ffi::TensorView& x, const ffi::TensorView& out) {
   memory::dims dims{o[0], o[1], o[2], o[3]};
   memory::desc from(dims, memory::data_type::f32, Tag::nhwc);
   memory::desc to(dims, memory::data_type::f32, Tag::nchw);
-  auto prim = Cached<dnnl::reorder>({o[0], o[1], o[2], o[3], UseBudgetThreads()}, [&] {
-    return dnnl::reorder(dnnl::reorder::primitive_desc(Engine(), from, Engine(), to));
+  auto prim = Cached<Shared>({o[0], o[1], o[2], o[3], UseBudgetThreads()}, [&] {
+    return MakeShared<dnnl::reorder>(ReorderDesc(from, to));
   });
   Args& args = BoundArgs(prim)[0];
   args.Set(DNNL_ARG_FROM, from, DataOf(x));
   args.Set(DNNL_ARG_TO, to, DataOf(out));
-  prim->execute(Stream(), args.map());
-  Stream().wait();
+  prim->Run(args);
 }
 
 // ---- packing at build ---------------------------------------------------------------------
@@ -1440,6 +1532,13 @@ TVM_FFI_STATIC_INIT_BLOCK() {
            [](ffi::TensorView x, ffi::TensorView out) { Catch([&] { ToNchw(x, out); }); })
       .def_packed("hgrt.onednn.concat",
                   [](ffi::PackedArgs args, ffi::Any*) { Catch([&] { Concat(args); }); })
+      .def("hgrt.onednn.forget", Forget)
+      .def("hgrt.onednn.cached_entries",  // (entries, re-packs) held: what a soak test watches
+           []() {
+             EntryCache& c = Entries();
+             std::lock_guard<std::mutex> lock(c.mu);
+             return static_cast<int64_t>(c.entries.size() * 1000000 + c.repacks.size());
+           })
       .def("hgrt.onednn.packed_bytes",
            [](ffi::TensorView h) { return Catch([&] { return PackedBytes(h); }); })
       .def("hgrt.onednn.pack",

@@ -6,11 +6,14 @@ made once, at ``create`` time, and cached.
 
 from __future__ import annotations
 
+import weakref
+
 import tvm
 
 from hgrt.errors import DeviceError, GraphError
 from hgrt.graph import Graph
 from hgrt.lifetimes import ALIGN, storage_bytes, storage_devices
+from hgrt.runtime import onednn
 from hgrt.runtime.views import pointer_view
 
 
@@ -41,6 +44,11 @@ class StoragePools:
             self.base[eid], self.offset[eid] = self.base[root], self.offset[root] + within[eid]
         self._kernel_views: dict[tuple[int, bool], object] = {}
         self._user_views: dict[int, object] = {}
+        # what kernel libraries cache per weight address goes with the memory
+        mine = self.buffers[0 if weights is None else 1:]
+        weakref.finalize(self, onednn.forget, [
+            (b.data_ptr(), b.data_ptr() + b.numel() * b.dtype.itemsize) for b in mine
+            if b.device.dlpack_device_type() == 1])
 
     def _allocate_arenas(self, devices: list, weights: StoragePools | None) -> None:
         """hgrt plan: per device an activation arena and a weight arena (when the plan has

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -515,3 +516,71 @@ def test_winograd_in_blocks_of_tiles_also_over_its_own_input(tmp_path):
     proc = subprocess.run([sys.executable, "-c", _WINOGRAD_BLOCKS, str(tmp_path)], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+# ---- faults found in review (session 22) ----------------------------------------------------
+
+def test_concat_from_two_threads_at_once_keeps_each_its_own_data():
+    f = onednn.kernel_function("hgrt.onednn.concat")
+    shapes = [(1, 14, 14, 32), (1, 14, 14, 64)]
+    wrong, calls = [0, 0], [0, 0]
+
+    def worker(k: int) -> None:
+        xs = [np.random.default_rng(k).standard_normal(s).astype("float32") + 100 * k
+              for s in shapes]
+        want = np.concatenate(xs, axis=3)
+        args = [_t(x) for x in xs] + [_t(np.zeros((1, 14, 14, 96), "float32"))]
+        end = time.perf_counter() + 1.5
+        while time.perf_counter() < end:
+            f(*args)
+            calls[k] += 1
+            wrong[k] += not np.array_equal(args[-1].numpy(), want)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert min(calls) > 100 and wrong == [0, 0]  # one scratchpad per primitive mixed them
+
+
+@pytest.mark.parametrize("slot, value", [("bias_offset", (1 << 63) - 8), ("ic", 1 << 22),
+                                         ("wei_bytes", 1 << 62), ("oc", 1 << 61)])
+def test_a_damaged_header_is_an_error_not_a_crash(slot, value):
+    from hgrt.relay_passes.claim_onednn import SLOT
+
+    x, _, _, blob = _case()
+    blob[:512].view(np.int64)[SLOT[slot]] = value  # sums wrapped past int64: a segfault
+    with pytest.raises(Exception, match="truncated|needs .* bytes|checksum|mismatch|differ"):
+        onednn.kernel_function("hgrt.onednn.conv2d")(
+            _t(x), _t(blob), _t(np.zeros((1, 24, 7, 7), "float32")))
+
+
+def test_damaged_weights_fail_their_checksum():
+    x, _, _, blob = _case()
+    blob[600] ^= 0x40  # one bit of the packed weights
+    with pytest.raises(Exception, match="checksum"):
+        onednn.kernel_function("hgrt.onednn.conv2d")(
+            _t(x), _t(blob), _t(np.zeros((1, 24, 7, 7), "float32")))
+
+
+def test_a_dropped_module_leaves_nothing_in_the_kernels_caches():
+    import gc
+
+    import hgrt
+    from hgrt.zoo import light_input, light_model
+
+    cached = tvm.get_global_func("hgrt.onednn.cached_entries")
+    model = light_model("squeezenet")
+    built = hgrt.build(model, ["cpu"], kernels="onednn")
+    x = light_input(model)
+    onednn.load()
+    before = cached()
+    for _ in range(3):
+        m = hgrt.create(built.graph_json, built.lib, [tvm.cpu(0)])
+        m.load_params(built.params)
+        m.run(**x)
+        assert cached() > before
+        del m
+        gc.collect()
+        assert cached() == before  # entries (and re-packed weights) of freed blobs stayed
