@@ -255,8 +255,9 @@ class Graph:
         else:
             try:
                 doc = json.loads(text)
-            except (TypeError, ValueError) as e:
-                raise GraphError(f"graph JSON does not parse: {e}") from e
+            except (TypeError, ValueError, RecursionError) as e:
+                raise GraphError(f"graph JSON does not parse: {type(e).__name__}: "
+                                 f"{str(e)[:200]}") from None
         return _parse(doc)
 
 

@@ -35,6 +35,9 @@ def add_rpc_server_parser(subparsers) -> argparse.ArgumentParser:
                    help="serve only clients from this address or block (repeatable; e.g. "
                         "10.0.0.5 or 10.0.0.0/24); others are disconnected before the "
                         "handshake. Default: any client that reaches the port")
+    p.add_argument("--max-session", type=float, default=0.0, metavar="SECONDS",
+                   help="end any session after this long, whatever its client asked (default: "
+                        "no cap; sessions are served one at a time)")
     p.add_argument("--silent", action="store_true",
                    help="no per-session log lines (refused clients are still logged)")
     p.set_defaults(func=run_rpc_server)
@@ -53,7 +56,8 @@ def run_rpc_server(args: argparse.Namespace) -> int:
         host = listen_address(args.host, args.tracker)
         port_end = args.port_end if args.port_end is not None else args.port + 100
         server = serve(host, args.port, port_end, tracker=args.tracker, key=args.key,
-                       custom_addr=args.custom_addr, silent=args.silent, allow=args.allow)
+                       custom_addr=args.custom_addr, silent=args.silent, allow=args.allow,
+                       max_session=args.max_session)
     except HgrtError as e:
         print(f"hgrt rpc-server: error: {e}", file=sys.stderr)
         return 2

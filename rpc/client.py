@@ -24,11 +24,16 @@ from hgrt.artifacts import params_to_bytes
 from hgrt.errors import ClosedError, DeviceError, GraphError, HgrtError, ParamError, RemoteError
 from hgrt.graph import Graph
 from hgrt.rpc import session as sessions
-from hgrt.rpc.protocol import CREATE_FUNC, decode_error
+from hgrt.rpc.protocol import CREATE_FUNC, PING_FUNC, decode_error
 from hgrt.rpc.server import is_registered, register
 from hgrt.rpc.session import describe, upload
 from hgrt.runtime.executor import normalize_devices
-from hgrt.runtime.module_api import BenchmarkResult, GraphModuleAPI
+from hgrt.runtime.module_api import (
+    BenchmarkResult,
+    GraphModuleAPI,
+    benchmark_args,
+    decode_params,
+)
 
 __all__ = ["RemoteGraphModule", "create_remote"]
 
@@ -88,6 +93,9 @@ def _remote_lib(sess: tvm.rpc.RPCSession, lib):
                       f"local module, got {type(lib).__name__}")
 
 
+_LOCKS: dict[int, threading.Lock] = {}  # per RPC session: its modules' calls one at a time
+
+
 class _Session:
     """Turns failures of remote calls into hgrt errors that name the session."""
 
@@ -96,16 +104,26 @@ class _Session:
         self.index = index
         self.name = describe(sess)
         self.lost: str | None = None  # why the connection is gone, once it is
-        self.lock = threading.Lock()  # the call API: one call at a time through the session
+        self.lock = _LOCKS.setdefault(index, threading.Lock())
 
     def error(self, e: BaseException, what: str) -> HgrtError:
         err = decode_error(e, self.name)
         if err is not None:
             return err
-        # Not raised by hgrt's server code: the connection itself failed.
-        self.lost = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''}"
+        why = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''}"
+        if self._answers():  # the call failed here (an argument RPC cannot carry, say)
+            return RemoteError(f"{self.name}: {what} failed: {why}")
+        self.lost = why  # the connection itself failed: every later call says so at once
         return RemoteError(f"{self.name}: {what} failed, the server is unreachable or died "
                            f"({self.lost})")
+
+    def _answers(self) -> bool:
+        """Whether the server still answers a bare round trip."""
+        try:
+            self.sess.get_function(PING_FUNC)()
+            return True
+        except Exception:
+            return False
 
     def check(self, what: str) -> None:
         if self.lost is not None:
@@ -174,17 +192,22 @@ class RemoteGraphModule(GraphModuleAPI):
         self._methods, self._method, self._run, self.lib = {}, None, refuse, None
 
     # ---- running --------------------------------------------------------------------------
-    def run(self, **inputs) -> None:
-        """Run the graph once in the server: one round trip (plus one to send ``inputs``)."""
-        if inputs:
-            self.set_input(**inputs)
+    def run(self, parallel: bool | None = None, **inputs) -> None:
+        """Run the graph once in the server: one round trip (plus one per input in
+        ``inputs``); ``parallel`` as ``GraphModule.run``."""
+        items = self._checked_inputs(inputs) if inputs else ()
         if self.session.lost is not None:
             self.session.check("run")
         if not self._stateful.acquire(blocking=False):
             raise self._in_use("run")
         try:
-            self._run()
-        except ClosedError:
+            for idx, value in items:
+                self._store(idx, value)
+            if parallel is not None:
+                self._call("run_mode", int(bool(parallel)))
+            else:
+                self._run()
+        except (ClosedError, HgrtError):
             raise
         except Exception as e:
             raise self.session.error(e, "run") from e
@@ -193,8 +216,34 @@ class RemoteGraphModule(GraphModuleAPI):
 
     def benchmark(self, repeat: int = 5, number: int = 10, warmup: int = 1) -> BenchmarkResult:
         """Time ``run()`` in the server (no network in the figures): seconds per run."""
-        return BenchmarkResult(tuple(json.loads(self._call("benchmark", int(repeat),
-                                                           int(number), int(warmup)))))
+        self._check_open()
+        repeat, number, warmup = benchmark_args(repeat, number, warmup)
+        return BenchmarkResult(tuple(json.loads(self._call("benchmark", repeat, number,
+                                                           warmup))))
+
+    def _invoke(self, name: str, **args):
+        return json.loads(self._call("invoke", name, json.dumps(args)))
+
+    def sync(self) -> None:
+        """Wait until the server's devices have finished their queued work."""
+        self._invoke("sync")
+
+    def configure_streams(self, threads: Mapping[str, int] | None = None,
+                          parallel: bool | None = None) -> None:
+        """As ``GraphModule.configure_streams``, in the server."""
+        self._invoke("configure_streams", threads=None if threads is None else dict(threads),
+                     parallel=parallel)
+
+    def configure_calls(self, callers: int = 1, threads_per_call: int | None = None,
+                        max_frames: int | None = None) -> None:
+        """As ``GraphModule.configure_calls``, for the server's frames."""
+        self._invoke("configure_calls", callers=callers, threads_per_call=threads_per_call,
+                     max_frames=max_frames)
+
+    def profile(self, repeat: int = 10, warmup: int = 1):
+        raise RemoteError(f"{self.session.name}: profile times each step where it runs; "
+                          f"benchmark() times whole runs remotely, or profile the same build "
+                          f"with hgrt.create on the server's machine")
 
     # ---- values ---------------------------------------------------------------------------
     def __call__(self, inputs: Mapping | None = None, /, *, out: list | None = None, **kw):
@@ -203,26 +252,29 @@ class RemoteGraphModule(GraphModuleAPI):
         return self.infer({**(inputs or {}), **kw}, out=out)
 
     def infer(self, inputs: Mapping, out: list | None = None) -> list:
+        """One round trip: the inputs go, the outputs come back; the server runs the call in a
+        frame of its own, so what ``set_input`` set stays as it was."""
         self._check_open()
         items = self._call_inputs(inputs)
         outs = self._call_outputs(out)
-        with self.session.lock, self._stateful:
-            for idx, value in items:
-                self._send(idx, value, "input")
-            self._call("run")
-            results = []
-            for i, eid in enumerate(self._output_eids):
-                data = self._call("get_output_bytes", i)
-                arr = np.frombuffer(data, dtype=self.graph.dtypes[eid]).reshape(
-                    self.graph.shapes[eid])
-                if outs is None:
-                    results.append(arr.copy())
-                elif isinstance(outs[i], np.ndarray):
-                    outs[i][...] = arr
-                else:
-                    outs[i].copyfrom(arr)
+        blobs = [np.ascontiguousarray(v.numpy() if isinstance(v, tvm.runtime.Tensor) else v)
+                 .tobytes() for _, v in items]
+        with self.session.lock:
+            data = self._call("infer", json.dumps([i for i, _ in items]), *blobs)
+        results, at = [], 0
+        for i, eid in enumerate(self._output_eids):
+            n = self.graph.entry_bytes(eid)
+            arr = np.frombuffer(data, dtype=self.graph.dtypes[eid], count=n //
+                                np.dtype(self.graph.dtypes[eid]).itemsize, offset=at).reshape(
+                self.graph.shapes[eid])
+            at += n
+            if outs is None:
+                results.append(arr.copy())
+            elif isinstance(outs[i], np.ndarray):
+                outs[i][...] = arr
+            else:
+                outs[i].copyfrom(arr)
         return results if outs is None else outs
-        return results
 
     def _store(self, idx: int, value: Any) -> None:
         self._send(idx, value, "input")
@@ -273,6 +325,18 @@ class RemoteGraphModule(GraphModuleAPI):
                              f"{type(params).__name__}")
         self._call("load_params", params_to_bytes(params), bool(strict))
 
+    def defer_params(self) -> None:
+        """As ``GraphModule.defer_params``, in the server."""
+        self._invoke("defer_params")
+
+    @property
+    def missing_params(self) -> list[str]:
+        return self._invoke("state")["missing_params"]
+
+    @property
+    def unset_inputs(self) -> list[str]:
+        return self._invoke("state")["unset_inputs"]
+
     def share_params(self, other: RemoteGraphModule, params: bytes | Mapping | None = None) -> None:
         """Read ``other``'s parameter tensors (no copy); both modules must be in one session."""
         if not isinstance(other, RemoteGraphModule):
@@ -281,10 +345,7 @@ class RemoteGraphModule(GraphModuleAPI):
         if other.session.index != self.session.index:
             raise ParamError(f"share_params: the other module is in {other.session.name}, this "
                              f"one in {self.session.name}")
-        names = None
-        if params is not None:
-            names = list(tvm.runtime.load_param_dict(bytes(params))) \
-                if isinstance(params, (bytes, bytearray)) else list(params)
+        names = None if params is None else list(decode_params(params))
         self._call("share_params", other._id, json.dumps(names))
 
     # ---- introspection --------------------------------------------------------------------

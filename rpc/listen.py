@@ -13,15 +13,19 @@ Sessions are served one at a time, as in TVM.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import ipaddress
+import itertools
 import logging
 import multiprocessing
 import os
 import select
+import shutil
 import socket
 import struct
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -47,6 +51,9 @@ HANDSHAKE_TIMEOUT = 10.0  # a client that connects and says nothing must not hol
 MAX_KEY_BYTES = 4096
 PING_PERIOD = 2.0  # seconds between tracker checks while no client comes (TVM's value)
 UNMATCHED_TIMEOUT = 4.0  # a match key handed out but not used this long is replaced (TVM's)
+SESSION_POLL = 0.5  # seconds between checks that a session's client is still there
+_SESSIONS = itertools.count()  # names the sessions' work directories
+GONE_GRACE = 2.0  # a session whose client hung up ends itself within this, else it is killed
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -96,6 +103,8 @@ class ListenConfig:
     silent: bool = False
     session_init: Callable[[], None] | None = None  # run in each session process first
     session_summary: Callable[[], str] | None = None  # its return ends the session's log line
+    max_session: float = 0.0  # seconds a session may last whatever its client asks (0: no cap)
+    work_root: str | None = None  # the sessions' work directories go here (the server's own)
 
 
 def _peer(addr) -> str:
@@ -216,19 +225,51 @@ def _session_main(conn: socket.socket, peer: str, cfg: ListenConfig, work) -> No
     logger.info("session from %s ended%s", peer, summary)
 
 
+def _client_gone(conn: socket.socket) -> bool:
+    """Whether the client closed its end (killed, or its process ended): the session process
+    may be busy in a long call and would not read the socket until it returns."""
+    poller = select.poll()
+    poller.register(conn.fileno(), getattr(select, "POLLRDHUP", 0) | select.POLLHUP
+                    | select.POLLERR)
+    return bool(poller.poll(0))
+
+
+def _wait_session(proc, conn: socket.socket, limit: float | None) -> str | None:
+    """Wait for the session process; why it must be killed (its time is up, its client is
+    gone), or None when it ended by itself."""
+    deadline = None if not limit else time.monotonic() + limit
+    gone_at = None
+    while True:
+        proc.join(SESSION_POLL)
+        if not proc.is_alive():
+            return None
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
+            return f"its {limit:g}s are up"
+        if _client_gone(conn):
+            gone_at = gone_at or now
+            if now - gone_at >= GONE_GRACE:
+                return "its client is gone"
+
+
 def _serve_session(conn: socket.socket, addr, opts: dict, cfg: ListenConfig) -> None:
-    """Run one session in a child process and wait for it (``-timeout=`` bounds it)."""
+    """Run one session in a child process and wait for it: it ends when the client closes,
+    when its ``-timeout=`` (or the server's ``max_session``) is up, or when its client is gone
+    though the process is still busy (a call in flight when the client was killed)."""
     peer = _peer(addr)
-    work = utils.tempdir()
+    work = utils.tempdir(os.path.join(cfg.work_root, f"session-{next(_SESSIONS)}")
+                         if cfg.work_root else None)
     logger.info("session from %s in %s", peer, work.path)
     proc = multiprocessing.Process(target=_session_main, args=(conn, peer, cfg, work))
     proc.start()
-    proc.join(opts.get("timeout"))
-    if proc.is_alive():
-        logger.info("session from %s: its %gs are up, killing it", peer, opts["timeout"])
-        _ffi_api.ReturnException(conn.fileno(), f"RPCSessionTimeoutError: Your "
-                                 f"{opts['timeout']}s session has expired, try to increase "
-                                 f"the \"session_timeout\" value.")
+    limits = [t for t in (opts.get("timeout"), cfg.max_session) if t]
+    why = _wait_session(proc, conn, min(limits) if limits else None)
+    if why is not None:
+        logger.info("session from %s: %s, killing it", peer, why)
+        if why != "its client is gone":
+            _ffi_api.ReturnException(conn.fileno(), f"RPCSessionTimeoutError: Your "
+                                     f"{min(limits):g}s session has expired, try to increase "
+                                     f"the \"session_timeout\" value.")
         try:
             for child in psutil.Process(proc.pid).children(recursive=True):
                 child.kill()
@@ -258,7 +299,11 @@ def _listen_loop(sock: socket.socket, port: int, cfg: ListenConfig) -> None:
                 link = None
             time.sleep(1.0)
             continue
-        _serve_session(*client, cfg)
+        try:
+            _serve_session(*client, cfg)
+        except Exception as e:  # one session's failure (no temp dir, no process) ends only it
+            logger.warning("session from %s failed: %s", _peer(client[1]), e)
+            client[0].close()
 
 
 def _run_loop(sock: socket.socket, port: int, cfg: ListenConfig) -> None:
@@ -295,10 +340,12 @@ def _start(cfg: ListenConfig) -> dict:
         sock, port = _bind(cfg)
     except InputError as e:
         return {"error": str(e)}
+    # every session's uploads under one directory, which terminate() removes with the server
+    cfg = dataclasses.replace(cfg, work_root=tempfile.mkdtemp(prefix="hgrt-rpc-server-"))
     # daemon: the server process ends when the process that started it does
     threading.Thread(target=_run_loop, args=(sock, port, cfg), name="hgrt-rpc-listen",
                      daemon=True).start()
-    return {"port": port}
+    return {"port": port, "work_root": cfg.work_root}
 
 
 class RPCServer:
@@ -322,6 +369,7 @@ class RPCServer:
             self.terminate()
             raise InputError(started["error"])
         self.port: int = started["port"]
+        self.work_root: str = started["work_root"]  # the sessions' uploads, removed at the end
 
     def join(self) -> None:
         if self.proc is not None:
@@ -331,6 +379,7 @@ class RPCServer:
         if self.proc is not None:
             self.proc.kill()  # its children first (the session process), then itself
             self.proc = None
+            shutil.rmtree(self.work_root, ignore_errors=True)  # what sessions left there
 
     def __del__(self):
         try:

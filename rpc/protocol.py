@@ -24,7 +24,7 @@ STATS_FUNC = "hgrt.remote.stats"  # () -> JSON {"modules", "module_bytes", "rss_
 # The methods of a remote module, fetched once each by the client.
 METHODS = ("info", "run", "set_input_bytes", "set_input_tensor", "get_input", "get_input_bytes",
            "get_input_into", "get_output", "get_output_bytes", "get_output_into", "load_params",
-           "share_params", "benchmark", "close")
+           "share_params", "benchmark", "close", "run_mode", "infer", "invoke")
 
 ERROR_TAG = "[hgrt:"
 _TAGGED = re.compile(re.escape(ERROR_TAG) + r"(\w+)\] (.*)", re.DOTALL)

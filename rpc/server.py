@@ -26,7 +26,7 @@ import numpy as np
 import tvm
 import tvm_ffi
 
-from hgrt.errors import ClosedError, HgrtError, InputError, ParamError, did_you_mean
+from hgrt.errors import ClosedError, GraphError, HgrtError, InputError, ParamError, did_you_mean
 from hgrt.rpc.listen import ListenConfig, RPCServer, parse_allow
 from hgrt.rpc.protocol import (
     CREATE_FUNC,
@@ -38,6 +38,7 @@ from hgrt.rpc.protocol import (
     parse_address,
 )
 from hgrt.runtime.executor import GraphModule, create
+from hgrt.runtime.module_api import benchmark_args
 from hgrt.runtime.views import pointer_view
 
 # Server-side modules by id, for share_params between two modules of one session.
@@ -112,12 +113,60 @@ class RemoteModuleServer:
     def run(self) -> None:
         self.live.run()
 
+    def run_mode(self, parallel: int) -> None:
+        """``run(parallel=...)``: 1 streams at once, 0 one step at a time."""
+        self.live.run(parallel=bool(parallel))
+
+    def infer(self, indices_json: str, *data) -> bytes:
+        """The call API (``m(x=...)``): the inputs at ``indices`` from ``data`` (bytes each),
+        run in a frame of the call's own (what ``set_input`` set is untouched); the outputs'
+        bytes, one after another."""
+        m = self.live
+        try:
+            indices = json.loads(str(indices_json))
+        except ValueError as e:
+            raise InputError(f"call: the input indices are not JSON: {e}") from None
+        if not isinstance(indices, list) or len(indices) != len(data):
+            raise InputError(f"call: {len(data)} inputs sent for indices {str(indices)[:80]}")
+        inputs = {i: self._input_array(i, d) for i, d in zip(indices, data, strict=True)}
+        return b"".join(np.ascontiguousarray(out).tobytes() for out in m.infer(inputs))
+
+    def invoke(self, name: str, args_json: str) -> str:
+        """The rest of the module API that crosses as JSON: ``state`` (missing params, unset
+        inputs), ``defer_params``, ``sync``, ``configure_streams``, ``configure_calls``."""
+        m = self.live
+        try:
+            args = json.loads(str(args_json))
+        except ValueError as e:
+            raise InputError(f"{name}: the arguments are not JSON: {e}") from None
+        if not isinstance(args, dict):
+            raise InputError(f"{name}: the arguments must be a JSON object")
+        if name == "state":
+            return json.dumps({"missing_params": m.missing_params,
+                               "unset_inputs": m.unset_inputs})
+        actions = {"defer_params": m.defer_params, "sync": m.sync,
+                   "configure_streams": m.configure_streams,
+                   "configure_calls": m.configure_calls}
+        if name not in actions:
+            raise InputError(f"remote module: {did_you_mean(name, ['state', *actions])}")
+        try:
+            actions[name](**args)
+        except TypeError as e:
+            raise InputError(f"{name}: {e}") from None
+        return "null"
+
     def benchmark(self, repeat: int, number: int, warmup: int) -> str:
-        return json.dumps(self.live.benchmark(repeat, number, warmup).results)
+        return json.dumps(self.live.benchmark(*benchmark_args(repeat, number, warmup)).results)
 
     # ---- inputs ---------------------------------------------------------------------------
     def _input_array(self, index: int, data: bytes) -> np.ndarray:
         g = self.live.graph
+        if isinstance(index, bool) or not isinstance(index, int) \
+                or not 0 <= index < len(g.arg_nodes):
+            raise InputError(f"input index {index!r} out of range: the graph has "
+                             f"{len(g.arg_nodes)} inputs")
+        if not isinstance(data, (bytes, bytearray)):
+            raise InputError(f"input {index}: expected bytes, got {type(data).__name__}")
         eid = g.entry_id(g.arg_nodes[index])
         shape, dtype = tuple(g.shapes[eid]), g.dtypes[eid]
         want = g.entry_bytes(eid)
@@ -128,7 +177,7 @@ class RemoteModuleServer:
 
     def set_input_bytes(self, index: int, data: bytes) -> None:
         # np.frombuffer views the received bytes; set_input copies them into our storage.
-        self.live.set_input(int(index), self._input_array(int(index), data))
+        self.live.set_input(index, self._input_array(index, data))
 
     def set_input_tensor(self, index: int, tensor) -> None:
         self.live.set_input(int(index), tensor)  # copies: the tensor is the caller's view
@@ -156,7 +205,14 @@ class RemoteModuleServer:
         other = _MODULES.get(int(other_id))
         if other is None:
             raise ParamError(f"share_params: module {other_id} is not alive in this session")
-        names = json.loads(names_json)
+        try:
+            names = json.loads(str(names_json))
+        except ValueError as e:
+            raise ParamError(f"share_params: the names are not JSON: {e}") from None
+        if names is not None and (not isinstance(names, list)
+                                  or not all(isinstance(n, str) for n in names)):
+            raise ParamError(f"share_params: expected a list of param names, got "
+                             f"{str(names)[:80]}")
         params = None if names is None else dict.fromkeys(names)
         self.live.share_params(other.live, params)
         self._returned.clear()  # inputs now live in the other module's storage
@@ -170,7 +226,13 @@ def remote_create(graph_json: str, lib, *devices) -> Any:
     >>> method("run")()                                          # doctest: +SKIP
     """
     if not isinstance(graph_json, str):
-        graph_json = bytes(graph_json).decode()
+        try:
+            graph_json = bytes(graph_json).decode()
+        except (TypeError, UnicodeDecodeError) as e:
+            raise GraphError(f"the graph JSON must be UTF-8 text: {e}") from None
+    if not isinstance(lib, tvm_ffi.Module):  # never a path: the server loads no file by name
+        raise InputError(f"create: lib must be a module uploaded to this session "
+                         f"(hgrt.rpc.upload), got {type(lib).__name__}")
     module = create(graph_json, lib, list(devices))  # devices arrive without the session mask
     server = RemoteModuleServer(module)
     # The returned function keeps `server` (and its module, storage and lib) alive for as long
@@ -250,7 +312,8 @@ def _session_summary() -> str:
 def serve(host: str = "127.0.0.1", port: int = 9090, port_end: int = 9199,
           tracker: str | tuple[str, int] | None = None, key: str = "", *,
           custom_addr: str | None = None, silent: bool = False,
-          load_library: str | None = None, allow: Sequence[str] = ()) -> RPCServer:
+          load_library: str | None = None, allow: Sequence[str] = (),
+          max_session: float = 0.0) -> RPCServer:
     """Start a TVM RPC server that also serves hgrt; returns it (``.port``, ``.terminate()``,
     ``.join()``). Each session runs in its own process, which exits with the session and logs
     how many hgrt modules the client left alive there.
@@ -262,6 +325,11 @@ def serve(host: str = "127.0.0.1", port: int = 9090, port_end: int = 9199,
     code they upload (TVM RPC has no authentication). ``allow`` (addresses or CIDR blocks)
     limits who that is: any other client's connection is closed before the handshake.
 
+    Sessions are served one at a time. A session ends when its client closes it or is gone (a
+    client killed during a long call frees the server within seconds), and after
+    ``max_session`` seconds (0: only the client's own ``session_timeout`` bounds it): a client
+    that never closes would hold the server for good.
+
     >>> server = serve("10.0.0.7", 9090, tracker="10.0.0.1:9190", key="jetson",
     ...                allow=["10.0.0.0/24"])                                   # doctest: +SKIP
     >>> server.join()                                                           # doctest: +SKIP
@@ -272,4 +340,5 @@ def serve(host: str = "127.0.0.1", port: int = 9090, port_end: int = 9199,
     return RPCServer(ListenConfig(
         host, port, port_end, key=key, tracker=tracker_addr, custom_addr=custom_addr,
         allow=parse_allow(allow), load_library=load_library, silent=silent,
-        session_init=_server_init, session_summary=_session_summary))
+        session_init=_server_init, session_summary=_session_summary,
+        max_session=float(max_session)))

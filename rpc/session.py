@@ -257,7 +257,9 @@ def upload(remote: tvm.rpc.RPCSession, path: str, name: str | None = None, *,
     With ``check_arch``, a library built for another architecture than the server's is
     refused before upload; without, the server's own loading error is reported.
     Each upload gets a new name on the server (``lib.so`` -> ``lib_<pid>_<n>.so``) unless
-    ``name`` is given: rewriting a file the server has already loaded would corrupt that module.
+    ``name`` is given (a plain file name: the file lands in the session's work directory):
+    rewriting a file the server has already loaded would corrupt that module. Once loaded, the
+    file is removed there (the module stays loaded): a long session leaves no copies behind.
 
     >>> lib = hgrt.rpc.upload(remote, "out/lib.so")    # doctest: +SKIP
     """
@@ -266,6 +268,9 @@ def upload(remote: tvm.rpc.RPCSession, path: str, name: str | None = None, *,
     if name is None:
         stem, ext = os.path.splitext(os.path.basename(path))
         name = f"{stem}_{os.getpid()}_{next(_UPLOADS)}{ext}"
+    if not name or name in (".", "..") or os.path.basename(name) != name or "\\" in name:
+        raise InputError(f"upload: name must be a plain file name (it lands in the session's "
+                         f"work directory), got {name!r}")
     where = describe(remote)
     lib_arch = library_machine(path)
     try:
@@ -282,7 +287,12 @@ def upload(remote: tvm.rpc.RPCSession, path: str, name: str | None = None, *,
     except Exception as e:
         raise RemoteError(f"{where}: uploading {path} failed: {e}") from e
     try:
-        return remote.load_module(name)
+        module = remote.load_module(name)
     except Exception as e:
         raise RemoteError(f"the server of {where} cannot load {path} (built for "
                           f"{lib_arch or 'an unknown platform'}): {e}") from e
+    try:
+        remote.remove(name)
+    except Exception:  # a plain TVM server may lack it: the file stays in its work directory
+        pass
+    return module

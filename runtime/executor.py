@@ -37,7 +37,12 @@ from hgrt.runtime.frames import (
     copy_tensor,
     zero_copy_view,
 )
-from hgrt.runtime.module_api import BenchmarkResult, GraphModuleAPI, decode_params
+from hgrt.runtime.module_api import (
+    BenchmarkResult,
+    GraphModuleAPI,
+    benchmark_args,
+    decode_params,
+)
 from hgrt.runtime.pools import StoragePools
 from hgrt.runtime.streams import StreamRunner
 from hgrt.runtime.threads import (
@@ -265,6 +270,7 @@ class GraphModule(GraphModuleAPI):
     def benchmark(self, repeat: int = 5, number: int = 10, warmup: int = 1) -> BenchmarkResult:
         """Time ``run()``: ``repeat`` measurements, each the mean of ``number`` runs."""
         self._check_open()
+        repeat, number, warmup = benchmark_args(repeat, number, warmup)
         for _ in range(warmup):
             self.run()
         results = []
