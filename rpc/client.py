@@ -10,6 +10,7 @@ its methods. Each method is fetched once, so every API call afterwards (``run``,
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 import threading
@@ -263,11 +264,9 @@ class RemoteGraphModule(GraphModuleAPI):
             data = self._call("infer", json.dumps([i for i, _ in items]), *blobs)
         results, at = [], 0
         for i, eid in enumerate(self._output_eids):
-            n = self.graph.entry_bytes(eid)
-            arr = np.frombuffer(data, dtype=self.graph.dtypes[eid], count=n //
-                                np.dtype(self.graph.dtypes[eid]).itemsize, offset=at).reshape(
-                self.graph.shapes[eid])
-            at += n
+            shape, dtype = self.graph.shapes[eid], self.graph.dtypes[eid]
+            arr = np.frombuffer(data, dtype=dtype, count=math.prod(shape), offset=at)
+            arr, at = arr.reshape(shape), at + self.graph.entry_bytes(eid)
             if outs is None:
                 results.append(arr.copy())
             elif isinstance(outs[i], np.ndarray):
@@ -277,14 +276,11 @@ class RemoteGraphModule(GraphModuleAPI):
         return results if outs is None else outs
 
     def _store(self, idx: int, value: Any) -> None:
-        self._send(idx, value, "input")
-
-    def _send(self, idx: int, value: Any, what: str) -> None:
         """numpy data is sent as bytes (one round trip); a tensor of this session is copied in
         the server (nothing downloaded); a local tensor is sent as bytes."""
         if isinstance(value, tvm.runtime.Tensor) and hdev.is_remote(value):
             name = self.graph.nodes[self.graph.arg_nodes[idx]].name
-            self._check_same_session(value, f"{what} {name!r}")
+            self._check_same_session(value, f"input {name!r}")
             self._call("set_input_tensor", idx, value)
             return
         if isinstance(value, tvm.runtime.Tensor):
@@ -300,9 +296,7 @@ class RemoteGraphModule(GraphModuleAPI):
     def _get(self, kind: str, idx: int, out):
         """The remote tensor (valid until the next run), or a copy in ``out`` (a tensor of this
         session, copied in the server, or a local one, downloaded as bytes)."""
-        if not self._stateful.acquire(blocking=False):
-            raise self._in_use(f"get_{kind}")
-        try:
+        with self._claim(f"get_{kind}"):
             if out is None:
                 return self._call(f"get_{kind}", idx)
             if hdev.is_remote(out):
@@ -312,8 +306,6 @@ class RemoteGraphModule(GraphModuleAPI):
                 data = self._call(f"get_{kind}_bytes", idx)
                 out.copyfrom(np.frombuffer(data, dtype=str(out.dtype)).reshape(tuple(out.shape)))
             return out
-        finally:
-            self._stateful.release()
 
     # ---- params ---------------------------------------------------------------------------
     def load_params(self, params: bytes | bytearray | Mapping, strict: bool = True) -> None:

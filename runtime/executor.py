@@ -337,34 +337,30 @@ class GraphModule(GraphModuleAPI):
             self._unset -= {self._arg_names[idx]}
 
     def _get(self, kind: str, idx: int, out):
-        if not self._stateful.acquire(blocking=False):
-            raise self._in_use(f"get_{kind}")
-        try:
+        with self._claim(f"get_{kind}"):
             eid = (self._input_eids if kind == "input" else self._output_eids)[idx]
             t = self._storage.user_view(eid)
             if out is not None:
                 copy_tensor(t, out)
             return t if out is None else out
-        finally:
-            self._stateful.release()
 
     # ---- params -------------------------------------------------------------------------
     def load_params(self, params: bytes | bytearray | Mapping, strict: bool = True) -> None:
         """Load parameters: bytes in TVM's ``save_param_dict`` format, or a dict of arrays.
         With ``strict`` (default), a name that is not a graph input is an error."""
         self._check_open()
-        for name, value in decode_params(params).items():
-            idx = self._arg_index.get(name)
-            if idx is None:
-                if strict:
-                    known = self.graph.params or list(self._arg_index)
-                    raise ParamError(f"param {did_you_mean(name, known)}")
-                continue
-            try:
-                value = self._checked_input(idx, value, "param")
-            except InputError as e:
-                raise ParamError(str(e)) from None
-            with self._claim("load_params"):
+        with self._claim("load_params"):
+            for name, value in decode_params(params).items():
+                idx = self._arg_index.get(name)
+                if idx is None:
+                    if strict:
+                        known = self.graph.params or list(self._arg_index)
+                        raise ParamError(f"param {did_you_mean(name, known)}")
+                    continue
+                try:
+                    value = self._checked_input(idx, value, "param")
+                except InputError as e:
+                    raise ParamError(str(e)) from None
                 self._store(idx, value)  # runs go once the last weight is here
 
     def defer_params(self) -> None:

@@ -44,11 +44,11 @@ class StoragePools:
             self.base[eid], self.offset[eid] = self.base[root], self.offset[root] + within[eid]
         self._kernel_views: dict[tuple[int, bool], object] = {}
         self._user_views: dict[int, object] = {}
-        # what kernel libraries cache per weight address goes with the memory
-        mine = self.buffers[0 if weights is None else 1:]
-        weakref.finalize(self, onednn.forget, [
-            (b.data_ptr(), b.data_ptr() + b.numel() * b.dtype.itemsize) for b in mine
-            if b.device.dlpack_device_type() == 1])
+        if weights is None:  # a module's own pools (a frame's hold no weights): what kernel
+            # libraries cache per weight address goes with the memory
+            weakref.finalize(self, onednn.forget, [
+                (b.data_ptr(), b.data_ptr() + b.numel() * b.dtype.itemsize)
+                for b in self.buffers if b.device.dlpack_device_type() == 1])
 
     def _allocate_arenas(self, devices: list, weights: StoragePools | None) -> None:
         """hgrt plan: per device an activation arena and a weight arena (when the plan has
