@@ -61,7 +61,8 @@ from hgrt.relay_passes.relax_util import (
 from hgrt.relay_passes.relax_util import float32_shape as _shape
 
 KERNELS = ("auto", "tvm", "onednn")
-MAGIC, HEADER_VERSION, HEADER_INT64 = 0x4C4E4E4454524748, 2, 64
+# version 4 (5 for Winograd, set at pack): the checksum covers the header and the weights
+MAGIC, HEADER_VERSION, HEADER_INT64 = 0x4C4E4E4454524748, 4, 64
 MAX_POST_OPS = 3
 # the blob header, int64 slots; runtime/onednn_shim.cc `enum Slot` names the same positions
 HEADER_SLOTS = ("magic", "version", "kind", "n", "ic", "ih", "iw", "oc", "oh", "ow", "kh", "kw",

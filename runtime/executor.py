@@ -120,17 +120,21 @@ class GraphModule(GraphModuleAPI):
         try:
             for idx, value in items:  # under the same claim: no other thread's input between
                 self._store(idx, value)
-            if self._unset:
-                self._check_open()
-                raise self._unset_error("run")
-            runner = self._streams if (self.parallel if parallel is None else parallel) else None
-            if runner is None:
-                restore_thread_count()
-                self._run_calls(self._calls)
-            else:
-                self._run_streams(runner)
+            self._run_claimed(parallel)
         finally:
             self._stateful.release()
+
+    def _run_claimed(self, parallel: bool | None = None, what: str = "run") -> None:
+        """``run()``'s body, for a caller that holds the module's claim (``run``, ``profile``)."""
+        if self._unset:
+            self._check_open()
+            raise self._unset_error(what)
+        runner = self._streams if (self.parallel if parallel is None else parallel) else None
+        if runner is None:
+            restore_thread_count()
+            self._run_calls(self._calls)
+        else:
+            self._run_streams(runner)
 
     def _run_streams(self, runner: StreamRunner, record: list | None = None) -> None:
         runner.run(record)
@@ -142,9 +146,10 @@ class GraphModule(GraphModuleAPI):
             err = self.execution_error(step, cause)
             raise ExecutionError(f"{err} (stream {runner.stream_of[step]})") from cause
 
-    def trace_streams(self) -> tuple[StreamRunner, list] | None:
+    def _trace_streams(self) -> tuple[StreamRunner, list] | None:
         """One run of the streams at once, recording (step, stream, start, end) per step; None
-        when ``run()`` does not run streams at once (the profiler's stream tracks)."""
+        when ``run()`` does not run streams at once (the profiler's stream tracks). The caller
+        holds the module's claim (``profile``)."""
         if self._streams is None or not self.parallel:
             return None
         record: list = []
@@ -287,7 +292,11 @@ class GraphModule(GraphModuleAPI):
         """Per-op times (median over ``repeat`` runs) by op and device; see ``ProfileReport``."""
         from hgrt.runtime.profiler import profile  # the profiler is loaded only when used
 
-        return profile(self, repeat=repeat, warmup=warmup)
+        with self._claim("profile"):  # its steps run on the module's storage: no run() between
+            if self._unset:
+                raise self._unset_error("profile")
+            return profile(self, functools.partial(self._run_claimed, what="profile"),
+                           self._trace_streams, repeat=repeat, warmup=warmup)
 
     def _zero_copy(self, eid: int, value: Any, inputs: bool):
         """``value`` bound in place of entry ``eid`` for one call, when that is safe: no view

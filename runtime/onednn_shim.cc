@@ -40,8 +40,10 @@ using dnnl::memory;
 using Tag = memory::format_tag;
 
 constexpr int64_t kMagic = 0x4c4e4e4454524748;  // "HGRTDNNL", little endian
-constexpr int64_t kVersion = 2;
-constexpr int64_t kVersionWinograd = 3;  // a Winograd blob: an older shim refuses it
+// 4 and 5: the checksum covers the header too (2 and 3 summed the weights only, so a header
+// edited to another layout of the same bytes ran with wrong numbers)
+constexpr int64_t kVersion = 4;
+constexpr int64_t kVersionWinograd = 5;  // a Winograd blob: an older shim refuses it
 constexpr int64_t kHeaderBytes = 512;
 constexpr int kSlots = kHeaderBytes / 8;
 constexpr int kMaxPostOps = 3;
@@ -52,7 +54,7 @@ enum Slot : int {
   kPadT, kPadL, kPadB, kPadR, kDilH, kDilW, kGroups, kPost0,  // 3 slots per post-op
   kWeiTag = kPost0 + 3 * kMaxPostOps, kWeiOffset, kWeiBytes, kBiasOffset, kIsa, kDnnlVersion,
   kSrcTag, kDstTag, kResTag,  // activations: 0 plain NCHW, else a tag (NHWC)
-  kChecksum,  // of the packed weights and bias: new weights make a new header
+  kChecksum,  // of the header (this slot as 0), packed weights and bias: new weights, new header
   // a max pool of the convolution's result (kPoolKH 0: none), and the pool's output H, W
   kPoolKH, kPoolKW, kPoolSH, kPoolSW, kPoolPadT, kPoolPadL, kPoolPadB, kPoolPadR, kPoolOH,
   kPoolOW,
@@ -464,8 +466,8 @@ std::shared_ptr<Repacked> Repack(const char* blob, const Header& layout) {
   return r;
 }
 
-uint64_t Checksum(const char* data, size_t n) {  // FNV-1a, 8 bytes at a time
-  uint64_t hash = 1469598103934665603ull;
+uint64_t Checksum(const char* data, size_t n, uint64_t hash = 1469598103934665603ull) {
+  // FNV-1a, 8 bytes at a time
   size_t words = n / 8;
   for (size_t i = 0; i < words; ++i) {
     uint64_t w;
@@ -476,6 +478,15 @@ uint64_t Checksum(const char* data, size_t n) {  // FNV-1a, 8 bytes at a time
     hash = (hash ^ static_cast<uint8_t>(data[i])) * 1099511628211ull;
   }
   return hash;
+}
+
+// The checksum of a blob: its header (with the checksum slot as 0), then the `bytes` after it.
+int64_t BlobChecksum(const char* blob, size_t bytes) {
+  Header h;
+  std::memcpy(&h, blob, sizeof(Header));
+  h[kChecksum] = 0;
+  uint64_t head = Checksum(reinterpret_cast<const char*>(&h), sizeof(Header));
+  return static_cast<int64_t>(Checksum(blob + kHeaderBytes, bytes, head));
 }
 
 // ---- primitives made once per call site ---------------------------------------------------
@@ -613,10 +624,10 @@ std::shared_ptr<Entry> GetEntry(const char* blob, int threads) {
   }
   // the weights are the ones packed: once per blob and header, one pass over its bytes
   size_t bytes = static_cast<size_t>(h[kBiasOffset] + 4 * h[kOC] - kHeaderBytes);
-  if (static_cast<int64_t>(Checksum(blob + kHeaderBytes, bytes)) != h[kChecksum]) {
-    TVM_FFI_THROW(ValueError) << "oneDNN: the packed weights do not match their header's "
-                                 "checksum (a damaged params file?); load the params again, "
-                                 "or rebuild the model";
+  if (BlobChecksum(blob, bytes) != h[kChecksum]) {
+    TVM_FFI_THROW(ValueError) << "oneDNN: the packed weights or their header do not match the "
+                                 "header's checksum (a damaged params file?); load the params "
+                                 "again, or rebuild the model";
   }
   Header layout = Layout(h);  // what oneDNN picks here, now
   std::shared_ptr<Repacked> repacked;
@@ -1450,8 +1461,9 @@ void Pack(const ffi::TensorView& header, const ffi::TensorView& weight,
   dnnl::reorder(src, dst).execute(Stream(), src, dst);
   Stream().wait();
   std::memcpy(base + h[kBiasOffset], DataOf(bias), static_cast<size_t>(h[kOC]) * 4);
-  h[kChecksum] = static_cast<int64_t>(
-      Checksum(base + kHeaderBytes, static_cast<size_t>(blob.numel() - kHeaderBytes)));
+  h[kChecksum] = 0;
+  std::memcpy(base, &h, sizeof(Header));
+  h[kChecksum] = BlobChecksum(base, static_cast<size_t>(blob.numel() - kHeaderBytes));
   std::memcpy(base, &h, sizeof(Header));
 }
 

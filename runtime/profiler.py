@@ -141,13 +141,14 @@ def _label(func: str, is_copy: bool, attrs: dict) -> str:
     return op_label(func)
 
 
-def profile(module, repeat: int = 10, warmup: int = 1) -> ProfileReport:
-    """Time every step of ``module`` (a local GraphModule) ``repeat`` times."""
+def profile(module, run, trace_streams, repeat: int = 10, warmup: int = 1) -> ProfileReport:
+    """Time every step of ``module`` (a local GraphModule, claimed by the caller: ``run()`` and
+    ``trace_streams()`` run it under that claim) ``repeat`` times."""
     g = module.graph
     steps = module.steps
     sync = module.sync
     for _ in range(warmup):
-        module.run()
+        run()
     restore_thread_count()  # steps below run on this thread: every core, as a plain run()
     samples: list[list[float]] = [[] for _ in steps]
     last_run: list[tuple[float, float]] = []
@@ -168,7 +169,7 @@ def profile(module, repeat: int = 10, warmup: int = 1) -> ProfileReport:
     for _ in range(repeat):
         sync()
         t0 = clock()
-        module.run()
+        run()
         sync()
         walls.append((clock() - t0) * 1e6)
 
@@ -188,15 +189,17 @@ def profile(module, repeat: int = 10, warmup: int = 1) -> ProfileReport:
             rec.copy_from = dev_names[g.entry_device(src)]
         ops.append(rec)
 
-    return ProfileReport(ops, statistics.median(walls), repeat, _trace(module, ops, last_run))
+    return ProfileReport(ops, statistics.median(walls), repeat,
+                         _trace(module, ops, last_run, trace_streams()))
 
 
-def _trace(module, ops: list[OpRecord], last_run: list[tuple[float, float]]) -> list[dict]:
+def _trace(module, ops: list[OpRecord], last_run: list[tuple[float, float]],
+           traced: tuple | None) -> list[dict]:
     """Chrome trace events: a track per device from the last timed run; when the module runs
-    streams at once, a track per stream from one real concurrent run (its overlap)."""
+    streams at once (``traced``: its runner and a record of one run), a track per stream from
+    one real concurrent run (its overlap)."""
     tracks = [str(d) for d in module.devices]
     where = [tracks.index(rec.device) for rec in ops]
-    traced = module.trace_streams() if hasattr(module, "trace_streams") else None
     if traced is not None:
         runner, record = traced
         tracks = [f"stream {s} ({ops[runner.stream_of.index(s)].device})"

@@ -13,7 +13,7 @@ import pytest
 import tvm
 
 from hgrt.errors import GraphError
-from hgrt.relay_passes.claim_onednn import make_header
+from hgrt.relay_passes.claim_onednn import HEADER_VERSION, make_header
 from hgrt.runtime import onednn
 from hgrt.runtime.threads import process_threads, set_thread_count
 
@@ -483,7 +483,7 @@ def test_winograd_refuses_what_it_cannot_compute():
         with pytest.raises(ValueError, match=match):
             f(xn, _t(edited), out)
     old = blob.copy()  # a Winograd blob says so in its version: an older hgrt refuses it
-    assert np.frombuffer(old[:16].tobytes(), "int64")[1] == 3
+    assert np.frombuffer(old[:16].tobytes(), "int64")[1] == HEADER_VERSION + 1
 
 
 _WINOGRAD_BLOCKS = """
@@ -559,6 +559,23 @@ def test_a_damaged_header_is_an_error_not_a_crash(slot, value):
 def test_damaged_weights_fail_their_checksum():
     x, _, _, blob = _case()
     blob[600] ^= 0x40  # one bit of the packed weights
+    with pytest.raises(Exception, match="checksum"):
+        onednn.kernel_function("hgrt.onednn.conv2d")(
+            _t(x), _t(blob), _t(np.zeros((1, 24, 7, 7), "float32")))
+
+
+def test_a_header_edited_to_another_layout_of_the_same_bytes_fails_its_checksum():
+    """The checksum covers the header: a blob whose weight layout is renamed to another that
+    fits its bytes (oneDNN's blocked tag to plain ``abcd``) is refused, not re-packed from the
+    wrong layout (which ran with wrong numbers while the checksum covered the weights only)."""
+    from hgrt.relay_passes.claim_onednn import SLOT
+
+    x, w, b, blob = _case()
+    head = blob[:512].view(np.int64)
+    plain = next(t for t in range(1, 1000) if onednn.layout_name(t) == "abcd")
+    if head[SLOT["wei_tag"]] == plain:
+        pytest.skip("oneDNN packs these weights plain here: no other layout to name")
+    head[SLOT["wei_tag"]] = plain  # 24 x 16 floats plain fit in the blocked layout's bytes
     with pytest.raises(Exception, match="checksum"):
         onednn.kernel_function("hgrt.onednn.conv2d")(
             _t(x), _t(blob), _t(np.zeros((1, 24, 7, 7), "float32")))

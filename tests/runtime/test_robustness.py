@@ -127,6 +127,46 @@ def test_close_waits_for_a_run_in_another_thread():
         m.run()
 
 
+def _long_module():
+    n = 1 << 22
+    doc = chain(n, 40).doc(pools=True)
+    doc["hgrt"]["pool_bytes"][0] += 64  # no entry at offset 0: views do not hold the pool
+    doc["hgrt"]["storage_offset"] = [o + 64 for o in doc["hgrt"]["storage_offset"]]
+    m = create(doc, elementwise_lib(n))
+    m.set_input("x", np.zeros(n, "float32"))
+    return m
+
+
+def test_profile_holds_the_module_against_run_and_close():
+    """profile() runs the steps itself on the module's storage: a run() from another thread in
+    between mixed their tensors, and close() freed the pools under them (a segfault)."""
+    m = _long_module()
+    started, report, errors = threading.Event(), [], []
+
+    def prof():
+        started.set()
+        report.append(m.profile(repeat=3, warmup=0))
+
+    t = threading.Thread(target=prof)
+    t.start()
+    started.wait()
+    time.sleep(0.05)
+    try:
+        m.run()
+    except hgrt.ExecutionError as e:
+        errors.append(str(e))
+    m.close()  # waits for the profile
+    t.join()
+    assert errors and "another thread" in errors[0], errors
+    assert len(report[0].ops) == 40 and m.closed
+
+
+def test_profile_without_inputs_says_which():
+    m = create(chain(N, 2).doc())
+    with pytest.raises(hgrt.InputError, match="profile.*x"):
+        m.profile(repeat=1, warmup=0)  # ran the steps on unset inputs
+
+
 def test_a_closed_module_raises_a_new_error_each_time():
     m = create(chain(N, 1).doc())
     m.close()
