@@ -28,9 +28,13 @@ from hgrt.relay_passes.pipeline import located
 from hgrt.relay_passes.relax_util import bindings, called, moved_to, site
 
 # calls that have no graph form, and why
+_READ_SHAPE = ("the shape is data-dependent (read from {args} at run time) and hgrt plans "
+               "memory at build time: give {args} as a constant or model initializer")
 UNSUPPORTED = {
-    "vm.builtin.tensor_to_shape": "the shape is data-dependent (read from {args} at run time) "
-    "and hgrt plans memory at build time: give {args} as a constant or model initializer",
+    "vm.builtin.tensor_to_shape": _READ_SHAPE,
+    "relax.tensor_to_shape": _READ_SHAPE,  # (ONNX Slice with starts/ends as graph inputs)
+    "If": "control flow: hgrt runs a fixed list of kernels; give the condition as a constant "
+          "(then it folds) or run the model in the Relax VM",
 }
 
 
@@ -180,8 +184,13 @@ def insert_copies(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
 def _rebind(rb: _Rebuilder, b: relax.VarBinding, ctx: BuildContext) -> None:
     name, value = b.var.name, b.value
     if not isinstance(b, relax.VarBinding):
-        raise BuildError(f"binding {name!r} is a {type(b).__name__}; hgrt needs static shapes "
-                         f"(no match_cast)")
+        raise BuildError(
+            f"binding {name!r} ({called(value)}) is a {type(b).__name__}: a shape that is "
+            f"known only at run time (from an input's values or the data: axes, repeats or "
+            f"limits given as graph inputs; NonZero, Unique, Compress); hgrt plans memory at "
+            f"build time: give such inputs as constants or model initializers")
+    if called(value) in UNSUPPORTED:
+        _refuse(b, ctx)
     if isinstance(value, relax.Var):
         rb.alias[name] = rb.canon(value.name)
     elif isinstance(value, tvm.ir.expr.Constant):
@@ -205,13 +214,31 @@ def _rebind(rb: _Rebuilder, b: relax.VarBinding, ctx: BuildContext) -> None:
     elif (dev := moved_to(value, ctx)) is not None:
         rb.define(name, rb.on_device(value.args[0], dev), dev)
     elif isinstance(value, relax.Call) and name in ctx.placed.op_device:
+        if not _static(b.var.ty):
+            _refuse(b, ctx, f"its shape ({b.var.ty}) is known only at run time, from the "
+                            f"values of {{args}}; hgrt plans memory at build time: give such "
+                            f"inputs as constants or model initializers")
         dev = ctx.placed.op_device[name]
         args = [rb.on_device(a, dev) for a in value.args]
         call = relax.Call(value.op, args, value.attrs, value.ty_args)
         rb.define(name, rb.bb.emit(call, name_hint=name), dev)
     else:
-        args = ", ".join(repr(a.name) for a in getattr(value, "args", ())
-                         if isinstance(a, relax.Var))
-        raise BuildError(f"{site(b, ctx)}: " + UNSUPPORTED.get(
-            called(value), "not supported by hgrt (calls to Relax functions must be inlined "
-            "first)").format(args=args))
+        _refuse(b, ctx)
+
+
+def _static(ty: relax.Type) -> bool:
+    """Whether every tensor of ``ty`` has a shape known at build time."""
+    if isinstance(ty, relax.TupleType):
+        return all(_static(f) for f in ty.fields)
+    if not isinstance(ty, relax.TensorType):
+        return True  # shapes, objects: not planned
+    return ty.shape is not None and all(
+        isinstance(d, tvm.tirx.IntImm) for d in ty.shape.values)
+
+
+def _refuse(b: relax.VarBinding, ctx: BuildContext, why: str | None = None) -> None:
+    args = ", ".join(repr(a.name) for a in getattr(b.value, "args", ())
+                     if isinstance(a, relax.Var))
+    why = why or UNSUPPORTED.get(called(b.value), "not supported by hgrt (calls to Relax "
+                                 "functions must be inlined first)")
+    raise BuildError(f"{site(b, ctx)}: " + why.format(args=args))

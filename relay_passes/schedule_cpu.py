@@ -74,6 +74,10 @@ MIN_GROUP_INPUTS = 16
 _get_realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
 # a primitive that does not apply raises ScheduleError (a RuntimeError); TVM's own checks too
 _SCHEDULE_ERRORS = (RuntimeError, ValueError)
+# intrinsics that TVM 0.27's LLVM backend cannot emit on vectors ("unknown intrinsic
+# tirx.cosh" at build): a function calling one is left unscheduled, as the Relax VM runs it (of
+# 32 float intrinsics built vectorized for haswell and znver4, only these two failed)
+_SCALAR_ONLY = re.compile(r"\bT\.(sinh|cosh)\(")
 
 
 @dataclass
@@ -151,6 +155,12 @@ def _iter_loops(sch: s_tir.Schedule, block_rv) -> list[tuple[str, tirx.Var, obje
     return out
 
 
+def _scalar_only_call(func: tirx.PrimFunc) -> str | None:
+    """The first intrinsic of ``_SCALAR_ONLY`` that ``func`` calls, if any."""
+    found = _SCALAR_ONLY.search(func.script())
+    return f"tirx.{found.group(1)}" if found else None
+
+
 def _is_reduction(sch: s_tir.Schedule, block_rv) -> bool:
     return any(int(iv.iter_type) == 2 for iv in sch.get(block_rv).iter_vars)
 
@@ -203,6 +213,8 @@ def _schedule_spatial(sch: s_tir.Schedule, block_rv, lanes: int) -> None:
     info = _iter_loops(sch, block_rv)
     if info is None:
         raise _CannotSchedule("loops do not map onto block vars")
+    if not info:
+        return  # an opaque block (scatter_nd's): its loops are its own, left as they are
     extents = [e for _, _, _, e in info]
     total = math.prod(extents)
     loops = [lp for _, _, lp, _ in info]
@@ -785,6 +797,8 @@ def _default_schedule(func: tirx.PrimFunc, isa: VectorISA, cores: int = 1,
                       ) -> tuple[s_tir.Schedule, bool, tuple[int, int, str] | None]:
     """The default schedule of ``func``, whether a register tile was used, and the weight
     parameter that takes a packed layout (``_schedule_conv``), if any."""
+    if (op := _scalar_only_call(func)) is not None:
+        raise _CannotSchedule(f"calls {op}, which LLVM cannot emit on vectors")
     sch = s_tir.Schedule(func)
     prepacked = None
     _inline_producers(sch)

@@ -7,6 +7,7 @@ from tvm import relax
 from tvm.script import ir as I
 from tvm.script import relax as R
 
+import hgrt
 from hgrt.errors import BuildError, DeviceError
 from hgrt.relay_passes import (
     BuildContext,
@@ -110,3 +111,37 @@ def test_rule_patterns_exact_name_beats_pattern():
     by_op = {r.node: (r.device, r.reason) for r in ctx.placed.report}
     assert by_op["a"] == ("cpu:0", "rule 'relax.add'")
     assert by_op["b"] == ("cpu:1", "rule '*'")
+
+
+def _refusal(nodes, inputs, outputs) -> str:
+    from onnx import TensorProto, helper
+
+    kinds = {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64}
+    g = helper.make_graph(
+        nodes, "dynamic",
+        [helper.make_tensor_value_info(n, kinds[t], s) for n, t, s in inputs],
+        [helper.make_tensor_value_info(n, kinds[t], None) for n, t in outputs])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    with pytest.raises(hgrt.BuildError) as e:
+        hgrt.build(model, ["cpu:0"])
+    return str(e.value)
+
+
+def test_a_shape_read_from_an_input_is_refused_before_anything_is_compiled():
+    """Slice with its ends as a graph input (onnx node cases): the refusal came from the graph
+    step, after the whole library was built, and did not say why the shape was not known."""
+    from onnx import helper
+
+    msg = _refusal([helper.make_node("Slice", ["x", "starts", "ends"], ["y"])],
+                   [("x", "float32", [4, 6]), ("starts", "int64", [1]), ("ends", "int64", [1])],
+                   [("y", "float32")])
+    assert "'insert_copies' failed" in msg and "build_library" not in msg, msg
+    assert "known only at run time, from the values of 'x'" in msg and "initializer" in msg
+
+
+def test_a_data_dependent_shape_says_so():
+    from onnx import helper
+
+    msg = _refusal([helper.make_node("NonZero", ["x"], ["y"])], [("x", "float32", [4, 6])],
+                   [("y", "int64")])
+    assert "(relax.nonzero) is a MatchCast: a shape that is known only at run time" in msg, msg

@@ -182,3 +182,44 @@ def test_strided_padded_pools_read_their_input_without_a_padded_copy(stride, pad
         x = np.random.default_rng(3).standard_normal((1, 8, 30, 30)).astype("float32")
         np.testing.assert_allclose(run_lowered_vm(new, [x], TARGET)[0],
                                    run_relax_vm(model, [x])[0], rtol=1e-5, atol=1e-5)
+
+
+def _one_op_model(op: str, inputs: list, out_shape: list, opset: int = 18):
+    from onnx import TensorProto, helper
+
+    kinds = {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64}
+    g = helper.make_graph(
+        [helper.make_node(op, [n for n, _ in inputs], ["y"])], op.lower(),
+        [helper.make_tensor_value_info(n, kinds[str(a.dtype)], a.shape) for n, a in inputs],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, out_shape)])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def test_an_opaque_block_is_left_as_it_is_not_a_raw_index_error():
+    """TVM's scatter_nd kernel is one block with no loops of its own (found by the sweep of
+    the onnx node cases: ScatterND and Scatter failed with an IndexError)."""
+    import hgrt
+    from hgrt.testing import run_hgrt
+
+    x = {"data": np.arange(16, dtype="float32").reshape(4, 4),
+         "indices": np.array([[1], [3]], "int64"), "updates": np.ones((2, 4), "float32")}
+    want = x["data"].copy()
+    want[[1, 3]] = 1
+    built = hgrt.build(_one_op_model("ScatterND", list(x.items()), [4, 4]), ["cpu:0"])
+    np.testing.assert_array_equal(run_hgrt(built, x)[0], want)
+
+
+@pytest.mark.parametrize("op", ["Cosh", "Sinh"])
+@pytest.mark.parametrize("mcpu", ["haswell", None])
+def test_intrinsics_llvm_cannot_vectorize_stay_scalar(op, mcpu):
+    """TVM 0.27's LLVM backend has no vector form of sinh/cosh: vectorized, the build failed
+    with "unknown intrinsic tirx.cosh" on every AVX2 and AVX-512 target."""
+    import hgrt
+    from hgrt.testing import run_hgrt
+
+    x = np.random.default_rng(0).standard_normal((3, 4, 16)).astype("float32")
+    target = {"cpu": {"kind": "llvm", "mcpu": mcpu}} if mcpu else None
+    built = hgrt.build(_one_op_model(op, [("x", x)], [3, 4, 16], opset=13), ["cpu:0"],
+                       target=target)
+    np.testing.assert_allclose(run_hgrt(built, {"x": x})[0], getattr(np, op.lower())(x),
+                               rtol=1e-5, atol=1e-6)
