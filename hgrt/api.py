@@ -59,7 +59,6 @@ def load(directory: str, devices: Any = None, *, session: Any = None) -> GraphMo
     if any(remote) and not all(remote):
         raise DeviceError(f"cannot mix local and remote devices: "
                           f"{[hdev.device_name(d) for d in devs]}")
-    lib = lib_path if all(remote) else artifacts.load_library(lib_path)
-    m = create(graph, lib, devs)
+    m = create(graph, lib_path, devs)  # a local library is loaded once its CPU is checked
     m.load_params(params)
     return m

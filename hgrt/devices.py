@@ -465,6 +465,55 @@ def cpu_flags() -> set[str]:
         return set()
 
 
+# LLVM's names of the x86 instruction-set extensions that generated code may use, and the
+# /proc/cpuinfo flag that shows each: code built for a target runs only where every one that
+# its mcpu/mattr enables is there (else SIGILL: an AVX-512 build on an AVX2 host)
+X86_FEATURE_FLAGS = {
+    "ssse3": "ssse3", "sse4.1": "sse4_1", "sse4.2": "sse4_2", "popcnt": "popcnt",
+    "avx": "avx", "avx2": "avx2", "fma": "fma", "f16c": "f16c", "bmi": "bmi1", "bmi2": "bmi2",
+    "lzcnt": "abm", "movbe": "movbe", "avx512f": "avx512f", "avx512bw": "avx512bw",
+    "avx512dq": "avx512dq", "avx512vl": "avx512vl", "avx512cd": "avx512cd",
+    "avx512vnni": "avx512_vnni", "avx512bf16": "avx512_bf16", "avx512fp16": "avx512_fp16",
+    "avx512vbmi": "avx512vbmi", "avx512vbmi2": "avx512_vbmi2", "avx512ifma": "avx512ifma",
+    "avx512bitalg": "avx512_bitalg", "avx512vpopcntdq": "avx512_vpopcntdq",
+    "avxvnni": "avx_vnni", "amx-tile": "amx_tile", "amx-bf16": "amx_bf16",
+    "amx-int8": "amx_int8",
+}
+
+
+def cpu_requirements(target: tvm.target.Target) -> dict | None:
+    """What code built for the CPU ``target`` needs of the machine that runs it: its
+    architecture and (x86) the instruction-set extensions LLVM enables for the target's
+    ``mcpu``/``mattr``; None for a target that is not a CPU's."""
+    if target.kind.name != "llvm":
+        return None
+    triple = target_triple(target) if "mtriple" in target.attrs else platform.machine()
+    arch = machine_arch(triple)
+    features: list[str] = []
+    if arch == "x86_64":
+        from tvm.target.codegen import llvm_get_cpu_features
+
+        features = sorted(set(llvm_get_cpu_features(target)) & set(X86_FEATURE_FLAGS))
+    return {"arch": arch, "features": features}
+
+
+def check_runs_here(needs: dict, device: str) -> None:
+    """A ``DeviceError`` when this machine cannot run code that ``needs`` (``cpu_requirements``)
+    on ``device``: another architecture, or an instruction-set extension its CPU lacks."""
+    here = machine_arch(platform.machine())
+    if needs["arch"] != here:
+        raise DeviceError(f"{device}: the library was built for {needs['arch']}, this machine "
+                          f"is {here}: run it on such a board through RPC (hgrt.load(..., "
+                          f"session=...) or hgrt run --rpc-tracker), or rebuild for this host")
+    flags = cpu_flags()
+    missing = [f for f in needs["features"] if flags and X86_FEATURE_FLAGS[f] not in flags]
+    if missing:
+        raise DeviceError(f"{device}: the library uses {', '.join(missing)}, which this CPU "
+                          f"lacks (its kernels would die of an illegal instruction): rebuild "
+                          f"on this host, or for it with --target 'cpu=llvm -mcpu=...' "
+                          f"(hgrt compile prints the ISA it built for)")
+
+
 @dataclass(frozen=True)
 class VectorISA:
     """What a CPU target's kernels can use: its widest vector ISA, the vector width and the
@@ -517,9 +566,11 @@ def host_target(num_cores: int | None = None) -> tvm.target.Target:
     """An llvm target for this machine: its CPU (vector features) and its core count.
 
     ``mcpu`` is LLVM's name for the host CPU (``llvm_get_system_cpu``), kept when /proc/cpuinfo
-    has every vector ISA that name implies (a VM may hide AVX-512 from a CPU that has it);
-    otherwise the oldest CPU with the ISA the flags show (``haswell`` for AVX2 + FMA), so a
-    build is never silently generic x86-64. ``num-cores``: the cores this process may run on.
+    has every instruction-set extension that name implies (``cpu_requirements``: a VM may hide
+    AVX-512 from a CPU that has it); otherwise the oldest CPU with the ISA the flags show
+    (``haswell`` for AVX2 + FMA) whose extensions are all there, so a build is never silently
+    generic x86-64 and always runs where it was built. ``num-cores``: the cores this process
+    may run on.
 
     >>> host_target(2)  # doctest: +SKIP
     {"kind":"llvm","mcpu":"znver4","num-cores":2,...}
@@ -529,11 +580,13 @@ def host_target(num_cores: int | None = None) -> tvm.target.Target:
     spec: dict = {"kind": "llvm", "num-cores": int(num_cores or usable_cores())}
     cpu = llvm_get_system_cpu()
     flags = cpu_flags()
-    if cpu and cpu != "generic":
-        isa = vector_isa(tvm.target.Target({"kind": "llvm", "mcpu": cpu}))
-        needs = {"avx512": "avx512f", "avx2": "avx2", "avx": "avx"}.get(isa.name)
-        if not flags or needs is None or needs in flags:
-            spec["mcpu"] = cpu
+    def fits(mcpu: str) -> bool:  # every extension LLVM enables for it is in the flags
+        needs = cpu_requirements(tvm.target.Target({"kind": "llvm", "mcpu": mcpu}))
+        return not flags or all(X86_FEATURE_FLAGS[f] in flags for f in needs["features"])
+
+    if cpu and cpu != "generic" and fits(cpu):
+        spec["mcpu"] = cpu
     if "mcpu" not in spec and machine_arch(platform.machine()) == "x86_64":
-        spec["mcpu"] = next((name for need, name in _CPU_BY_FLAGS if need <= flags), "x86-64")
+        spec["mcpu"] = next((name for need, name in _CPU_BY_FLAGS
+                             if need <= flags and fits(name)), "x86-64")
     return tvm.target.Target(spec)

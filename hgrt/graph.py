@@ -119,6 +119,9 @@ class Graph:
     weight_pool_bytes: list[int] | None = None  # hgrt section: params apart, one pool per device
     streams: list[int] | None = None  # hgrt section: per node its stream (-1: does not run)
     waits: list[list[int]] | None = None  # hgrt section: per node, nodes of other streams
+    # hgrt section: per device what its kernels need of a CPU ({"arch", "features"}; None for a
+    # device that is not a CPU): devices.cpu_requirements, checked at create
+    cpu_needs: list[dict | None] | None = None
 
     # ---- derived views ------------------------------------------------------------------
     @property
@@ -236,6 +239,8 @@ class Graph:
         section: dict[str, Any] = {"version": version, "params": list(self.params)}
         if self.device_names is not None:
             section["devices"] = list(self.device_names)
+        if self.cpu_needs is not None:
+            section["cpu_needs"] = list(self.cpu_needs)
         if self.pool_bytes is not None:
             section["pool_bytes"] = list(self.pool_bytes)
             section["storage_offset"] = list(self.storage_offset or [])
@@ -566,6 +571,11 @@ def _parse_section(section: Any, g: Graph) -> None:
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise GraphError("'hgrt' section: devices must be a list of device names")
         g.device_names = names
+    used = max(g.device_index, default=0) + 1 if g.device_index is not None else 1
+    if names is not None and len(names) < used:
+        raise GraphError(f"'hgrt' section: devices names {len(names)} devices ({names}), but "
+                         f"device_index uses {used}")
+    g.cpu_needs = _parse_cpu_needs(section.get("cpu_needs"), used)
     if "pool_bytes" not in section:
         return
     pools = section["pool_bytes"]
@@ -590,6 +600,22 @@ def _parse_section(section: Any, g: Graph) -> None:
     g.pool_bytes = pools
     g.storage_offset = offsets
     g.weight_pool_bytes = weights
+
+
+def _parse_cpu_needs(needs: Any, used: int) -> list[dict | None] | None:
+    if needs is None:
+        return None
+    if not isinstance(needs, list) or len(needs) < used:
+        raise GraphError(f"'hgrt' section: cpu_needs must list, per device ({used}), what its "
+                         f"kernels need of a CPU (or null), got {str(needs)[:80]}")
+    for i, need in enumerate(needs):
+        if need is not None and not (
+                isinstance(need, dict) and isinstance(need.get("arch"), str)
+                and isinstance(need.get("features"), list)
+                and all(isinstance(f, str) for f in need["features"])):
+            raise GraphError(f"'hgrt' section: cpu_needs[{i}] must be null or "
+                             f'{{"arch": str, "features": [str, ...]}}, got {str(need)[:80]}')
+    return needs
 
 
 def _parse_streams(section: dict, g: Graph) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
+from hgrt.devices import cpu_requirements
 from hgrt.errors import BuildError
 from hgrt.graph import COPY_FUNC, NOP_FUNC, Graph, Node
 from hgrt.relay_passes.context import BuildContext
@@ -133,7 +134,8 @@ def graph_codegen(mod: tvm.IRModule, ctx: BuildContext) -> Graph:
                  node_row_ptr=g.row_ptr, heads=heads, shapes=g.shapes, dtypes=g.dtypes,
                  storage_ids=list(range(g.row_ptr[-1])), device_index=g.devices,
                  params=[g.nodes[i].name for i in weights + g.const_nodes],
-                 device_names=[d.name for d in ctx.devices])
+                 device_names=[d.name for d in ctx.devices],
+                 cpu_needs=[cpu_requirements(d.target) for d in ctx.devices])
 
 
 def _emit(g: _GraphBuilder, b: relax.VarBinding, dev: dict[relax.Var, int]) -> None:

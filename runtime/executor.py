@@ -16,8 +16,10 @@ from typing import Any
 
 import numpy as np
 import tvm
+import tvm_ffi
 
 from hgrt import devices as hdev
+from hgrt.artifacts import ArtifactError, load_library
 from hgrt.errors import (
     ClosedError,
     DeviceError,
@@ -449,6 +451,9 @@ def _check_devices(graph: Graph, devices: list) -> None:
                 raise GraphError(f"entry {eid}: device_index {d} is outside the device list "
                                  f"given to create ({len(devices)} devices: "
                                  f"{[str(x) for x in devices]})")
+    for i, needs in enumerate(graph.cpu_needs or ()):
+        if needs is not None and i < len(devices) and hdev.is_cpu(devices[i]):
+            hdev.check_runs_here(needs, hdev.device_name(devices[i]))
     if graph.pool_bytes is not None and len(graph.pool_bytes) > len(devices) \
             and any(graph.pool_bytes[len(devices):]):
         raise GraphError(f"the 'hgrt' section plans {len(graph.pool_bytes)} device pools but "
@@ -461,7 +466,11 @@ def create(graph_json: str | bytes | dict | Graph, lib, devices) -> GraphModule:
     without that column everything runs on ``devices[0]``."""
     devs = normalize_devices(devices)
     graph = graph_json if isinstance(graph_json, Graph) else Graph.from_json(graph_json)
+    _check_devices(graph, devs)  # first: a library built for another CPU is never loaded
     if isinstance(lib, (str, os.PathLike)):
-        lib = tvm.runtime.load_module(os.fspath(lib))
+        lib = load_library(os.fspath(lib))
+    elif not isinstance(lib, tvm_ffi.Module):
+        raise ArtifactError(f"lib must be a compiled library (a tvm Module, as hgrt.build "
+                            f"returns it) or a path to one, got {type(lib).__name__}")
     use_all_cores()
     return GraphModule(graph, lib, devs)

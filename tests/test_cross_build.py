@@ -176,3 +176,13 @@ def test_device_lists_of_the_wrong_type_are_device_errors():
             hgrt.build(conv_model(), devices)
     with pytest.raises(hgrt.DeviceError, match="cuda_arch 'junk'"):
         hgrt.build(conv_model(), ["cpu", "cuda"], cuda_arch="junk")
+
+
+@has_cross_gxx
+def test_a_board_s_artifacts_loaded_here_say_so_before_loading_the_library(arm_build, tmp_path):
+    """dlopen of an aarch64 lib.so said 'cannot open shared object file: No such file'."""
+    out = hgrt.save(str(tmp_path / "art"), arm_build)
+    with pytest.raises(DeviceError, match=r"cpu:0: the library was built for aarch64, this "
+                                          r"machine is x86_64: run it on such a board through "
+                                          r"RPC"):
+        hgrt.load(out)

@@ -183,3 +183,15 @@ def test_impossible_allocation_is_a_device_error(lib):
     with pytest.raises(hgrt.DeviceError, match="cannot allocate 1125899906842624 bytes for the "
                                                "pool of device 0 on cpu:0"):
         hgrt.create(json.dumps(doc), lib, [tvm.cpu(0), tvm.cpu(1)])
+
+
+def test_device_names_must_cover_the_device_index():
+    """hgrt inspect ended in an IndexError on such a file, which from_json accepted."""
+    g = GraphBuilder()
+    x = g.input("x")
+    g.output(g.op("add_one", [g.op("add_one", [x])], dev=1))
+    doc = g.doc()
+    doc.setdefault("hgrt", {})["devices"] = ["cpu:0"]
+    with pytest.raises(hgrt.GraphError, match=r"devices names 1 devices \(\['cpu:0'\]\), but "
+                                         r"device_index uses 2"):
+        Graph.from_json(json.dumps(doc))

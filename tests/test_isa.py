@@ -55,7 +55,9 @@ def test_an_arm_board_is_neon():
 
 # ---- host_target on emulated hosts -----------------------------------------------------------
 
-AVX2_FLAGS = {"sse4_2", "avx", "avx2", "fma", "bmi2", "f16c"}
+SSE4_FLAGS = {"ssse3", "sse4_1", "sse4_2", "popcnt"}
+AVX2_FLAGS = SSE4_FLAGS | {"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "abm", "movbe"}
+AVX512_FLAGS = AVX2_FLAGS | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
 
 
 def _host(monkeypatch, llvm_cpu: str, flags: set[str]) -> tvm.target.Target:
@@ -69,9 +71,11 @@ def _host(monkeypatch, llvm_cpu: str, flags: set[str]) -> tvm.target.Target:
     ("znver3", AVX2_FLAGS, "znver3", "avx2"),  # AVX2-only host LLVM names: its name kept
     ("skylake-avx512", AVX2_FLAGS, "haswell", "avx2"),  # a VM hides AVX-512: not promised
     ("generic", AVX2_FLAGS, "haswell", "avx2"),  # LLVM cannot name it: the flags can
-    ("generic", {"sse4_2", "avx"}, "sandybridge", "avx"),
-    ("skylake-avx512", AVX2_FLAGS | {"avx512f", "avx512bw", "avx512vl", "avx512dq"},
-     "skylake-avx512", "avx512"),
+    ("generic", SSE4_FLAGS | {"avx"}, "sandybridge", "avx"),
+    ("skylake-avx512", AVX512_FLAGS, "skylake-avx512", "avx512"),
+    # every extension counts, not the widest only: its code would die of SIGILL
+    ("skylake-avx512", AVX512_FLAGS - {"avx512cd"}, "haswell", "avx2"),
+    ("znver4", AVX512_FLAGS, "skylake-avx512", "avx512"),  # no avx512_bf16, _vnni, ...
     ("znver3", set(), "znver3", "avx2"),  # no /proc/cpuinfo: LLVM is believed
 ])
 def test_host_target_follows_the_flags(monkeypatch, llvm_cpu, flags, mcpu, isa):
@@ -216,3 +220,46 @@ def test_cli_tuning_db_of_another_cpu_is_one_line(haswell_db, tmp_path, capsys):
     assert err.startswith("hgrt compile: error: ")
     assert "was tuned for ['llvm -mcpu=haswell']" in err
     assert "--target 'cpu=llvm -mcpu=haswell'" in err
+
+
+# ---- what an artifact needs of the CPU that runs it ------------------------------------------
+
+@on_x86
+def test_a_build_records_what_its_kernels_need_and_create_checks_it(monkeypatch):
+    """A build for extensions this CPU lacks died of SIGILL in run() (an fp16 model built for
+    sapphirerapids on an AVX-512 host without avx512_fp16): create() refuses it, naming the
+    device and the extensions, before anything runs."""
+    import json
+
+    from hgrt.testing import conv_model
+
+    built = hgrt.build(conv_model(), ["cpu:0", "cpu:1"],
+                       target={"cpu": {"kind": "llvm", "mcpu": "haswell"}})
+    needs = json.loads(built.graph_json)["hgrt"]["cpu_needs"]
+    assert needs[0]["arch"] == "x86_64" and {"avx2", "fma"} <= set(needs[0]["features"])
+    assert "avx512f" not in needs[0]["features"]
+    hgrt.create(built.graph_json, built.lib, [tvm.cpu(0), tvm.cpu(1)])  # fits: haswell flags
+    monkeypatch.setattr(hgrt.devices, "cpu_flags", lambda: AVX2_FLAGS - {"fma"})
+    with pytest.raises(DeviceError, match=r"cpu:0: the library uses fma, which this CPU lacks"):
+        hgrt.create(built.graph_json, built.lib, [tvm.cpu(0), tvm.cpu(1)])
+    monkeypatch.setattr(hgrt.devices, "cpu_flags", lambda: set())  # no /proc/cpuinfo: trusted
+    hgrt.create(built.graph_json, built.lib, [tvm.cpu(0), tvm.cpu(1)])
+
+
+@pytest.mark.parametrize("needs, match", [
+    ([{"arch": "x86_64"}], r"cpu_needs\[0\] must be null or"),
+    ([{"arch": "x86_64", "features": [1]}], r"cpu_needs\[0\]"),
+    ("avx2", "cpu_needs must list, per device"),
+])
+def test_bad_cpu_needs_are_graph_errors(needs, match):
+    import json
+
+    from hgrt.graph import Graph
+    from hgrt.testing import GraphBuilder
+
+    g = GraphBuilder()
+    g.output(g.op("add_one", [g.input("x")]))
+    doc = g.doc()
+    doc.setdefault("hgrt", {})["cpu_needs"] = needs
+    with pytest.raises(hgrt.GraphError, match=match):
+        Graph.from_json(json.dumps(doc))
