@@ -17,6 +17,7 @@ index, ``input_device``: hinted inputs, ``report``) and attaches the module's vd
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,11 +86,29 @@ def _compiles_on(op_name: str, device: DeviceSpec) -> str | None:
     return None
 
 
+def _check_rules(rules: dict[str, int], model_ops: list[str]) -> None:
+    """A rule key must name a Relax op (``nn.conv2d``) or be a pattern (``nn.*pool*``): one that
+    is neither (``Conv``, ``conv2d``, a typo) placed nothing without a word. A rule for an op
+    this model lacks is fine (one placement serves many models)."""
+    known = [str(n) for n in tvm.ir.Op.list_op_names() if str(n).startswith("relax.")]
+    names = {n.removeprefix("relax.") for n in known} | set(known)
+    for key in rules:
+        if key in names or any(c in key for c in "*?["):
+            continue
+        ops_here = sorted({op.removeprefix("relax.") for op in model_ops})
+        close = difflib.get_close_matches(key, sorted(set(ops_here) | names), n=3)
+        hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+        raise BuildError(f"placement rule {key!r} names no Relax op{hint}; rules name ops as "
+                         f"Relax does (nn.conv2d, or a pattern nn.*pool*); this model's ops: "
+                         f"{ops_here[:30]}")
+
+
 def place_devices(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     """Fill ``ctx.placed``; return ``mod`` with the vdevice list attached."""
     p = ctx.placement
     devs = ctx.devices
     rules = {k: resolve_device(v, devs, f"rule {k!r}") for k, v in (p.rules or {}).items()}
+    _check_rules(rules, [op for _, op in op_bindings(mod)])
     overrides = {k: resolve_device(v, devs, f"override {k!r}")
                  for k, v in (p.overrides or {}).items()}
     preferred = None if p.preferred is None else resolve_device(p.preferred, devs, "preferred")
