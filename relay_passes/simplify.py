@@ -37,7 +37,6 @@ decomposes it; either fuses into the convolution before it.)
 
 from __future__ import annotations
 
-import functools
 import logging
 import warnings
 
@@ -62,10 +61,22 @@ def _axis_is_zero(call: relax.Call) -> bool:
 
 @relax.expr_functor.mutator
 class _StackedReductions(relax.PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, var2val: dict) -> None:
+    def __init__(self, mod: tvm.IRModule, func: relax.Function) -> None:
         super().__init__(mod)
-        self.var2val = var2val
+        self.var2val = relax.analysis.get_var2val(func)
         self.rewritten = 0
+        # names of main's variables: the ops this emits take new ones (the builder's default
+        # "lv" is the ONNX import's first name: two bindings named so were refused later)
+        self.taken = {v.name for v in self.var2val} | {p.name for p in func.params}
+
+    def _emit(self, expr: relax.Expr, base: str) -> relax.Var:
+        """``expr`` bound before the binding being rewritten (which becomes an alias of the
+        last), under a name main does not have."""
+        k = 0
+        while f"{base}{k}" in self.taken:
+            k += 1
+        self.taken.add(f"{base}{k}")
+        return self.builder_.emit(self.builder_.normalize(expr), name_hint=f"{base}{k}")
 
     def _value(self, expr: relax.Expr) -> relax.Expr:
         return self.var2val.get(expr, expr) if isinstance(expr, relax.Var) else expr
@@ -91,21 +102,23 @@ class _StackedReductions(relax.PyExprMutator):
         if operands is None:
             return call
         op = _PAIRWISE[call.op.name]
-        out = functools.reduce(lambda a, b: self.builder_.normalize(op(a, b)),
-                               [self.visit_expr(x) for x in operands])
         want = call.ty
+        parts = [self.visit_expr(x) for x in operands]
+        out = parts[0]
+        for b in parts[1:]:
+            out = self._emit(op(out, b), "pairwise")
         if call.op.name == "relax.mean":
-            out = self.builder_.normalize(relax.op.divide(
-                out, relax.const(float(len(operands)), want.dtype)))
+            out = self._emit(relax.op.divide(out, relax.const(float(len(parts)), want.dtype)),
+                             "pairwise")
         if not tvm_ffi.structural_equal(out.ty.shape, want.shape):
-            out = self.builder_.normalize(relax.op.broadcast_to(out, want.shape))
+            out = self._emit(relax.op.broadcast_to(out, want.shape), "pairwise")
         self.rewritten += 1
         return out
 
 
 def pairwise_reductions(mod: tvm.IRModule) -> tvm.IRModule:
     """Stacked reductions of ``main`` rewritten as pairwise ops (see module doc)."""
-    return _rewrite_main(mod, lambda f: _StackedReductions(mod, relax.analysis.get_var2val(f)))
+    return _rewrite_main(mod, lambda f: _StackedReductions(mod, f))
 
 
 def _rewrite_main(mod: tvm.IRModule, make) -> tvm.IRModule:

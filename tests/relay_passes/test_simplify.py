@@ -201,3 +201,19 @@ def test_a_clip_of_a_concat_keeps_its_bounds():
     res = hgrt.build(bb.finalize(), ["cpu"], params={}, kernels="tvm")
     got = run_hgrt(res, {"x": xv, "y": yv})[0]
     np.testing.assert_allclose(got, np.clip(np.concatenate([xv + yv, xv * yv], 1), 0, 6))
+
+
+@pytest.mark.parametrize("op, ref", [("Sum", lambda r, x: r + x + r),
+                                     ("Mean", lambda r, x: (r + x + r) / 3),
+                                     ("Max", lambda r, x: np.maximum(r, x))])
+def test_stacked_reductions_take_names_of_their_own(op, ref):
+    """Their pairwise ops were emitted as the builder's default "lv", the ONNX import's first
+    name: place_devices then refused "binding name 'lv' appears twice in main"."""
+    g = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["r"]), helper.make_node(op, ["r", "x", "r"], ["y"])],
+        "stacked", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 2, 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    x = np.random.default_rng(0).standard_normal((1, 4, 2, 2)).astype("float32")
+    got = run_hgrt(hgrt.build(model, ["cpu:0", "cpu:1"]), {"x": x})[0]
+    np.testing.assert_allclose(got, ref(np.maximum(x, 0), x), rtol=1e-6, atol=1e-6)
