@@ -20,7 +20,7 @@ from hgrt.devices import DEFAULT_CUDA_ARCH, parse_devices
 from hgrt.frontend import import_model
 from hgrt.graph import Graph
 from hgrt.lifetimes import DeviceMemory, memory_report
-from hgrt.relay_passes.assign_streams import assign_streams
+from hgrt.relay_passes.assign_streams import assign_streams, check_stream_options
 from hgrt.relay_passes.claim_affine import claim_affine
 from hgrt.relay_passes.claim_onednn import Kernels, claim_onednn
 from hgrt.relay_passes.concat_views import concat_views
@@ -129,11 +129,12 @@ def build(model: Any, devices: Any, placement: Placement | None = None,
     ``print_placement()`` lists it).
     """
     start = time.perf_counter()
+    stream_options = check_stream_options(streams)
     if target is not None:  # DeviceSpecs carrying their targets
         devices = parse_devices(devices, cuda_arch, target)
     mod, ctx = _context(model, devices, placement, params, input_shapes, cuda_arch, verbose)
     ctx.options = LoweringOptions(tuning_db, tuning_verdicts, kernels, onednn)
-    ctx.streams = dict(streams or {})
+    ctx.streams = stream_options
     graph_json = run_passes(mod, ctx, PASSES).to_json()
     graph = Graph.from_json(graph_json)  # the runtime's own validation, before anyone ships it
     if verbose:

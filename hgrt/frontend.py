@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import operator
 import os
 import re
 import warnings
@@ -23,7 +24,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from hgrt.errors import BuildError
+from hgrt.errors import BuildError, did_you_mean
 from hgrt.relay_passes.simplify import (
     elementwise_through_concats,
     fold_weight_transforms,
@@ -94,13 +95,46 @@ def _channel_prelu(model: Any, inits: dict) -> None:
             slope.dims.extend([1] * (rank - 2))
 
 
+def _checked_shapes(model: Any, input_shapes: dict[str, Any] | None) -> dict[str, list[int]]:
+    """``input_shapes`` checked against the model's graph inputs: a name it lacks was ignored,
+    and a -1 or a rank or fixed dimension other than the model's failed late or not at all."""
+    if not input_shapes:
+        return {}
+    if not isinstance(input_shapes, dict):
+        raise BuildError(f"input_shapes must map input names to shapes, got "
+                         f"{type(input_shapes).__name__}")
+    inits = {t.name for t in model.graph.initializer}
+    declared = {v.name: v for v in model.graph.input if v.name not in inits}
+    out = {}
+    for name, shape in input_shapes.items():
+        if name not in declared:
+            raise BuildError(f"input_shapes: input {did_you_mean(name, list(declared))}")
+        try:
+            dims = [operator.index(d) for d in shape]
+        except TypeError:
+            dims = None
+        if dims is None or any(d < 0 for d in dims):
+            raise BuildError(f"input_shapes[{name!r}] = {shape!r}: give a list of sizes >= 0")
+        model_dims = declared[name].type.tensor_type.shape.dim
+        if declared[name].type.tensor_type.HasField("shape"):
+            if len(model_dims) != len(dims):
+                raise BuildError(f"input_shapes[{name!r}] = {dims}: the model's input has "
+                                 f"rank {len(model_dims)}")
+            for i, (d, md) in enumerate(zip(dims, model_dims, strict=True)):
+                if md.HasField("dim_value") and md.dim_value not in (0, d):
+                    raise BuildError(f"input_shapes[{name!r}] = {dims}: dimension {i} of the "
+                                     f"model's input is {md.dim_value}")
+        out[name] = dims
+    return out
+
+
 def _from_onnx(model: Any, input_shapes: dict[str, Any] | None) -> tuple[tvm.IRModule, dict]:
     import onnx
     from tvm.relax.frontend.onnx import from_onnx
 
     if isinstance(model, (str, os.PathLike)):
         model = onnx.load(os.fspath(model))
-    shape_dict = {k: list(v) for k, v in (input_shapes or {}).items()}
+    shape_dict = _checked_shapes(model, input_shapes)
     printed = io.StringIO()  # TVM prints "Error converting operator X, ..." before it raises
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(printed):

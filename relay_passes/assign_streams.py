@@ -25,7 +25,9 @@ device's cores, so mostly serialized streams would run each kernel on fewer thre
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
+from hgrt.errors import BuildError, did_you_mean
 from hgrt.graph import Graph
 from hgrt.lifetimes import Order, entry_writers, runs
 from hgrt.relay_passes.plan_memory import pool_bytes
@@ -42,6 +44,31 @@ def _producers(g: Graph, nid: int, writers: list[tuple[int, ...]]) -> list[int]:
             if writer not in found:
                 found.append(writer)
     return found
+
+
+def check_stream_options(opts: Any) -> dict[str, Any]:
+    """``build(streams=...)`` checked: known keys, each of its type and range (a typo was
+    ignored, and a bad value failed only after the whole library was built)."""
+    if opts is None:
+        return {}
+    if not isinstance(opts, dict):
+        raise BuildError(f"streams must be a dict of options ({sorted(STREAM_OPTIONS)}), got "
+                         f"{type(opts).__name__}")
+    for key, value in opts.items():
+        if key not in STREAM_OPTIONS:
+            raise BuildError(f"streams option {did_you_mean(key, sorted(STREAM_OPTIONS))}")
+        ok = {"per_device": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+              "single_stream": lambda v: isinstance(v, bool),
+              "memory_slack": lambda v: v is None or (
+                  isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0)}[key]
+        if not ok(value):
+            raise BuildError(f"streams option {key!r} must be {STREAM_OPTIONS[key]}, got "
+                             f"{value!r}")
+    return dict(opts)
+
+
+STREAM_OPTIONS = {"per_device": "an integer >= 1", "single_stream": "True or False",
+                  "memory_slack": "a fraction >= 0 (or None: no memory bound)"}
 
 
 def assign_streams(graph: Graph, ctx: object = None, *, per_device: int = 1,
