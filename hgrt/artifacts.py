@@ -16,7 +16,7 @@ import numpy as np
 import tvm
 
 from hgrt.devices import is_host_triple, machine_arch
-from hgrt.errors import BuildError, HgrtError, ParamError
+from hgrt.errors import BuildError, GraphError, HgrtError, ParamError
 
 GRAPH_FILE = "graph.json"
 LIB_FILE = "lib.so"
@@ -140,11 +140,21 @@ def paths(directory: str) -> dict[str, str]:
     return found
 
 
+def read_graph_text(path: str) -> str:
+    """The text of a graph JSON file; a ``GraphError`` naming it when it is not UTF-8."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise GraphError(f"{path}: not a graph JSON (not UTF-8 text: byte {e.start} is "
+                         f"{raw[e.start]:#04x})") from None
+
+
 def read(directory: str) -> tuple[str, str, bytes]:
     """``(graph_json, lib_path, params_bytes)`` of an artifact directory."""
     found = paths(directory)
-    with open(found[GRAPH_FILE]) as f:
-        graph_json = f.read()
+    graph_json = read_graph_text(found[GRAPH_FILE])
     with open(found[PARAMS_FILE], "rb") as f:
         params = f.read()
     return graph_json, found[LIB_FILE], params

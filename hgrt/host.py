@@ -185,8 +185,7 @@ class Host:
         remote host uploads the library by path, never loading it here."""
         if isinstance(art, (str, os.PathLike)):
             found = artifacts.paths(os.fspath(art))
-            with open(found[artifacts.GRAPH_FILE]) as f:
-                graph = Graph.from_json(f.read())
+            graph = Graph.from_json(artifacts.read_graph_text(found[artifacts.GRAPH_FILE]))
             lib = found[artifacts.LIB_FILE]
             return graph, lib if self.remote else artifacts.load_library(lib), \
                 found[artifacts.PARAMS_FILE]

@@ -294,6 +294,7 @@ class GraphModule(GraphModuleAPI):
         """Per-op times (median over ``repeat`` runs) by op and device; see ``ProfileReport``."""
         from hgrt.runtime.profiler import profile  # the profiler is loaded only when used
 
+        benchmark_args(repeat, 1, warmup, "profile")  # (a repeat of 0: StatisticsError)
         with self._claim("profile"):  # its steps run on the module's storage: no run() between
             if self._unset:
                 raise self._unset_error("profile")

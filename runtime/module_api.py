@@ -56,14 +56,15 @@ class BenchmarkResult:
 MAX_BENCHMARK_RUNS = 10**6  # repeat, number and warmup each at most this
 
 
-def benchmark_args(repeat: Any, number: Any, warmup: Any) -> tuple[int, int, int]:
+def benchmark_args(repeat: Any, number: Any, warmup: Any, what: str = "benchmark"
+                   ) -> tuple[int, int, int]:
     """``benchmark``'s counts, checked: integers, ``repeat`` and ``number`` >= 1, ``warmup``
     >= 0, none above ``MAX_BENCHMARK_RUNS`` (a server must not be held by a typo)."""
     out = []
     for name, v, low in (("repeat", repeat, 1), ("number", number, 1), ("warmup", warmup, 0)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) \
                 or not low <= v <= MAX_BENCHMARK_RUNS:
-            raise InputError(f"benchmark: {name} must be an integer in [{low}, "
+            raise InputError(f"{what}: {name} must be an integer in [{low}, "
                              f"{MAX_BENCHMARK_RUNS}], got {v!r}")
         out.append(int(v))
     return out[0], out[1], out[2]

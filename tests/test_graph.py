@@ -195,3 +195,15 @@ def test_device_names_must_cover_the_device_index():
     with pytest.raises(hgrt.GraphError, match=r"devices names 1 devices \(\['cpu:0'\]\), but "
                                          r"device_index uses 2"):
         Graph.from_json(json.dumps(doc))
+
+
+def test_a_graph_file_that_is_not_text_is_a_graph_error(tmp_path):
+    """hgrt run / inspect and Host.add ended in a raw UnicodeDecodeError."""
+    from hgrt import artifacts
+
+    (tmp_path / "graph.json").write_bytes(b'{"nodes": [\xff\xfe]}')
+    (tmp_path / "lib.so").write_bytes(b"")
+    (tmp_path / "params.bin").write_bytes(b"")
+    with pytest.raises(hgrt.GraphError, match=r"graph.json: not a graph JSON \(not UTF-8 text: "
+                                              r"byte 11 is 0xff\)"):
+        artifacts.read(str(tmp_path))

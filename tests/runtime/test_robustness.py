@@ -288,3 +288,11 @@ def test_a_dropped_module_is_freed_without_the_collector():
         assert workers() == before
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("repeat, warmup", [(0, 1), (-1, 1), (1, -1), (1.5, 1)])
+def test_profile_counts_are_checked(repeat, warmup):
+    m = create(chain(N, 2).doc())
+    m.set_input("x", np.zeros(N, "float32"))
+    with pytest.raises(hgrt.InputError, match="profile: (repeat|warmup) must be an integer"):
+        m.profile(repeat=repeat, warmup=warmup)  # repeat=0 ended in statistics.StatisticsError
