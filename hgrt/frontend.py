@@ -97,7 +97,7 @@ def _channel_prelu(model: Any, inits: dict) -> None:
 
 def _checked_shapes(model: Any, input_shapes: dict[str, Any] | None) -> dict[str, list[int]]:
     """``input_shapes`` checked against the model's graph inputs: a name it lacks was ignored,
-    and a -1 or a rank or fixed dimension other than the model's failed late or not at all."""
+    and a -1 or a rank other than the model's failed late or not at all."""
     if not input_shapes:
         return {}
     if not isinstance(input_shapes, dict):
@@ -107,6 +107,9 @@ def _checked_shapes(model: Any, input_shapes: dict[str, Any] | None) -> dict[str
     declared = {v.name: v for v in model.graph.input if v.name not in inits}
     out = {}
     for name, shape in input_shapes.items():
+        if name in inits:
+            raise BuildError(f"input_shapes: {name!r} is an initializer (a weight), not an "
+                             f"input; inputs: {list(declared)}")
         if name not in declared:
             raise BuildError(f"input_shapes: input {did_you_mean(name, list(declared))}")
         try:
@@ -115,15 +118,11 @@ def _checked_shapes(model: Any, input_shapes: dict[str, Any] | None) -> dict[str
             dims = None
         if dims is None or any(d < 0 for d in dims):
             raise BuildError(f"input_shapes[{name!r}] = {shape!r}: give a list of sizes >= 0")
-        model_dims = declared[name].type.tensor_type.shape.dim
-        if declared[name].type.tensor_type.HasField("shape"):
-            if len(model_dims) != len(dims):
-                raise BuildError(f"input_shapes[{name!r}] = {dims}: the model's input has "
-                                 f"rank {len(model_dims)}")
-            for i, (d, md) in enumerate(zip(dims, model_dims, strict=True)):
-                if md.HasField("dim_value") and md.dim_value not in (0, d):
-                    raise BuildError(f"input_shapes[{name!r}] = {dims}: dimension {i} of the "
-                                     f"model's input is {md.dim_value}")
+        model_dims = declared[name].type.tensor_type.shape.dim  # (fixed ones may change:
+        if declared[name].type.tensor_type.HasField("shape") \
+                and len(model_dims) != len(dims):  # a model exported at batch 1, built at 4)
+            raise BuildError(f"input_shapes[{name!r}] = {dims}: the model's input has rank "
+                             f"{len(model_dims)}")
         out[name] = dims
     return out
 

@@ -181,14 +181,13 @@ class Host:
             self._devices[p].used -= nbytes
 
     def _source(self, art: Any) -> tuple[Graph, Any, Any]:
-        """(graph, library, params source) of an artifact directory or a build result; a
-        remote host uploads the library by path, never loading it here."""
+        """(graph, library, params source) of an artifact directory (the library as a path: a
+        remote host uploads it, never loading it here) or a build result."""
         if isinstance(art, (str, os.PathLike)):
             found = artifacts.paths(os.fspath(art))
             graph = Graph.from_json(artifacts.read_graph_text(found[artifacts.GRAPH_FILE]))
-            lib = found[artifacts.LIB_FILE]
-            return graph, lib if self.remote else artifacts.load_library(lib), \
-                found[artifacts.PARAMS_FILE]
+            # a path: create() loads it here once the graph's CPU needs are checked
+            return graph, found[artifacts.LIB_FILE], found[artifacts.PARAMS_FILE]
         if hasattr(art, "graph_json") and hasattr(art, "lib"):
             graph = getattr(art, "graph", None) or Graph.from_json(art.graph_json)
             return graph, art.lib, art.params or {}

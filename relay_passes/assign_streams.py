@@ -25,7 +25,10 @@ device's cores, so mostly serialized streams would run each kernel on fewer thre
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any
+
+import numpy as np
 
 from hgrt.errors import BuildError, did_you_mean
 from hgrt.graph import Graph
@@ -57,14 +60,16 @@ def check_stream_options(opts: Any) -> dict[str, Any]:
     for key, value in opts.items():
         if key not in STREAM_OPTIONS:
             raise BuildError(f"streams option {did_you_mean(key, sorted(STREAM_OPTIONS))}")
-        ok = {"per_device": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
-              "single_stream": lambda v: isinstance(v, bool),
-              "memory_slack": lambda v: v is None or (
-                  isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0)}[key]
-        if not ok(value):
+        number = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+        ok = {"per_device": number and isinstance(value, numbers.Integral) and value >= 1,
+              "single_stream": isinstance(value, (bool, np.bool_)) or value in (0, 1),
+              "memory_slack": value is None or number and value >= 0}[key]
+        if not ok:
             raise BuildError(f"streams option {key!r} must be {STREAM_OPTIONS[key]}, got "
                              f"{value!r}")
-    return dict(opts)
+    convert = {"per_device": int, "single_stream": bool,
+               "memory_slack": lambda v: None if v is None else float(v)}
+    return {key: convert[key](value) for key, value in opts.items()}
 
 
 STREAM_OPTIONS = {"per_device": "an integer >= 1", "single_stream": "True or False",

@@ -19,6 +19,8 @@ Reads ``ctx.placed`` (from place_devices) and ``ctx.weights.values``; fills
 
 from __future__ import annotations
 
+from typing import Any
+
 import tvm
 from tvm import relax
 
@@ -61,6 +63,25 @@ class _Rebuilder:
         self.tuple_lits: dict[str, relax.Tuple] = {}
         self.containers: dict[str, relax.Expr] = {}  # tuples built for outputs
         self.consts: dict[str, relax.Expr] = {}
+        self.var2val: Any = {}  # main's variable -> its value (insert_copies sets them)
+        self.param_names: set[str] = set()
+
+    def inputs_behind(self, exprs) -> list[str]:
+        """The parameters of main whose values ``exprs`` are computed from."""
+        found, seen, todo = set(), set(), list(exprs)
+        while todo:
+            e = todo.pop()
+            if isinstance(e, relax.Var) and e.name not in seen:
+                seen.add(e.name)
+                if e.name in self.param_names:
+                    found.add(e.name)
+                elif e in self.var2val:
+                    todo.append(self.var2val[e])
+            elif isinstance(e, relax.Call) and getattr(e.op, "name", "") != "relax.shape_of":
+                todo.extend(e.args)  # (a shape_of reads a shape, known, not values)
+            elif isinstance(e, relax.Tuple):
+                todo.extend(e.fields)
+        return sorted(found)
 
     def canon(self, name: str) -> str:
         while name in self.alias:
@@ -139,6 +160,8 @@ def insert_copies(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     func = mod["main"]
     vdevices = list(mod.global_infos["vdevice"])
     rb = _Rebuilder(ctx, vdevices)
+    rb.var2val = relax.analysis.get_var2val(func)
+    rb.param_names = {p.name for p in func.params}
     uses = _param_devices(func, ctx)
     num_input = int(func.attrs["num_input"]) if func.attrs and "num_input" in func.attrs \
         else len([p for p in func.params if p.name not in ctx.weights.values])
@@ -215,9 +238,10 @@ def _rebind(rb: _Rebuilder, b: relax.VarBinding, ctx: BuildContext) -> None:
         rb.define(name, rb.on_device(value.args[0], dev), dev)
     elif isinstance(value, relax.Call) and name in ctx.placed.op_device:
         if not _static(b.var.ty):
+            read = rb.inputs_behind(value.args[1:]) or rb.inputs_behind(value.args)
             _refuse(b, ctx, f"its shape ({b.var.ty}) is known only at run time, from the "
-                            f"values of {{args}}; hgrt plans memory at build time: give such "
-                            f"inputs as constants or model initializers")
+                            f"values of {', '.join(map(repr, read))}; hgrt plans memory at "
+                            f"build time: give such inputs as constants or model initializers")
         dev = ctx.placed.op_device[name]
         args = [rb.on_device(a, dev) for a in value.args]
         call = relax.Call(value.op, args, value.attrs, value.ty_args)

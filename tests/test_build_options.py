@@ -11,16 +11,20 @@ from hgrt.testing import conv_model
 
 
 def _relu(shape):
-    g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "relu",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    w = helper.make_tensor("w", TensorProto.FLOAT, [1], [0.5])
+    g = helper.make_graph([helper.make_node("Relu", ["x"], ["r"]),
+                           helper.make_node("Mul", ["r", "w"], ["y"])], "relu",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape),
+                           helper.make_tensor_value_info("w", TensorProto.FLOAT, [1])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                          initializer=[w])
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
 
 
 @pytest.mark.parametrize("shapes, match", [
     ({"X": [2, 4]}, r"input_shapes: input 'X' not found; known: \['x'\]"),
     ({"x": [2, 4], "z": [1]}, "input 'z' not found"),
-    ({"x": [2, 5]}, r"dimension 1 of the model's input is 4"),
+    ({"w": [1]}, r"'w' is an initializer \(a weight\), not an input; inputs: \['x'\]"),
     ({"x": [2]}, "the model's input has rank 2"),
     ({"x": [-1, 4]}, "give a list of sizes >= 0"),
     ({"x": "ab"}, "give a list of sizes >= 0"),
@@ -30,9 +34,20 @@ def test_input_shapes_name_inputs_the_model_has_and_fit_them(shapes, match):
         hgrt.build(_relu(["N", 4]), ["cpu"], input_shapes=shapes)
 
 
-def test_input_shapes_that_fit_build():
-    built = hgrt.build(_relu(["N", 4]), ["cpu"], input_shapes={"x": [3, 4]})
-    assert built.graph.shapes[0] == (3, 4)
+@pytest.mark.parametrize("dims, shape", [(["N", 4], [3, 4]), ([1, 4], [4, 4])])
+def test_input_shapes_that_fit_build(dims, shape):
+    """A fixed dimension may change (a model exported at batch 1, built at batch 4)."""
+    built = hgrt.build(_relu(dims), ["cpu"], input_shapes={"x": shape})
+    assert built.graph.shapes[0] == tuple(shape)
+
+
+def test_stream_options_take_numpy_numbers():
+    import numpy as np
+
+    built = hgrt.build(conv_model(), ["cpu:0", "cpu:1"],
+                       streams={"per_device": np.int64(2), "memory_slack": np.float32(0.5),
+                                "single_stream": np.False_})
+    assert built.graph.streams is not None
 
 
 @pytest.mark.parametrize("streams, match", [

@@ -186,3 +186,5 @@ def test_a_board_s_artifacts_loaded_here_say_so_before_loading_the_library(arm_b
                                           r"machine is x86_64: run it on such a board through "
                                           r"RPC"):
         hgrt.load(out)
+    with pytest.raises(DeviceError, match=r"the library was built for aarch64"):
+        hgrt.Host(["cpu:0", "cpu:1"]).add("arm", out)  # it loaded the library first

@@ -137,20 +137,23 @@ def _long_module():
     return m
 
 
-def test_profile_holds_the_module_against_run_and_close():
+def test_profile_holds_the_module_against_run_and_close(monkeypatch):
     """profile() runs the steps itself on the module's storage: a run() from another thread in
     between mixed their tensors, and close() freed the pools under them (a segfault)."""
+    from hgrt.runtime import profiler
+
     m = _long_module()
     started, report, errors = threading.Event(), [], []
+    real = profiler.profile
 
-    def prof():
+    def profiling(*args, **kwargs):  # entered once profile() holds whatever it holds
         started.set()
-        report.append(m.profile(repeat=3, warmup=0))
+        return real(*args, **kwargs)
 
-    t = threading.Thread(target=prof)
+    monkeypatch.setattr(profiler, "profile", profiling)
+    t = threading.Thread(target=lambda: report.append(m.profile(repeat=3, warmup=0)))
     t.start()
     started.wait()
-    time.sleep(0.05)
     try:
         m.run()
     except hgrt.ExecutionError as e:
