@@ -110,23 +110,6 @@ def test_an_activation_in_a_weights_storage_is_refused():
     del w
 
 
-def test_close_waits_for_a_run_in_another_thread():
-    n = 1 << 22
-    doc = chain(n, 40).doc(pools=True)
-    doc["hgrt"]["pool_bytes"][0] += 64  # no entry at offset 0: views do not hold the pool
-    doc["hgrt"]["storage_offset"] = [o + 64 for o in doc["hgrt"]["storage_offset"]]
-    m = create(doc, elementwise_lib(n))
-    x = np.zeros(n, "float32")
-    m.run(x=x)
-    closer = threading.Timer(0.01, m.close)
-    closer.start()
-    m.run()  # segfaulted: close() freed the pools under the running kernels
-    closer.join()
-    np.testing.assert_array_equal(m.closed, True)
-    with pytest.raises(hgrt.ClosedError):
-        m.run()
-
-
 def _long_module():
     n = 1 << 22
     doc = chain(n, 40).doc(pools=True)
@@ -135,6 +118,18 @@ def _long_module():
     m = create(doc, elementwise_lib(n))
     m.set_input("x", np.zeros(n, "float32"))
     return m
+
+
+def test_close_waits_for_a_run_in_another_thread():
+    m = _long_module()
+    m.run()
+    closer = threading.Timer(0.01, m.close)
+    closer.start()
+    m.run()  # segfaulted: close() freed the pools under the running kernels
+    closer.join()
+    np.testing.assert_array_equal(m.closed, True)
+    with pytest.raises(hgrt.ClosedError):
+        m.run()
 
 
 def test_profile_holds_the_module_against_run_and_close(monkeypatch):
