@@ -30,6 +30,7 @@ from hgrt.relay_passes.relax_util import (
     callee,
     op_name,
     site,
+    static_dims,
     tensor_args,
 )
 
@@ -40,10 +41,11 @@ def static_shape(ty: relax.Type, what: str) -> tuple[int, ...]:
     """The static shape of a tensor type, or a BuildError (hgrt plans memory at build time)."""
     if not isinstance(ty, relax.TensorType) or ty.shape is None:
         raise BuildError(f"{what}: type {ty} is not a tensor of known shape")
-    if not all(isinstance(d, tvm.tirx.IntImm) for d in ty.shape.values):
+    dims = static_dims(ty)
+    if dims is None:
         raise BuildError(f"{what}: shape {list(ty.shape.values)} is not static; give the "
                          f"input shapes (input_shapes=...) so every shape is known")
-    return tuple(int(d) for d in ty.shape.values)
+    return dims
 
 
 def _tensor_types(ty: relax.Type) -> list[relax.TensorType]:

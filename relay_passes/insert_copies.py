@@ -19,15 +19,13 @@ Reads ``ctx.placed`` (from place_devices) and ``ctx.weights.values``; fills
 
 from __future__ import annotations
 
-from typing import Any
-
 import tvm
 from tvm import relax
 
 from hgrt.errors import BuildError
 from hgrt.relay_passes.context import BuildContext, param_identifier
 from hgrt.relay_passes.pipeline import located
-from hgrt.relay_passes.relax_util import bindings, called, moved_to, site
+from hgrt.relay_passes.relax_util import bindings, called, moved_to, site, static_dims
 
 # calls that have no graph form, and why
 _READ_SHAPE = ("the shape is data-dependent (read from {args} at run time) and hgrt plans "
@@ -53,7 +51,8 @@ def _vars_in(expr: relax.Expr, tuple_lits: dict[str, relax.Tuple]) -> list[str]:
 class _Rebuilder:
     """Holds, for each original variable, its home device and its version on each device."""
 
-    def __init__(self, ctx: BuildContext, vdevices: list[relax.VDevice]) -> None:
+    def __init__(self, ctx: BuildContext, vdevices: list[relax.VDevice],
+                 func: relax.Function) -> None:
         self.ctx = ctx
         self.vdevices = vdevices
         self.bb = relax.BlockBuilder()
@@ -63,8 +62,8 @@ class _Rebuilder:
         self.tuple_lits: dict[str, relax.Tuple] = {}
         self.containers: dict[str, relax.Expr] = {}  # tuples built for outputs
         self.consts: dict[str, relax.Expr] = {}
-        self.var2val: Any = {}  # main's variable -> its value (insert_copies sets them)
-        self.param_names: set[str] = set()
+        self.var2val = relax.analysis.get_var2val(func)  # main's variable -> its value
+        self.param_names = {p.name for p in func.params}
 
     def inputs_behind(self, exprs) -> list[str]:
         """The parameters of main whose values ``exprs`` are computed from."""
@@ -159,9 +158,7 @@ def insert_copies(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     """Rebuild ``main`` with params on their devices and ``R.to_vdevice`` on crossing edges."""
     func = mod["main"]
     vdevices = list(mod.global_infos["vdevice"])
-    rb = _Rebuilder(ctx, vdevices)
-    rb.var2val = relax.analysis.get_var2val(func)
-    rb.param_names = {p.name for p in func.params}
+    rb = _Rebuilder(ctx, vdevices, func)
     uses = _param_devices(func, ctx)
     num_input = int(func.attrs["num_input"]) if func.attrs and "num_input" in func.attrs \
         else len([p for p in func.params if p.name not in ctx.weights.values])
@@ -254,10 +251,7 @@ def _static(ty: relax.Type) -> bool:
     """Whether every tensor of ``ty`` has a shape known at build time."""
     if isinstance(ty, relax.TupleType):
         return all(_static(f) for f in ty.fields)
-    if not isinstance(ty, relax.TensorType):
-        return True  # shapes, objects: not planned
-    return ty.shape is not None and all(
-        isinstance(d, tvm.tirx.IntImm) for d in ty.shape.values)
+    return not isinstance(ty, relax.TensorType) or static_dims(ty) is not None  # (or not planned)
 
 
 def _refuse(b: relax.VarBinding, ctx: BuildContext, why: str | None = None) -> None:

@@ -120,14 +120,18 @@ def is_scheduled(func: tirx.PrimFunc) -> bool:
     return bool((func.attrs or {}).get(SCHEDULED_ATTR, False))
 
 
-def float32_shape(expr: relax.Expr) -> tuple[int, ...] | None:
-    """The static shape of a float32 tensor ``expr`` (None: another dtype, or not static)."""
-    ty = expr.ty
-    if not isinstance(ty, relax.TensorType) or ty.shape is None or ty.dtype != "float32":
+def static_dims(ty: relax.Type) -> tuple[int, ...] | None:
+    """The shape of a tensor type when it is known at build time (else None)."""
+    if not isinstance(ty, relax.TensorType) or ty.shape is None:
         return None
     if not all(isinstance(d, tvm.tirx.IntImm) for d in ty.shape.values):
         return None
     return tuple(int(d) for d in ty.shape.values)
+
+
+def float32_shape(expr: relax.Expr) -> tuple[int, ...] | None:
+    """The static shape of a float32 tensor ``expr`` (None: another dtype, or not static)."""
+    return static_dims(expr.ty) if getattr(expr.ty, "dtype", None) == "float32" else None
 
 
 def per_channel(value: np.ndarray, out: tuple[int, ...], axis: int = 1) -> np.ndarray | None:
