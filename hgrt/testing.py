@@ -294,6 +294,15 @@ def check_case(case: OnnxCase, placement: str) -> None:
 # --- the runtime alone: hand-made kernels and graph JSON ---------------------------------------
 
 
+def add_one_chain(n: int, steps: int) -> GraphBuilder:
+    """x -> ``steps`` add_one kernels on (n,) float32 tensors, alternating two storages."""
+    g = GraphBuilder(shape=(n,))
+    a = g.input("x", sid=0)
+    for i in range(steps):
+        a = g.op("add_one", [a], sids=[1 + i % 2])
+    g.output(a)
+    return g
+
 @functools.cache
 def elementwise_lib(n: int = N, dtype: str = "float32") -> tvm.runtime.Module:
     """A library with add_one, add, mul, twice_out (a+1, a*2) and add_one_2d (on (4, n/4))."""

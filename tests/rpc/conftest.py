@@ -138,3 +138,13 @@ def _alive(p: psutil.Process) -> bool:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+@pytest.fixture(scope="module")
+def lib_path(tmp_path_factory):
+    """The elementwise test library, exported once per test module."""
+    from hgrt.testing import elementwise_lib
+
+    path = str(tmp_path_factory.mktemp("lib") / "lib.so")
+    elementwise_lib().export_library(path)
+    return path

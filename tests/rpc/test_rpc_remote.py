@@ -19,7 +19,7 @@ from tvm import te
 import hgrt
 import hgrt.rpc
 from hgrt.errors import DeviceError, GraphError, InputError, RemoteError
-from hgrt.testing import GraphBuilder, N, conv_model, elementwise_lib
+from hgrt.testing import GraphBuilder, N, add_one_chain, conv_model, elementwise_lib
 
 pytestmark = pytest.mark.rpc
 
@@ -211,15 +211,6 @@ def test_library_for_another_architecture(rpc_env, lib_path, tmp_path):
     m.run(x=np.zeros(N, "float32"))
 
 
-def _slow_chain(n: int, steps: int) -> GraphBuilder:
-    g = GraphBuilder(shape=(n,))
-    x = g.input("x", sid=0)
-    for i in range(steps):
-        x = g.op("add_one", [x], sids=[1 + i % 2])
-    g.output(x)
-    return g
-
-
 _KILLER = """
 import os, sys, time
 time.sleep(float(sys.argv[1]))
@@ -239,7 +230,7 @@ def test_server_killed_during_run_is_a_remote_error_in_bounded_time(rpc_env, tmp
     path = str(tmp_path / "big.so")
     elementwise_lib(n).export_library(path)
     remote = connect(rpc_env, key=key)
-    m = hgrt.create(_slow_chain(n, 1000).json(), hgrt.rpc.upload(remote, path), [remote.cpu(0)])
+    m = hgrt.create(add_one_chain(n, 1000).json(), hgrt.rpc.upload(remote, path), [remote.cpu(0)])
     m.set_input("x", np.zeros(n, "float32"))
     t0 = time.perf_counter()
     m.run()

@@ -17,10 +17,10 @@ import hgrt
 import hgrt.rpc
 from hgrt.errors import InputError, ParamError
 from hgrt.rpc.server import serve
-from hgrt.testing import GraphBuilder, N, elementwise_lib
+from hgrt.testing import GraphBuilder, N, add_one_chain, elementwise_lib
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_rpc_remote import REQUEST_TIMEOUT, _slow_chain, connect  # noqa: E402
+from test_rpc_remote import REQUEST_TIMEOUT, connect  # noqa: E402
 
 pytestmark = pytest.mark.rpc
 
@@ -30,13 +30,6 @@ def weighted() -> GraphBuilder:
     x, w = g.input("x"), g.input("w", param=True)
     g.output(g.op("add", [x, w]))
     return g
-
-
-@pytest.fixture(scope="module")
-def lib_path(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("lib") / "lib.so")
-    elementwise_lib().export_library(path)
-    return path
 
 
 def test_bad_arguments_are_hgrt_errors_and_the_session_stays(rpc_env, lib_path):
@@ -135,7 +128,7 @@ def test_a_server_caps_its_sessions_and_removes_their_files_when_it_stops(lib_pa
     try:
         root = server.work_root
         remote = hgrt.rpc.connect(server=f"127.0.0.1:{server.port}", key="cap")
-        m = hgrt.create(_slow_chain(N, 2).json(), lib_path, [remote.cpu(0)])
+        m = hgrt.create(add_one_chain(N, 2).json(), lib_path, [remote.cpu(0)])
         remote.upload(lib_path, "kept.so")  # a file the session leaves
         assert any(files for _, _, files in os.walk(root))
         m.set_input("x", np.zeros(N, "float32"))

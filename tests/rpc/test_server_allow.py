@@ -26,7 +26,7 @@ from hgrt.errors import InputError, RemoteError
 from hgrt.rpc.listen import is_allowed, parse_allow
 from hgrt.rpc.protocol import parse_address
 from hgrt.rpc.session import _request_server
-from hgrt.testing import GraphBuilder, N, elementwise_lib
+from hgrt.testing import GraphBuilder, N
 
 ALLOWED = "127.0.0.2"
 RELAY = os.path.join(os.path.dirname(__file__), "source_relay.py")
@@ -77,13 +77,6 @@ def two_device_module(remote, lib_path: str):
     m.run(x=x)
     np.testing.assert_array_equal(m.get_output(0).numpy(), x + 2)
     return m
-
-
-@pytest.fixture(scope="module")
-def lib_path(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("lib") / "lib.so")
-    elementwise_lib().export_library(path)
-    return path
 
 
 def raw_handshake(port: int, key: bytes, source: str, magic: int = rpc_base.RPC_MAGIC,

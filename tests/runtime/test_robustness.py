@@ -22,6 +22,7 @@ import tvm
 import hgrt
 from hgrt.graph import Graph
 from hgrt.testing import GraphBuilder, N, elementwise_lib
+from hgrt.testing import add_one_chain as chain
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from test_streams import branchy, module, planned  # noqa: E402
@@ -62,15 +63,6 @@ def test_call_frames_read_the_weights_of_a_plan_without_weight_pools():
     m.run(x=x)
     np.testing.assert_array_equal(m.get_output(0).numpy(), 6)
     np.testing.assert_array_equal(m(x=x)[0], 6)  # was the frame's own, never loaded, w
-
-
-def chain(n: int, steps: int) -> GraphBuilder:
-    g = GraphBuilder(shape=(n,))
-    a = g.input("x", sid=0)
-    for i in range(steps):
-        a = g.op("add_one", [a], sids=[1 + i % 2])
-    g.output(a)
-    return g
 
 
 @pytest.mark.parametrize("offset", [4, 32])
