@@ -8,17 +8,20 @@ RPC server.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import tvm
 
 from hgrt import artifacts
 from hgrt import devices as hdev
-from hgrt.errors import DeviceError
+from hgrt.errors import DeviceError, ParamError
 from hgrt.graph import Graph
 from hgrt.rpc.client import create_remote
 from hgrt.runtime import executor
 from hgrt.runtime.module_api import GraphModuleAPI
+
+REMOTE_BATCH_BYTES = 64 << 20  # weights sent to a server per round trip by create_loaded
 
 
 def create(graph_json: str | bytes | dict | Graph, lib, devices) -> GraphModuleAPI:
@@ -52,13 +55,42 @@ def load(directory: str, devices: Any = None, *, session: Any = None) -> GraphMo
     loaded. ``devices`` as in ``devices_for``; with an RPC ``session`` (or remote devices) the
     library is uploaded by path, so a library built for the server's architecture loads there
     and is never loaded on this machine."""
-    graph_json, lib_path, params = artifacts.read(directory)
-    graph = Graph.from_json(graph_json)
+    found = artifacts.paths(directory)
+    graph = Graph.from_json(artifacts.read_graph_text(found[artifacts.GRAPH_FILE]))
     devs = devices_for(graph, devices, session)
     remote = [hdev.is_remote(d) for d in devs]
     if any(remote) and not all(remote):
         raise DeviceError(f"cannot mix local and remote devices: "
                           f"{[hdev.device_name(d) for d in devs]}")
-    m = create(graph, lib_path, devs)  # a local library is loaded once its CPU is checked
-    m.load_params(params)
-    return m
+    # a local library is loaded once its CPU is checked
+    return create_loaded(graph, found[artifacts.LIB_FILE], devs, found[artifacts.PARAMS_FILE])
+
+
+def create_loaded(graph: Graph, lib: Any, devices: list, params: Any) -> GraphModuleAPI:
+    """``create``, then every weight of ``params`` (a params.bin path, its bytes, or a dict)
+    loaded one at a time, so that host memory holds one weight, not all of them (for a server:
+    one batch of up to ``REMOTE_BATCH_BYTES`` per round trip). A weight that fails, or one the
+    params lack, closes the module again before the error is raised."""
+    module = create(graph, lib, devices)
+    limit = REMOTE_BATCH_BYTES if any(hdev.is_remote(d) for d in devices) else 0
+    try:
+        loaded, batch, size = set(), {}, 0
+        with contextlib.closing(artifacts.iter_params(params)) as weights:
+            for name, value in weights:
+                batch[name] = value
+                size += getattr(value, "nbytes", 0)
+                del value  # the next weight is read while none is held here but in the batch
+                if size >= limit:
+                    module.load_params(batch)
+                    loaded.update(batch)
+                    batch, size = {}, 0
+        if batch:
+            module.load_params(batch)
+            loaded.update(batch)
+        missing = sorted(set(graph.params) - loaded)
+        if missing:
+            raise ParamError(f"the params have no value for weights {missing}")
+    except BaseException:
+        module.close()
+        raise
+    return module

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import shutil
 import struct
+import tarfile
 import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any, BinaryIO
@@ -180,24 +182,57 @@ def iter_params(source: str | bytes | Mapping) -> Iterator[tuple[str, Any]]:
 
 def _read_params(f: BinaryIO, where: str) -> Iterator[tuple[str, np.ndarray]]:
     # TVM's layout: list magic, reserved, the names (count, then length + bytes each), then the
-    # tensors (count, then each: header, shape, byte count, data), all little-endian.
+    # tensors (count, then each: header, shape, byte count, data), all little-endian. Every
+    # count and size is checked against the bytes left before it is used: a corrupt file is a
+    # ParamError naming the record, never a huge allocation or a raw numpy/struct error.
+    end = f.seek(0, io.SEEK_END)
+    f.seek(0)
+
+    def left() -> int:
+        return end - f.tell()
+
+    if end < 16:
+        raise ParamError(f"{where} is not in TVM's save_param_dict format ({end} bytes: "
+                         f"shorter than its header)")
     magic, _ = _unpack(f, "<QQ", where, "header")
     if magic != _LIST_MAGIC:
         raise ParamError(f"{where} is not in TVM's save_param_dict format (magic {magic:#x})")
     (count,) = _unpack(f, "<Q", where, "header")
-    names = [f.read(_unpack(f, "<Q", where, "names")[0]).decode() for _ in range(count)]
+    if count * 8 > left():
+        raise ParamError(f"{where}: says {count} params, more than its {end} bytes can hold")
+    names = []
+    for i in range(count):
+        (length,) = _unpack(f, "<Q", where, f"name {i}")
+        if length > left():
+            raise ParamError(f"{where} ends inside the name of param {i}: truncated")
+        raw = f.read(length)
+        try:
+            names.append(raw.decode())
+        except UnicodeDecodeError:
+            raise ParamError(f"{where}: the name of param {i} is not UTF-8 text ({raw[:32]!r})"
+                             ) from None
     if _unpack(f, "<Q", where, "header")[0] != count:
         raise ParamError(f"{where}: {count} names but another number of tensors")
     for name in names:
         magic, _, _, _, ndim, code, bits, lanes = _unpack(f, "<QQiiiBBH", where, name)
+        dtype = (f"{_TYPE_CODES[code]}{bits if code != 6 else ''}"
+                 if code in _TYPE_CODES and bits in (8, 16, 32, 64) else None)
+        if magic != _TENSOR_MAGIC or dtype is None or lanes != 1 or not 0 <= ndim <= 32 \
+                or (code == 6 and bits != 8):
+            raise ParamError(f"{where}: param {name!r} has a header hgrt cannot read (dtype "
+                             f"code {code}, {bits} bits, {lanes} lanes, {ndim} dims)")
         shape = _unpack(f, f"<{ndim}q", where, name)
         (nbytes,) = _unpack(f, "<Q", where, name)
-        if magic != _TENSOR_MAGIC or code not in _TYPE_CODES or lanes != 1:
-            raise ParamError(f"{where}: param {name!r} has a header hgrt cannot read (dtype "
-                             f"code {code}, {bits} bits, {lanes} lanes)")
-        value = np.empty(shape, np.dtype(f"{_TYPE_CODES[code]}{bits if code != 6 else ''}"))
-        if value.nbytes != nbytes or f.readinto(value.reshape(-1).view(np.uint8)) != nbytes:
-            raise ParamError(f"{where}: param {name!r} {shape} is truncated or mis-sized")
+        expect = math.prod(shape) * (bits // 8)
+        if min(shape, default=0) < 0 or expect != nbytes:
+            raise ParamError(f"{where}: param {name!r} of shape {shape} and dtype {dtype} "
+                             f"records {nbytes} bytes of data, not {expect}")
+        if nbytes > left():
+            raise ParamError(f"{where}: param {name!r} {shape} is truncated ({left()} of its "
+                             f"{nbytes} bytes are there)")
+        value = np.empty(shape, np.dtype(dtype))
+        if f.readinto(value.reshape(-1).view(np.uint8)) != nbytes:
+            raise ParamError(f"{where}: param {name!r} {shape} is truncated")
         yield name, value
         del value  # before the next one is read: one weight in host memory at a time
 
@@ -210,8 +245,90 @@ def _unpack(f: BinaryIO, fmt: str, where: str, what: str) -> tuple:
     return struct.unpack(fmt, data)
 
 
+# ---- libraries: what an ELF file's header says ------------------------------------------------
+# ELF machine codes, named as hgrt.devices.machine_arch names a machine's `uname -m`
+_ELF_MACHINES = {3: "x86", 8: "mips", 20: "ppc", 21: "ppc64", 40: "arm", 62: "x86_64",
+                 183: "aarch64", 243: "riscv", 258: "loongarch"}
+# (class 1 = 32-bit, 2 = 64-bit): the header fields that place the program headers (e_phoff,
+# e_phentsize, e_phnum), the section headers (e_shoff, e_shentsize, e_shnum), and in a program
+# header its type, file offset and size in the file (p_type, p_offset, p_filesz)
+_ELF_LAYOUT = {1: ("I", 28, 42, 44, 32, 46, 48, "I", 0, 4, 16),
+               2: ("Q", 32, 54, 56, 40, 58, 60, "Q", 0, 8, 32)}
+_PT_LOAD = 1
+
+
+def elf_machine(head: bytes) -> str | None:
+    """The architecture an ELF file is for, from its first 20 bytes; None if not ELF."""
+    if len(head) < 20 or head[:4] != b"\x7fELF":
+        return None
+    order = "<" if head[5] == 1 else ">"
+    code = struct.unpack(order + "H", head[18:20])[0]
+    return _ELF_MACHINES.get(code, f"ELF machine {code}")
+
+
+def library_machine(path: str) -> str | None:
+    """The architecture a library is built for ('x86_64', 'aarch64', ...): from the ELF header
+    of a .so, or of the objects in a .tar (``export_library("lib.tar")``, linked by the server).
+    None when it cannot be told (not ELF: a .dylib, say)."""
+    if tarfile.is_tarfile(path):
+        with tarfile.open(path) as tar:
+            for member in tar.getmembers():
+                if member.isfile() and member.name.endswith(".o"):
+                    f = tar.extractfile(member)
+                    machine = elf_machine(f.read(20)) if f is not None else None
+                    if machine is not None:
+                        return machine
+        return None
+    with open(path, "rb") as f:
+        return elf_machine(f.read(20))
+
+
+def elf_end(path: str) -> int | None:
+    """The least size an ELF file must have for what its headers place in it (its program and
+    section header tables, and every loadable segment's bytes); None if it is not an ELF file
+    of a class hgrt knows."""
+    with open(path, "rb") as f:
+        head = f.read(64)
+        if len(head) < 5 or head[:4] != b"\x7fELF" or head[4] not in _ELF_LAYOUT:
+            return None
+        if len(head) < (52 if head[4] == 1 else 64):
+            return 52 if head[4] == 1 else 64  # cut inside its own header
+        (word, phoff_at, phentsize_at, phnum_at, shoff_at, shentsize_at, shnum_at,
+         pword, ptype_at, poffset_at, pfilesz_at) = _ELF_LAYOUT[head[4]]
+        order = "<" if head[5] == 1 else ">"
+
+        def field(data: bytes, fmt: str, at: int) -> int:
+            return struct.unpack_from(order + fmt, data, at)[0]
+
+        phoff, shoff = field(head, word, phoff_at), field(head, word, shoff_at)
+        phentsize, phnum = field(head, "H", phentsize_at), field(head, "H", phnum_at)
+        end = max(phoff + phentsize * phnum,
+                  shoff + field(head, "H", shentsize_at) * field(head, "H", shnum_at))
+        f.seek(phoff)
+        table = f.read(phentsize * phnum)
+    for i in range(phnum if len(table) == phentsize * phnum else 0):
+        entry = table[i * phentsize:(i + 1) * phentsize]
+        if len(entry) > pfilesz_at and field(entry, "I", ptype_at) == _PT_LOAD:
+            end = max(end, field(entry, pword, poffset_at) + field(entry, pword, pfilesz_at))
+    return end
+
+
+def check_library_file(path: str) -> None:
+    """Refuse a library file cut short (a copy or download that stopped): the loader maps its
+    segments as the headers say, and touching a page past the end of the file kills the
+    process with SIGBUS, before any error could be raised."""
+    if not os.path.isfile(path):
+        raise ArtifactError(f"no library at {path!r}")
+    need, size = elf_end(path), os.path.getsize(path)
+    if need is not None and size < need:
+        raise ArtifactError(f"{path} is truncated: {size} bytes, but its ELF headers place "
+                            f"data up to byte {need}; copy it again or rebuild it")
+
+
 def load_library(path: str) -> tvm.runtime.Module:
-    """Load a compiled library on this machine."""
+    """Load a compiled library on this machine (checked first: a truncated file is an
+    ``ArtifactError``, not a crash)."""
+    check_library_file(path)
     try:
         return tvm.runtime.load_module(path)
     except Exception as e:

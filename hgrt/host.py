@@ -26,8 +26,8 @@ import tvm
 
 from hgrt import artifacts
 from hgrt import devices as hdev
-from hgrt.api import create, devices_for
-from hgrt.errors import DeviceError, ParamError, ProvisionError, did_you_mean
+from hgrt.api import create_loaded, devices_for
+from hgrt.errors import DeviceError, ProvisionError, did_you_mean
 from hgrt.graph import Graph
 from hgrt.lifetimes import memory_report
 from hgrt.runtime.module_api import GraphModuleAPI
@@ -162,7 +162,7 @@ class Host:
         for p, nbytes in reserved.items():
             self._devices[p].used += nbytes
         try:
-            module = _load(graph, lib, [self._devices[p].device for p in mapping], params)
+            module = create_loaded(graph, lib, [self._devices[p].device for p in mapping], params)
         except BaseException as e:
             for p, nbytes in reserved.items():
                 self._devices[p].used -= nbytes
@@ -224,23 +224,3 @@ class Host:
                     + _winograd_share(graph, i))
             mapping[i] = self._devices.index(best)
         return [mapping[i] for i in range(n)], needs
-
-
-def _load(graph: Graph, lib: Any, devices: list, params: Any) -> GraphModuleAPI:
-    """The module on ``devices``, its weights loaded one at a time (host memory holds one
-    weight); closed again if any weight fails or is missing."""
-    module = create(graph, lib, devices)
-    try:
-        loaded = set()
-        with contextlib.closing(artifacts.iter_params(params)) as weights:
-            for pname, value in weights:
-                module.load_params({pname: value})
-                loaded.add(pname)
-                del value  # the next weight is read while none is held here
-        missing = sorted(set(graph.params) - loaded)
-        if missing:
-            raise ParamError(f"the params have no value for weights {missing}")
-    except BaseException:
-        module.close()
-        raise
-    return module

@@ -9,7 +9,6 @@ import json
 import os
 import socket
 import struct
-import tarfile
 import time
 import weakref
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 import tvm
 from tvm.rpc import base as rpc_base
 
+from hgrt.artifacts import check_library_file, library_machine
 from hgrt.devices import machine_arch
 from hgrt.errors import InputError, RemoteError
 from hgrt.rpc.protocol import PLATFORM_FUNC, STATS_FUNC, parse_address
@@ -179,37 +179,6 @@ def _what_tracker_has(addr: tuple[str, int], key: str) -> str:
             f"`hgrt rpc-server --tracker {addr[0]}:{addr[1]} --key {key}`")
 
 
-# ---- libraries --------------------------------------------------------------------------------
-# ELF machine codes, named as hgrt.devices.machine_arch names a server's `uname -m`
-_ELF_MACHINES = {3: "x86", 8: "mips", 20: "ppc", 21: "ppc64", 40: "arm", 62: "x86_64",
-                 183: "aarch64", 243: "riscv", 258: "loongarch"}
-
-
-def _elf_machine_of(head: bytes) -> str | None:
-    if len(head) < 20 or head[:4] != b"\x7fELF":
-        return None
-    order = "<" if head[5] == 1 else ">"
-    code = struct.unpack(order + "H", head[18:20])[0]
-    return _ELF_MACHINES.get(code, f"ELF machine {code}")
-
-
-def library_machine(path: str) -> str | None:
-    """The architecture a library is built for ('x86_64', 'aarch64', ...): from the ELF header
-    of a .so, or of the objects in a .tar (``export_library("lib.tar")``, linked by the server).
-    None when it cannot be told (not ELF: a .dylib, say)."""
-    if tarfile.is_tarfile(path):
-        with tarfile.open(path) as tar:
-            for member in tar.getmembers():
-                if member.isfile() and member.name.endswith(".o"):
-                    f = tar.extractfile(member)
-                    machine = _elf_machine_of(f.read(20)) if f is not None else None
-                    if machine is not None:
-                        return machine
-        return None
-    with open(path, "rb") as f:
-        return _elf_machine_of(f.read(20))
-
-
 def server_platform(remote: tvm.rpc.RPCSession) -> dict | None:
     """What an hgrt server runs on (``machine``, ``system``, ``tvm``), None for a plain TVM one."""
     try:
@@ -271,6 +240,7 @@ def upload(remote: tvm.rpc.RPCSession, path: str, name: str | None = None, *,
     if not name or name in (".", "..") or os.path.basename(name) != name or "\\" in name:
         raise InputError(f"upload: name must be a plain file name (it lands in the session's "
                          f"work directory), got {name!r}")
+    check_library_file(path)  # a truncated file would kill the server's process (SIGBUS)
     where = describe(remote)
     lib_arch = library_machine(path)
     try:

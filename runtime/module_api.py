@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import tvm
 
+from hgrt.artifacts import iter_params
 from hgrt.errors import ClosedError, ExecutionError, InputError, ParamError, did_you_mean
 from hgrt.graph import Graph
 
@@ -90,10 +91,9 @@ def checked_value(value: Any, shape: Any, dtype: str, what: str) -> Any:
 def decode_params(params: Any) -> dict:
     """Params as a dict: TVM ``save_param_dict`` bytes are decoded, a mapping is copied."""
     if isinstance(params, (bytes, bytearray)):
-        try:
-            return dict(tvm.runtime.load_param_dict(bytes(params)))
-        except Exception as e:
-            raise ParamError(f"params blob is not in TVM's save_param_dict format: {e}") from e
+        # hgrt's reader, not TVM's load_param_dict: that one reads past the end of a truncated
+        # blob and returns what lies there as weights
+        return dict(iter_params(bytes(params)))
     if isinstance(params, Mapping):
         return dict(params)
     raise ParamError(f"params must be bytes or a dict of arrays, got {type(params).__name__}")
