@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import time
 import warnings
 from collections.abc import Callable
@@ -236,8 +237,11 @@ class _Tuner:
             return None
         args_info = ms.arg_info.ArgInfo.from_prim_func(func)
         device = "cpu" if target.kind.name == "llvm" else target.kind.name
-        res = self.runner.run([ms.runner.RunnerInput(built.artifact_path, device,
-                                                     args_info)])[0].result()
+        try:
+            res = self.runner.run([ms.runner.RunnerInput(built.artifact_path, device,
+                                                         args_info)])[0].result()
+        finally:  # the builder exports into a temporary directory of its own, one per call
+            shutil.rmtree(os.path.dirname(built.artifact_path), ignore_errors=True)
         if res.error_msg or not res.run_secs:
             return None
         secs = [float(x) for x in res.run_secs]

@@ -84,8 +84,17 @@ def open_database(db_dir: str):
     """The MetaSchedule JSON database in ``db_dir`` (created when missing)."""
     from tvm.s_tir import meta_schedule as ms
 
+    if os.path.exists(db_dir) and not os.path.isdir(db_dir):
+        raise BuildError(f"tuning database {db_dir!r} is a file; a database is a directory "
+                         f"(what `hgrt tune --db DIR` writes)")
     os.makedirs(db_dir, exist_ok=True)
-    return ms.database.JSONDatabase(work_dir=db_dir, module_equality="structural")
+    try:
+        return ms.database.JSONDatabase(work_dir=db_dir, module_equality="structural")
+    except Exception as e:  # a line that is not a record: TVM says only what it could not parse
+        files = sorted(f for f in os.listdir(db_dir) if f.startswith("database_"))
+        raise BuildError(f"tuning database {db_dir!r}: its files {files} do not read as "
+                         f"MetaSchedule records ({type(e).__name__}: {str(e)[:200]}); mend or "
+                         f"remove the damaged file and tune again") from None
 
 
 class TuningProgress:
@@ -96,11 +105,21 @@ class TuningProgress:
 
     def __init__(self, db_dir: str) -> None:
         self.path = os.path.join(db_dir, self.FILE)
+        self.asked_by_key: dict[str, int] = {}
         try:
-            with open(self.path) as f:
-                self.asked_by_key: dict[str, int] = json.load(f)
-        except (OSError, ValueError):
-            self.asked_by_key = {}
+            with open(self.path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return  # no task tuned yet
+        try:
+            read = json.loads(raw)
+            ok = isinstance(read, dict) and all(isinstance(v, int) for v in read.values())
+        except ValueError:
+            ok = False
+        if not ok:  # read as empty, every verdict would be lost and every task tuned again
+            raise BuildError(f"{self.path} is damaged (not a JSON object of counts): remove it "
+                             f"to start the progress afresh (the tuning records stay)")
+        self.asked_by_key = read
 
     @staticmethod
     def _key(task_mod: tvm.IRModule, target: tvm.target.Target, what: str) -> str:
@@ -230,6 +249,8 @@ def apply_database(mod: tvm.IRModule, db_dir: str, *, log: Callable[[str], None]
     builds for (another ``mcpu``) is a BuildError when ``explicit`` (the user named it: every
     ``build(tuning_db=)``), else ignored with a warning.
     """
+    if os.path.isfile(db_dir):
+        open_database(db_dir)  # the error that says a database is a directory
     if not os.path.exists(os.path.join(db_dir, RECORDS_FILE)):
         raise BuildError(f"tuning database {db_dir!r} does not exist (no {RECORDS_FILE}): "
                          f"run `hgrt tune` first")

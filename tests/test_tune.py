@@ -57,12 +57,60 @@ def tuned(tmp_path_factory):
     db_dir = str(tmp_path_factory.mktemp("tuning"))
     mod = fuse_for_tuning(TwoKernels)
     lines = []
-    # verify=False: which kernels win inside the model depends on timing; the verification has
-    # its own test below
-    first = tune(TwoKernels, db_dir, trials_per_task=2, log=lines.append, verify=False)[0]
-    after_first = _records(db_dir)
-    resumed = tune(mod, db_dir, trials_per_task=3, log=lines.append)[0]
+    # the builder's processes make their temporary directories here (test_tune_leaves_no_...)
+    scratch = str(tmp_path_factory.mktemp("scratch"))
+    old_tmpdir = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = scratch
+    try:
+        # verify=False: which kernels win inside the model depends on timing; the verification
+        # has its own test below
+        first = tune(TwoKernels, db_dir, trials_per_task=2, log=lines.append, verify=False)[0]
+        after_first = _records(db_dir)
+        resumed = tune(mod, db_dir, trials_per_task=3, log=lines.append)[0]
+    finally:
+        if old_tmpdir is None:
+            del os.environ["TMPDIR"]
+        else:
+            os.environ["TMPDIR"] = old_tmpdir
+    TUNE_SCRATCH.append(scratch)
     return mod, db_dir, first, after_first, resumed, lines
+
+
+TUNE_SCRATCH: list[str] = []
+
+
+def test_tune_leaves_no_temporary_directory_behind(tuned):
+    # one was left per task: the default schedule's build (tune.record_default)
+    left = os.listdir(TUNE_SCRATCH[0])
+    assert left == [], f"tune left {left} in its temporary directory"
+
+
+def test_a_damaged_database_is_a_build_error_naming_it(tuned, tmp_path):
+    _, db_dir, *_ = tuned
+    bad = tmp_path / "db"
+    bad.mkdir()
+    for name in ("database_workload.json", "database_tuning_record.json"):
+        with open(os.path.join(db_dir, name)) as f:
+            (bad / name).write_text(f.read())
+    with open(bad / "database_tuning_record.json", "a") as f:
+        f.write("garbage{\n")  # a record cut by a crash, say
+    with pytest.raises(BuildError, match=r"tuning database .*db'.* do not read as MetaSchedule"):
+        hgrt.build(TwoKernels, ["cpu"], tuning_db=str(bad))
+    (bad / "database_tuning_record.json").write_text("")
+    (bad / "database_workload.json").write_text('["x", 1]\n')  # parses, but not a workload
+    with pytest.raises(BuildError, match="do not read as MetaSchedule records"):
+        hgrt.build(TwoKernels, ["cpu"], tuning_db=str(bad))
+    with pytest.raises(BuildError, match="is a file; a database is a directory"):
+        hgrt.build(TwoKernels, ["cpu"], tuning_db=str(bad / "database_workload.json"))
+
+
+@pytest.mark.parametrize("text", ["{", "[1, 2]", '{"k": "many"}'])
+def test_a_damaged_progress_file_is_refused_not_read_as_empty(tmp_path, text):
+    (tmp_path / TuningProgress.FILE).write_text(text)
+    with pytest.raises(BuildError, match=f"{TuningProgress.FILE} is damaged"):
+        TuningProgress(str(tmp_path))
+    (tmp_path / TuningProgress.FILE).unlink()
+    assert TuningProgress(str(tmp_path)).asked_by_key == {}  # none yet: nothing tuned
 
 
 def test_tasks_are_the_fused_kernels():
