@@ -86,7 +86,7 @@ def _context(model: Any, devices: Any, placement: Placement | None, params: Any,
              input_shapes: Any, cuda_arch: str, verbose: bool
              ) -> tuple[tvm.IRModule, BuildContext]:
     devs = parse_devices(devices, cuda_arch)
-    ctx = BuildContext(devices=devs, placement=placement or Placement(), verbose=verbose)
+    ctx = BuildContext(devices=devs, placement=Placement.of(placement), verbose=verbose)
     for d in devs:
         ctx.log(f"device {d.name}: target {d.target}")
     with located("'import_model' failed"):

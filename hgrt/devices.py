@@ -227,12 +227,32 @@ def as_target(spec: Any, what: str = "target") -> tvm.target.Target:
         raise DeviceError(f"{what}: expected a tvm Target, a dict, JSON, a tag or an option "
                           f"string, got {type(spec).__name__}")
     try:
-        return tvm.target.Target(spec)
+        target = tvm.target.Target(spec)
     except Exception as e:
         if isinstance(spec, dict):
             raise DeviceError(f"{what} {given!r}: {str(e).splitlines()[0]}") from e
         known = sorted(tvm.target.list_tags()) + sorted({k.target_kind for k in KINDS.values()})
         raise DeviceError(f"{what} {did_you_mean(spec.strip(), known)}") from e
+    for cpu in (target, target.host):
+        if cpu is not None and cpu.kind.name == "llvm":
+            _check_llvm_cpu(cpu, f"{what} {given!r}")
+    return target
+
+
+def _check_llvm_cpu(target: tvm.target.Target, what: str) -> None:
+    """Refuse an ``mcpu`` LLVM does not know for the target's triple: LLVM would only log a
+    line and build for a generic CPU of that architecture (slow code, silently)."""
+    from tvm.target.codegen import llvm_get_cpu_archlist
+
+    mcpu = str(target.attrs.get("mcpu", "") or "")
+    if not mcpu or mcpu in ("generic", "native"):
+        return
+    triple = str(target.attrs.get("mtriple", "") or "")
+    bare = tvm.target.Target({"kind": "llvm", **({"mtriple": triple} if triple else {})})
+    known = [str(c) for c in llvm_get_cpu_archlist(bare)]
+    if known and mcpu not in known:
+        raise DeviceError(f"{what}: mcpu {did_you_mean(mcpu, known)} (the CPUs LLVM knows for "
+                          f"{triple or 'this host'})")
 
 
 def _without_host(target: tvm.target.Target) -> tvm.target.Target:
@@ -307,6 +327,17 @@ def kind_targets(targets: Any) -> dict[str, tvm.target.Target]:
     """``targets`` (one target, or ``{kind or device name: target}``) -> ``{key: Target}``
     with kinds and names canonical. A GPU target whose host is another machine's CPU (a
     Jetson tag) also gives the CPU devices that target, unless ``"cpu"`` is named."""
+    keys = _target_keys(targets)
+    cpu = device_target("cpu", keys["cpu"]) if "cpu" in keys else None
+    out = {key: device_target(split_device(key)[0], value, cpu) for key, value in keys.items()}
+    for t in list(out.values()):
+        if "cpu" not in out and t.host is not None and not is_host_triple(target_triple(t)):
+            out["cpu"] = _without_host(t.host)
+    return out
+
+
+def _target_keys(targets: Any) -> dict[str, Any]:
+    """``targets`` by canonical key: a kind (``"cpu"``) or a device name (``"cpu:1"``)."""
     if targets is None:
         return {}
     if not isinstance(targets, dict) or "kind" in targets:
@@ -316,12 +347,7 @@ def kind_targets(targets: Any) -> dict[str, tvm.target.Target]:
     for key, value in targets.items():
         kind, did = split_device(key)
         keys[f"{kind}:{did}" if ":" in str(key) else kind] = value
-    cpu = device_target("cpu", keys["cpu"]) if "cpu" in keys else None
-    out = {key: device_target(split_device(key)[0], value, cpu) for key, value in keys.items()}
-    for t in list(out.values()):
-        if "cpu" not in out and t.host is not None and not is_host_triple(target_triple(t)):
-            out["cpu"] = _without_host(t.host)
-    return out
+    return keys
 
 
 def device_spec(name: str, target: Any = None, index: int = 0) -> DeviceSpec:
@@ -387,6 +413,11 @@ def parse_devices(specs: Any, cuda_arch: str = DEFAULT_CUDA_ARCH,
         taken.add(f"{d.kind}:{did}")
         devices[i] = replace(d, name=f"{d.kind}:{did}", device_id=did)
     names = [d.name for d in devices]
+    unused = [k for k in _target_keys(targets)
+              if k not in names and k not in {d.kind for d in devices}]
+    if unused:  # a typo, or a device left out of the list: it would build for the default
+        raise DeviceError(f"targets are given for {unused}, but the devices are {names}: name "
+                          f"a kind ('cpu') or one of the devices")
     for d in devices:
         if names.index(d.name) != d.index:
             raise DeviceError(f"device {d.index} {d.name!r} repeats device {names.index(d.name)}: "

@@ -13,6 +13,7 @@ import numpy as np
 from tvm import relax
 
 from hgrt.devices import DeviceSpec
+from hgrt.errors import BuildError
 
 _log = logging.getLogger("hgrt.build")
 
@@ -134,7 +135,13 @@ class BuildContext:
                 return d.index
         # a VDevice built by the frontend with another id: fall back to the kind alone
         kinds = [d.index for d in self.devices if d.target.kind.name == key[0]]
-        return kinds[0] if len(kinds) == 1 else None
+        if len(kinds) > 1:  # which of them is meant cannot be told
+            kind = self.devices[kinds[0]].kind
+            raise BuildError(f"the module places tensors on vdevice {key[0]}:{key[1]} (in its "
+                             f"types or an R.to_vdevice), but the build has no {kind}:{key[1]} "
+                             f"(its {kind} devices: {[self.devices[i].name for i in kinds]}): "
+                             f"add it to the device list")
+        return kinds[0] if kinds else None
 
     def log(self, msg: str) -> None:
         if self.verbose:

@@ -18,15 +18,17 @@ index, ``input_device``: hinted inputs, ``report``) and attaches the module's vd
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+import numpy as np
 import tvm
 from tvm import relax
 
 from hgrt.devices import DeviceSpec, resolve_device
-from hgrt.errors import BuildError
+from hgrt.errors import BuildError, did_you_mean
 from hgrt.relay_passes.auto_place import auto_place, read_rates
 from hgrt.relay_passes.context import BuildContext, PlacementRow
 from hgrt.relay_passes.relax_util import (
@@ -62,6 +64,45 @@ class Placement:
     auto: bool = False  # ops no hint/override/rule places go where they cost least (auto_place)
     budgets: dict[str, int] = field(default_factory=dict)  # auto: weight bytes per device
     profile: str | None = None  # auto: rates measured by `hgrt profile DIR --json FILE`
+
+    def __post_init__(self) -> None:
+        for name in ("rules", "overrides", "budgets"):
+            value = getattr(self, name)
+            if not isinstance(value, Mapping):
+                raise BuildError(f"Placement.{name} must be a dict ({_FIELD_HELP[name]}), got "
+                                 f"{type(value).__name__} {value!r:.80}")
+        for dev, nbytes in self.budgets.items():
+            if not isinstance(nbytes, (int, np.integer)) or isinstance(nbytes, bool) \
+                    or nbytes < 0:
+                raise BuildError(f"Placement.budgets[{dev!r}] must be bytes (an integer >= 0), "
+                                 f"got {nbytes!r}")
+        if not isinstance(self.auto, (bool, np.bool_)):
+            raise BuildError(f"Placement.auto must be True or False, got {self.auto!r}")
+        if self.profile is not None and not isinstance(self.profile, (str, os.PathLike)):
+            raise BuildError(f"Placement.profile must be a path (what `hgrt profile DIR --json "
+                             f"FILE` writes), got {type(self.profile).__name__}")
+
+    @classmethod
+    def of(cls, value: Any) -> Placement:
+        """``value`` as a Placement: one, None (everything on the first device) or a dict of
+        its fields (``{"rules": {"nn.conv2d": "cpu:1"}}``, as a JSON file would hold it)."""
+        known = [f.name for f in fields(cls)]
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping):
+            unknown = [k for k in value if k not in known]
+            if unknown:
+                raise BuildError(f"placement field {did_you_mean(unknown[0], known)}")
+            return cls(**value)
+        raise BuildError(f"placement must be an hgrt.Placement or a dict of its fields {known}, "
+                         f"got {type(value).__name__} {value!r:.80}")
+
+
+_FIELD_HELP = {"rules": "op name or pattern -> device, e.g. {'nn.conv2d': 'cpu:1'}",
+               "overrides": "binding name -> device, as print_placement() lists them",
+               "budgets": "device -> bytes of weights it may hold"}
 
 
 def op_bindings(mod: tvm.IRModule) -> Iterator[tuple[str, str]]:

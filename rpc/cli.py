@@ -54,7 +54,8 @@ def run_rpc_server(args: argparse.Namespace) -> int:
         return 2
     try:
         host = listen_address(args.host, args.tracker)
-        port_end = args.port_end if args.port_end is not None else args.port + 100
+        # --port-end is the last port tried; serve() takes the end of the range
+        port_end = args.port_end + 1 if args.port_end is not None else min(args.port + 100, 65536)
         server = serve(host, args.port, port_end, tracker=args.tracker, key=args.key,
                        custom_addr=args.custom_addr, silent=args.silent, allow=args.allow,
                        max_session=args.max_session)

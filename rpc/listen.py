@@ -106,6 +106,18 @@ class ListenConfig:
     max_session: float = 0.0  # seconds a session may last whatever its client asks (0: no cap)
     work_root: str | None = None  # the sessions' work directories go here (the server's own)
 
+    def __post_init__(self) -> None:
+        for name in ("port", "port_end"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise InputError(f"{name} must be an integer, got {value!r}")
+        if not 1 <= self.port <= 65535:
+            raise InputError(f"port {self.port} is not a TCP port (1-65535)")
+        if not self.port < self.port_end <= 65536:
+            raise InputError(f"the ports to try, [{self.port}, {self.port_end}), hold none: the "
+                             f"last port tried (--port-end) must be at least --port "
+                             f"({self.port}) and at most 65535")
+
 
 def _peer(addr) -> str:
     return f"{addr[0]}:{addr[1]}"
@@ -362,6 +374,7 @@ class RPCServer:
         if getattr(_ffi_api, "ServerLoop", None) is None:
             raise RuntimeError("this TVM is built without RPC (USE_RPC=1)")
         self.host = cfg.host
+        self.work_root: str | None = None
         self.proc = PopenWorker()
         self.proc.send(_start, [cfg])
         started = self.proc.recv()
@@ -379,7 +392,8 @@ class RPCServer:
         if self.proc is not None:
             self.proc.kill()  # its children first (the session process), then itself
             self.proc = None
-            shutil.rmtree(self.work_root, ignore_errors=True)  # what sessions left there
+            if self.work_root is not None:  # what sessions left there
+                shutil.rmtree(self.work_root, ignore_errors=True)
 
     def __del__(self):
         try:

@@ -122,6 +122,39 @@ def test_malformed_option_strings_name_the_bad_part(spec, match):
         as_target(spec, "--target cpu")
 
 
+@pytest.mark.parametrize("spec, match", [
+    ("llvm -mcpu=haswel", r"mcpu 'haswel' not found; did you mean 'haswell'"),
+    ('{"kind": "llvm", "mcpu": "znver9"}', r"mcpu 'znver9' not found; did you mean 'znver"),
+    ("llvm -mtriple=aarch64-linux-gnu -mcpu=cortex-a7x",
+     r"mcpu 'cortex-a7x' not found; did you mean 'cortex-a78'.* for aarch64-linux-gnu"),
+    ('{"kind": "cuda", "arch": "sm_80", "host": {"kind": "llvm", "mcpu": "haswel"}}',
+     r"mcpu 'haswel' not found"),  # a GPU's host too
+])
+def test_an_mcpu_llvm_does_not_know_is_refused(spec, match):
+    # LLVM only logs a line and builds for a generic CPU (slow code) when it meets one
+    with pytest.raises(DeviceError, match=match):
+        as_target(spec, "--target cpu")
+
+
+def test_known_mcpus_of_every_architecture_pass():
+    for spec in ("llvm -mcpu=haswell", "raspberry-pi/4b-aarch64",
+                 "llvm -mtriple=riscv64-linux-gnu -mcpu=sifive-u74", "llvm"):
+        assert as_target(spec).kind.name == "llvm"
+
+
+@pytest.mark.parametrize("targets, match", [
+    ({"cpu:1": "llvm -mcpu=haswell"}, r"targets are given for \['cpu:1'\], but the devices are "
+                                      r"\['cpu:0'\]"),
+    ({"cuda": "cuda -arch=sm_80"}, r"targets are given for \['cuda'\]"),
+])
+def test_a_target_for_a_device_not_in_the_list_is_refused(targets, match):
+    # it was ignored: the device built for the default target, silently
+    with pytest.raises(DeviceError, match=match):
+        hgrt.devices.parse_devices(["cpu:0"], targets=targets)
+    devs = hgrt.devices.parse_devices(["cpu:0", "cpu:1"], targets={"cpu:1": "llvm -mcpu=haswell"})
+    assert devs[1].target.attrs["mcpu"] == "haswell" != devs[0].target.attrs["mcpu"]
+
+
 def test_the_cli_spelling_of_targets():
     assert parse_targets(["cpu=llvm -mcpu=haswell"]) == {"cpu": "llvm -mcpu=haswell"}
     assert parse_targets(["llvm -mcpu=haswell"]) == {"cpu": "llvm -mcpu=haswell"}

@@ -3,6 +3,7 @@ told otherwise, and no silent loopback server behind a tracker on another machin
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -47,3 +48,17 @@ def test_server_listens_on_loopback_unless_told_and_warns_when_told(host, tmp_pa
         assert ("warning: listening on 0.0.0.0" in out) == (host == "0.0.0.0")
     finally:
         proc.kill()
+
+
+@pytest.mark.parametrize("ports, match", [
+    (["--port", "70000"], r"port 70000 is not a TCP port \(1-65535\)"),
+    (["--port", "9200", "--port-end", "9100"], r"the ports to try, \[9200, 9101\), hold none"),
+    (["--port", "9200", "--port-end", "70000"], r"at most 65535"),
+])
+def test_ports_out_of_range_are_one_line_errors(ports, match):
+    # a traceback before (bind's OverflowError; then an AttributeError in terminate)
+    proc = subprocess.run([sys.executable, "-m", "hgrt", "rpc-server", *ports],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert re.search(match, proc.stderr), proc.stderr
