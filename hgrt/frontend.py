@@ -33,8 +33,8 @@ from hgrt.relay_passes.simplify import (
 )
 
 # what TVM's ONNX import says about every model hgrt gives it: the checker sees the weights that
-# _from_onnx took out of the graph inputs, and names are made identifiers (input_names has them)
-_BENIGN_WARNINGS = (r".* in initializer but not in graph input", r"Renaming name ")
+# _from_onnx took out of the graph inputs
+_BENIGN_WARNINGS = (r".* in initializer but not in graph input",)
 SMALL_INTEGERS = 64  # integer initializers up to this size (shapes, axes, positions): constants
 
 
@@ -139,8 +139,11 @@ def _from_onnx(model: Any, input_shapes: dict[str, Any] | None) -> tuple[tvm.IRM
         with warnings.catch_warnings(), contextlib.redirect_stdout(printed):
             for message in _BENIGN_WARNINGS:
                 warnings.filterwarnings("ignore", message=message, category=UserWarning)
+            # the model's own input names, as onnxruntime takes them: TVM's identifiers
+            # ("x.1" -> "x_1") would let set_input("x_1") write another input of a model that
+            # has both
             mod = from_onnx(_prepared(model), shape_dict=shape_dict or None,
-                            keep_params_in_input=True)
+                            keep_params_in_input=True, sanitize_input_names=False)
     except Exception as e:
         op = re.search(r"converting operator (\w+)", printed.getvalue())
         raise BuildError(f"the ONNX frontend cannot import this model"

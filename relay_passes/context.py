@@ -47,11 +47,12 @@ class Weights:
     values: dict[str, np.ndarray] = field(default_factory=dict)
     source: dict[str, str] = field(default_factory=dict)  # graph param -> weight it holds
     graph_names: dict[str, str] = field(default_factory=dict)  # main param -> graph node name
+    inputs: frozenset[str] = frozenset()  # the user inputs' graph names: no weight takes one
 
     def free_name(self, pname: str, taken: set[str] | frozenset[str] = frozenset()) -> str:
-        """``pname``, or it with ``_`` appended until no weight (nor ``taken``) has the name:
-        a graph name for a new weight that replaces none."""
-        while pname in self.source or pname in taken:
+        """``pname``, or it with ``_`` appended until no weight, input (nor ``taken``) has the
+        name: a graph name for a new weight that replaces none."""
+        while pname in self.source or pname in self.inputs or pname in taken:
             pname += "_"
         return pname
 

@@ -81,10 +81,8 @@ class _GraphBuilder:
         for c, d, entry in self.consts:
             if d == dev and c.same_as(const):
                 return entry
-        name = f"const_{len(self.consts)}"
         weights = self.ctx.weights
-        while name in weights.values:
-            name += "_"
+        name = weights.free_name(f"const_{len(self.consts)}", weights.values.keys())
         value = const.value.numpy()
         weights.values[name] = value
         weights.source[name] = name

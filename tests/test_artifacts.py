@@ -17,7 +17,12 @@ import tvm
 import hgrt
 import hgrt.rpc
 from hgrt.artifacts import (
-    LIB_FILE, PARAMS_FILE, ArtifactError, elf_end, iter_params, params_to_bytes,
+    LIB_FILE,
+    PARAMS_FILE,
+    ArtifactError,
+    elf_end,
+    iter_params,
+    params_to_bytes,
 )
 from hgrt.errors import ParamError
 from hgrt.testing import GraphBuilder, N, elementwise_lib

@@ -177,3 +177,45 @@ def test_onnx_node_case(node_cases, name, placement):
     assert arrays["input"], f"{name}: no data written"
     check_case(OnnxCase(name, str(node_cases / name / "model.onnx"), arrays["input"],
                         arrays["output"]), placement)
+
+
+def _named_model(names: list[str], weight: str = "w"):
+    """y = (conv(x, weight) + names[1]) * 2 - names[2]: inputs under the names given, one
+    initializer and one inline constant (which hgrt names const_<i>)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    shapes = [[1, 3, 8, 8], [1, 16, 8, 8], [1, 16, 8, 8]]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, s)
+              for n, s in zip(names, shapes, strict=True)]
+    w = numpy_helper.from_array(rng.random((16, 3, 3, 3), "float32"), weight)
+    two = numpy_helper.from_array(np.full((1, 16, 1, 1), 2.0, "float32"))
+    nodes = [helper.make_node("Conv", [names[0], weight], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Add", ["c", names[1]], ["s"]),
+             helper.make_node("Constant", [], ["two"], value=two),
+             helper.make_node("Mul", ["s", "two"], ["m"]),
+             helper.make_node("Sub", ["m", names[2]], ["y"])]
+    out = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 8, 8])
+    graph = helper.make_graph(nodes, "named", inputs, [out], [w])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("names", [
+    ["x.1", "x_1", "x"],  # TVM's identifiers made "x.1" "x_1", and the model's "x_1" "x_1_1"
+    ["0", "1", "input.1"],  # what PyTorch exports
+    ["x", "w_oc16", "const_0"],  # the names hgrt gives a packed weight and an inline constant
+])
+@pytest.mark.parametrize("kernels", ["tvm", "auto"])
+def test_inputs_keep_the_models_names_and_no_weight_takes_one(names, kernels):
+    model = _named_model(names)
+    rng = np.random.default_rng(1)
+    feed = {n: rng.random(s, dtype="float32") for n, s in
+            zip(names, [(1, 3, 8, 8), (1, 16, 8, 8), (1, 16, 8, 8)], strict=True)}
+    res = hgrt.build(model, ["cpu:0", "cpu:1"], {"rules": {"relax.multiply": "cpu:1"}},
+                     kernels=kernels)
+    assert res.graph.input_names() == names  # as onnxruntime takes them
+    assert not set(res.graph.params) & set(names), res.graph.params
+    # by name, in another order than the model's: each value reaches its own input
+    got = run_hgrt(res, dict(reversed(feed.items())))[0]
+    want = run_relax_vm(model, [feed[n] for n in names])[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
