@@ -105,7 +105,9 @@ def build(model: Any, devices: Any, placement: Placement | None = None,
           streams: dict[str, Any] | None = None, kernels: str | Kernels = "auto",
           target: Any = None,
           cuda_arch: str = DEFAULT_CUDA_ARCH, verbose: bool = False) -> BuildResult:
-    """Compile ``model`` (ONNX ModelProto / path, or Relax IRModule + ``params``) for ``devices``.
+    """Compile ``model`` (ONNX ModelProto / path, Relax IRModule + ``params``, or a
+    ``tvm.relax.frontend.nn.Module`` with ``input_shapes`` for its ``forward``'s arguments and
+    its weights in ``params`` or its ``Parameter.data``) for ``devices``.
 
     ``devices``: names (``"cpu"``, ``"cpu:1"``, ``"cuda"``) or TVM targets; position i is
     ``device_index`` i of the graph and must match the i-th device given to ``hgrt.create``.

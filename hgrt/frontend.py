@@ -181,10 +181,56 @@ def _from_relax(mod: tvm.IRModule, params: dict[str, Any] | None) -> tuple[tvm.I
     return mod, given
 
 
+def _from_nn(module: Any, params: dict[str, Any] | None, input_shapes: dict[str, Any] | None
+             ) -> tuple[tvm.IRModule, dict]:
+    """A ``tvm.relax.frontend.nn.Module``: its ``forward`` exported for ``input_shapes``
+    (``{argument: shape}``, float32, or ``{argument: (shape, dtype)}``), its weights from
+    ``params`` (by parameter name, ``"fc1.weight"``) or else from each ``Parameter.data``."""
+    import inspect
+
+    from tvm.relax.frontend import nn
+
+    args = [n for n in inspect.signature(module.forward).parameters]
+    given = dict(input_shapes or {})
+    if sorted(given) != sorted(args):
+        raise BuildError(f"a tvm.relax.frontend.nn module is exported for the shapes of its "
+                         f"forward's arguments: input_shapes must name exactly {args}, got "
+                         f"{sorted(given)}")
+    spec = {}
+    for name in args:
+        shape, dtype = given[name], "float32"
+        if isinstance(shape, tuple) and len(shape) == 2 and isinstance(shape[1], str):
+            shape, dtype = shape
+        if not all(isinstance(d, (int, np.integer)) and d >= 0 for d in shape):
+            raise BuildError(f"input_shapes[{name!r}] = {given[name]!r}: expected sizes >= 0 "
+                             f"(and a dtype: (shape, 'float16'))")
+        spec[name] = nn.spec.Tensor([int(d) for d in shape], dtype)
+    try:
+        exported, named = module.export_tvm(spec={"forward": spec})
+    except Exception as e:
+        raise BuildError(f"exporting the nn module's forward failed: {e}") from e
+    values = dict(params or {})
+    unknown = sorted(set(values) - {n for n, _ in named})
+    if unknown:
+        raise BuildError(f"params {unknown} are not parameters of the module (it has "
+                         f"{[n for n, _ in named]})")
+    missing = [n for n, p in named if n not in values and p.data is None]
+    if missing:
+        raise BuildError(f"the module's parameters {missing} hold no data: set each "
+                         f"(param.data = ...) or pass params={{name: array}}")
+    func = exported["forward"]
+    renamed = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
+    by_var = {p.name: n for p, (n, _) in zip(func.params[len(args):], named, strict=True)}
+    weights = {v: values.get(n, p.data) for (v, n), (_, p) in zip(by_var.items(), named,
+                                                                   strict=True)}
+    return _from_relax(renamed, weights)
+
+
 def import_model(model: Any, params: dict[str, Any] | None = None,
                  input_shapes: dict[str, Any] | None = None
                  ) -> tuple[tvm.IRModule, dict[str, np.ndarray]]:
-    """Import ``model`` (onnx ModelProto, path to a .onnx file, or Relax IRModule).
+    """Import ``model`` (onnx ModelProto, path to a .onnx file, Relax IRModule, or a
+    ``tvm.relax.frontend.nn.Module``: ``_from_nn``).
 
     >>> mod, params = import_model("model.onnx")  # doctest: +SKIP
     >>> mod["main"].attrs["num_input"], sorted(params)[:2]  # doctest: +SKIP
@@ -198,8 +244,11 @@ def import_model(model: Any, params: dict[str, Any] | None = None,
         if params:
             raise BuildError("params are read from the ONNX model; do not pass them separately")
         mod, weights = _from_onnx(model, input_shapes)
+    elif isinstance(model, relax.frontend.nn.Module):
+        mod, weights = _from_nn(model, params, input_shapes)
     else:
         raise BuildError(f"cannot import a {type(model).__name__}: give an onnx ModelProto, a "
-                         f"path to an .onnx file or a Relax IRModule")
+                         f"path to an .onnx file, a Relax IRModule or a "
+                         f"tvm.relax.frontend.nn.Module")
     mod = elementwise_through_concats(inference_dropouts(pairwise_reductions(mod)))
     return fold_weight_transforms(mod, weights)

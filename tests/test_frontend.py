@@ -52,3 +52,60 @@ def test_sequence_insert_at_a_negative_position():
     case = load_case("simple/test_sequence_model3")
     got = run_hgrt(hgrt.build(case.model_path, ["cpu:0"]), case_inputs(case))
     np.testing.assert_array_equal(got[0], case.outputs[0])
+
+
+# ---- tvm.relax.frontend.nn modules ------------------------------------------------------------
+
+
+def _mlp():
+    from tvm.relax.frontend import nn
+
+    class MLP(nn.Module):
+        def __init__(self):
+            self.fc1 = nn.Linear(8, 16)
+            self.fc2 = nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.fc2(nn.relu(self.fc1(x)))
+
+    rng = np.random.default_rng(0)
+    values = {"fc1.weight": rng.standard_normal((16, 8), "float32"),
+              "fc1.bias": rng.standard_normal(16, "float32"),
+              "fc2.weight": rng.standard_normal((4, 16), "float32"),
+              "fc2.bias": rng.standard_normal(4, "float32")}
+    return MLP(), values
+
+
+def _mlp_reference(x, v):
+    h = np.maximum(x @ v["fc1.weight"].T + v["fc1.bias"], 0)
+    return h @ v["fc2.weight"].T + v["fc2.bias"]
+
+
+@pytest.mark.parametrize("weights_from", ["params", "data"])
+def test_an_nn_module_builds_split_over_two_devices(weights_from):
+    net, values = _mlp()
+    kwargs = {"params": values} if weights_from == "params" else {}
+    if weights_from == "data":
+        for name, value in values.items():
+            layer, attr = name.split(".")
+            getattr(getattr(net, layer), attr).data = value
+    res = hgrt.build(net, ["cpu:0", "cpu:1"], {"rules": {"relax.nn.relu": "cpu:1"}},
+                     input_shapes={"x": [2, 8]}, **kwargs)
+    assert {r.device for r in res.placement_report} == {"cpu:0", "cpu:1"}
+    x = np.random.default_rng(1).standard_normal((2, 8), "float32")
+    np.testing.assert_allclose(run_hgrt(res, {"x": x})[0], _mlp_reference(x, values),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({}, r"input_shapes must name exactly \['x'\], got \[\]"),
+    ({"input_shapes": {"y": [2, 8]}}, r"must name exactly \['x'\], got \['y'\]"),
+    ({"input_shapes": {"x": [2, -8]}}, r"input_shapes\['x'\] = \[2, -8\]: expected sizes"),
+    ({"input_shapes": {"x": [2, 8]}}, r"parameters \['fc1.weight', .*\] hold no data"),
+    ({"input_shapes": {"x": [2, 8]}, "params": {"fc3.weight": np.ones(1)}},
+     r"params \['fc3.weight'\] are not parameters of the module"),
+])
+def test_an_nn_module_without_shapes_or_weights_is_refused(kwargs, match):
+    net, _ = _mlp()
+    with pytest.raises(hgrt.BuildError, match=match):
+        hgrt.build(net, ["cpu:0"], **kwargs)
