@@ -25,6 +25,21 @@ from hgrt.errors import HgrtError, InputError
 log = logging.getLogger("hgrt")
 
 
+def at_least(low: int):
+    """An argparse type: an integer >= ``low`` (a usage error otherwise, not a traceback or a
+    count that silently means something else, as --top -1 dropping the last row did)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
 def _pairs(items: list[str] | None, what: str) -> dict[str, str]:
     out = {}
     for item in items or []:
@@ -282,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--random-inputs", action="store_true", help="fill missing inputs randomly")
     r.add_argument("--device", action="append",
                    help="devices in order (default: those the graph was compiled for)")
-    r.add_argument("--repeat", type=int, default=0, help="also time run() this many times")
+    r.add_argument("--repeat", type=at_least(0), default=0, help="also time run() this many times")
     r.add_argument("--save-output", help="write the outputs to this .npz")
     r.add_argument("--rpc-tracker", metavar="HOST:PORT", help="run on a remote machine")
     r.add_argument("--rpc-key", help="device key registered with the tracker")
@@ -293,8 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--input", action="append", metavar="NAME=FILE.npy")
     pr.add_argument("--random-inputs", action="store_true")
     pr.add_argument("--device", action="append")
-    pr.add_argument("--repeat", type=int, default=10, help="runs per op (median taken)")
-    pr.add_argument("--top", type=int, default=30, help="rows of the table (slowest first)")
+    pr.add_argument("--repeat", type=at_least(1), default=10, help="runs per op (median taken)")
+    pr.add_argument("--top", type=at_least(1), default=30, help="rows of the table (slowest first)")
     pr.add_argument("--trace", help="write a Chrome trace JSON here")
     pr.add_argument("--json", help="write each device's measured kernel rates here (for "
                                    "hgrt.Placement(auto=True, profile=...))")
@@ -309,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "database that `compile --tuning-db` applies")
     _model_args(t)
     t.add_argument("--db", required=True, help="database directory (created; resumed if there)")
-    t.add_argument("--trials-per-task", type=int, default=16,
+    t.add_argument("--trials-per-task", type=at_least(1), default=16,
                    help="measured candidates per distinct kernel (default 16)")
     t.add_argument("--cost-model", choices=("auto", "random", "xgb"), default="auto",
                    help="xgb needs xgboost (pip install 'hgrt[tune]'); auto: xgb if installed")
@@ -325,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     z.add_argument("name", choices=LIGHT_MODELS)
     z.add_argument("-o", "--output", required=True, help="the .onnx file to write")
     z.add_argument("--input", help="also write a random input to this .npy")
-    z.add_argument("--seed", type=int, default=0)
+    z.add_argument("--seed", type=at_least(0), default=0)
     z.set_defaults(func=cmd_zoo)
 
     from hgrt.rpc.cli import register as register_rpc

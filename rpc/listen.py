@@ -18,6 +18,7 @@ import errno
 import ipaddress
 import itertools
 import logging
+import math
 import multiprocessing
 import os
 import select
@@ -111,6 +112,9 @@ class ListenConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise InputError(f"{name} must be an integer, got {value!r}")
+        if not (isinstance(self.max_session, (int, float)) and 0 <= self.max_session < math.inf):
+            raise InputError(f"max_session must be seconds >= 0 (0: no cap), got "
+                             f"{self.max_session!r}")
         if not 1 <= self.port <= 65535:
             raise InputError(f"port {self.port} is not a TCP port (1-65535)")
         if not self.port < self.port_end <= 65536:

@@ -83,3 +83,19 @@ def test_python_dash_m_hgrt_runs_the_cli(onnx_file, tmp_path):
     proc = hgrt_cli("run", art, "--input", f"x={x}")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("output 0: shape (1, 256) float32")
+
+
+@pytest.mark.parametrize("args, match", [
+    (["zoo", "squeezenet", "-o", "m.onnx", "--seed", "-1"], "--seed: must be at least 0, got -1"),
+    (["profile", "art", "--top", "-1"], "--top: must be at least 1, got -1"),
+    (["profile", "art", "--repeat", "0"], "--repeat: must be at least 1, got 0"),
+    (["run", "art", "--repeat", "x"], "--repeat: expected an integer, got 'x'"),
+    (["tune", "m.onnx", "--db", "d", "--trials-per-task", "0"], "must be at least 1, got 0"),
+    (["rpc-server", "--max-session", "-5"], "max_session must be seconds >= 0"),
+])
+def test_counts_out_of_range_are_usage_errors(args, match, tmp_path):
+    # --top -1 dropped the last row, --seed -1 ended in numpy's traceback
+    proc = hgrt_cli(*args, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert match in proc.stderr
+    assert "Traceback" not in proc.stderr and list(tmp_path.iterdir()) == []
