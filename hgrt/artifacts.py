@@ -214,27 +214,46 @@ def _read_params(f: BinaryIO, where: str) -> Iterator[tuple[str, np.ndarray]]:
     if _unpack(f, "<Q", where, "header")[0] != count:
         raise ParamError(f"{where}: {count} names but another number of tensors")
     for name in names:
-        magic, _, _, _, ndim, code, bits, lanes = _unpack(f, "<QQiiiBBH", where, name)
-        dtype = (f"{_TYPE_CODES[code]}{bits if code != 6 else ''}"
-                 if code in _TYPE_CODES and bits in (8, 16, 32, 64) else None)
-        if magic != _TENSOR_MAGIC or dtype is None or lanes != 1 or not 0 <= ndim <= 32 \
-                or (code == 6 and bits != 8):
-            raise ParamError(f"{where}: param {name!r} has a header hgrt cannot read (dtype "
-                             f"code {code}, {bits} bits, {lanes} lanes, {ndim} dims)")
+        head = _unpack(f, "<QQiiiBBH", where, name)
+        magic, _, _, _, ndim, code, bits, lanes = head
+        if magic != _TENSOR_MAGIC or not 0 <= ndim <= 32 or bits == 0 or lanes == 0:
+            raise ParamError(f"{where}: param {name!r} has a header hgrt cannot read (magic "
+                             f"{magic:#x}, dtype code {code}, {bits} bits, {lanes} lanes, "
+                             f"{ndim} dims)")
         shape = _unpack(f, f"<{ndim}q", where, name)
         (nbytes,) = _unpack(f, "<Q", where, name)
-        expect = math.prod(shape) * (bits // 8)
+        native = code in _TYPE_CODES and bits in (8, 16, 32, 64) and lanes == 1 \
+            and (code != 6 or bits == 8)
+        dtype = f"{_TYPE_CODES[code]}{bits if code != 6 else ''}" if native else \
+            f"dtype code {code} of {bits} bits x {lanes}"
+        expect = (math.prod(shape) * bits * lanes + 7) // 8  # sub-byte types are packed
         if min(shape, default=0) < 0 or expect != nbytes:
-            raise ParamError(f"{where}: param {name!r} of shape {shape} and dtype {dtype} "
-                             f"records {nbytes} bytes of data, not {expect}")
+            raise ParamError(f"{where}: param {name!r} of shape {shape} and {dtype} records "
+                             f"{nbytes} bytes of data, not {expect}")
         if nbytes > left():
             raise ParamError(f"{where}: param {name!r} {shape} is truncated ({left()} of its "
                              f"{nbytes} bytes are there)")
-        value = np.empty(shape, np.dtype(dtype))
-        if f.readinto(value.reshape(-1).view(np.uint8)) != nbytes:
-            raise ParamError(f"{where}: param {name!r} {shape} is truncated")
+        if native:
+            value = np.empty(shape, np.dtype(dtype))
+            if f.readinto(value.reshape(-1).view(np.uint8)) != nbytes:
+                raise ParamError(f"{where}: param {name!r} {shape} is truncated")
+        else:  # bfloat16, float8, int4, vector lanes: TVM's reader, on this tensor alone
+            value = _tvm_tensor(name, struct.pack("<QQiiiBBH", *head), shape, f.read(nbytes),
+                                where)
         yield name, value
         del value  # before the next one is read: one weight in host memory at a time
+
+
+def _tvm_tensor(name: str, head: bytes, shape: tuple, data: bytes, where: str) -> Any:
+    """One tensor of a dtype numpy lacks, read by TVM from a blob of that tensor alone, whose
+    sizes were checked above (TVM's reader checks none of them)."""
+    blob = b"".join([struct.pack("<QQQ", _LIST_MAGIC, 0, 1), struct.pack("<Q", len(name.encode())),
+                     name.encode(), struct.pack("<Q", 1), head,
+                     struct.pack(f"<{len(shape)}q", *shape), struct.pack("<Q", len(data)), data])
+    try:
+        return tvm.runtime.load_param_dict(blob)[name]
+    except Exception as e:
+        raise ParamError(f"{where}: param {name!r}: TVM cannot read its dtype: {e}") from None
 
 
 def _unpack(f: BinaryIO, fmt: str, where: str, what: str) -> tuple:
@@ -302,6 +321,8 @@ def elf_end(path: str) -> int | None:
 
         phoff, shoff = field(head, word, phoff_at), field(head, word, shoff_at)
         phentsize, phnum = field(head, "H", phentsize_at), field(head, "H", phnum_at)
+        if phnum == 0xFFFF:  # PN_XNUM: the count lives in section 0; the table end is enough
+            phnum = 0
         end = max(phoff + phentsize * phnum,
                   shoff + field(head, "H", shentsize_at) * field(head, "H", shnum_at))
         f.seek(phoff)
@@ -319,7 +340,11 @@ def check_library_file(path: str) -> None:
     process with SIGBUS, before any error could be raised."""
     if not os.path.isfile(path):
         raise ArtifactError(f"no library at {path!r}")
-    need, size = elf_end(path), os.path.getsize(path)
+    try:
+        need, size = elf_end(path), os.path.getsize(path)
+    except (struct.error, OverflowError, ValueError) as e:  # sizes and offsets past reason
+        raise ArtifactError(f"{path}: its ELF headers are corrupt ({e}); copy it again or "
+                            f"rebuild it") from None
     if need is not None and size < need:
         raise ArtifactError(f"{path} is truncated: {size} bytes, but its ELF headers place "
                             f"data up to byte {need}; copy it again or rebuild it")

@@ -242,15 +242,17 @@ def as_target(spec: Any, what: str = "target") -> tvm.target.Target:
 def _check_llvm_cpu(target: tvm.target.Target, what: str) -> None:
     """Refuse an ``mcpu`` LLVM does not know for the target's triple: LLVM would only log a
     line and build for a generic CPU of that architecture (slow code, silently)."""
-    from tvm.target.codegen import llvm_get_cpu_archlist
+    from tvm.target.codegen import llvm_get_cpu_archlist, llvm_is_valid_cpu
 
     mcpu = str(target.attrs.get("mcpu", "") or "")
     if not mcpu or mcpu in ("generic", "native"):
         return
     triple = str(target.attrs.get("mtriple", "") or "")
+    if llvm_is_valid_cpu(mcpu, triple or str(tvm.target.codegen.llvm_get_system_triple())):
+        return  # (LLVM's aliases too: apple-m1, which the archlist below does not name)
     bare = tvm.target.Target({"kind": "llvm", **({"mtriple": triple} if triple else {})})
     known = [str(c) for c in llvm_get_cpu_archlist(bare)]
-    if known and mcpu not in known:
+    if known:
         raise DeviceError(f"{what}: mcpu {did_you_mean(mcpu, known)} (the CPUs LLVM knows for "
                           f"{triple or 'this host'})")
 
@@ -413,15 +415,16 @@ def parse_devices(specs: Any, cuda_arch: str = DEFAULT_CUDA_ARCH,
         taken.add(f"{d.kind}:{did}")
         devices[i] = replace(d, name=f"{d.kind}:{did}", device_id=did)
     names = [d.name for d in devices]
-    unused = [k for k in _target_keys(targets)
-              if k not in names and k not in {d.kind for d in devices}]
-    if unused:  # a typo, or a device left out of the list: it would build for the default
-        raise DeviceError(f"targets are given for {unused}, but the devices are {names}: name "
-                          f"a kind ('cpu') or one of the devices")
     for d in devices:
         if names.index(d.name) != d.index:
             raise DeviceError(f"device {d.index} {d.name!r} repeats device {names.index(d.name)}: "
                               f"give two devices of one kind different ids ('cpu:0', 'cpu:1')")
+    used = {*names, *(d.kind for d in devices)} | ({"cpu"} if any(d.is_gpu for d in devices)
+                                                   else set())  # "cpu": the GPUs' host too
+    unused = [k for k in _target_keys(targets) if k not in used]
+    if unused:  # a typo, or a device left out of the list: it would build for the default
+        raise DeviceError(f"targets are given for {unused}, but the devices are {names}: name "
+                          f"a kind ('cpu') or one of the devices")
     _check_one_arch(devices)
     return devices
 

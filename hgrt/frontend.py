@@ -25,6 +25,7 @@ import tvm
 from tvm import relax
 
 from hgrt.errors import BuildError, did_you_mean
+from hgrt.relay_passes.relax_util import static_dims
 from hgrt.relay_passes.simplify import (
     elementwise_through_concats,
     fold_weight_transforms,
@@ -170,6 +171,12 @@ def _from_relax(mod: tvm.IRModule, params: dict[str, Any] | None) -> tuple[tvm.I
     unknown = sorted(set(given) - set(names))
     if unknown:
         raise BuildError(f"params {unknown} are not parameters of main (it takes {names})")
+    for p in main.params:  # a weight of another shape failed only when it was loaded
+        shape = static_dims(p.ty) if p.name in given else None
+        got = given.get(p.name)
+        if shape is not None and (tuple(got.shape) != shape or str(got.dtype) != p.ty.dtype):
+            raise BuildError(f"param {p.name!r} is {got.dtype}{list(got.shape)}, but main "
+                             f"takes {p.ty.dtype}{list(shape)}")
     # weights must come after the user inputs: reorder main's params if needed
     inputs = [p for p in main.params if p.name not in given]
     weights = [p for p in main.params if p.name in given]
@@ -201,7 +208,8 @@ def _from_nn(module: Any, params: dict[str, Any] | None, input_shapes: dict[str,
         shape, dtype = given[name], "float32"
         if isinstance(shape, tuple) and len(shape) == 2 and isinstance(shape[1], str):
             shape, dtype = shape
-        if not all(isinstance(d, (int, np.integer)) and d >= 0 for d in shape):
+        if not isinstance(shape, (list, tuple)) or \
+                not all(isinstance(d, (int, np.integer)) and d >= 0 for d in shape):
             raise BuildError(f"input_shapes[{name!r}] = {given[name]!r}: expected sizes >= 0 "
                              f"(and a dtype: (shape, 'float16'))")
         spec[name] = nn.spec.Tensor([int(d) for d in shape], dtype)
@@ -219,7 +227,10 @@ def _from_nn(module: Any, params: dict[str, Any] | None, input_shapes: dict[str,
         raise BuildError(f"the module's parameters {missing} hold no data: set each "
                          f"(param.data = ...) or pass params={{name: array}}")
     func = exported["forward"]
-    renamed = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
+    # forward becomes main; the functions it calls (tensor_ir_op's PrimFuncs) stay
+    renamed = tvm.IRModule({**{gv: f for gv, f in exported.functions_items()
+                               if gv.name_hint != "forward"},
+                            "main": func.with_attr("global_symbol", "main")})
     by_var = {p.name: n for p, (n, _) in zip(func.params[len(args):], named, strict=True)}
     weights = {v: values.get(n, p.data) for (v, n), (_, p) in zip(by_var.items(), named,
                                                                    strict=True)}

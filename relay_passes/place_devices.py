@@ -68,15 +68,17 @@ class Placement:
     def __post_init__(self) -> None:
         for name in ("rules", "overrides", "budgets"):
             value = getattr(self, name)
-            if not isinstance(value, Mapping):
+            if value is None:  # as none given
+                object.__setattr__(self, name, {})
+            elif not isinstance(value, Mapping):
                 raise BuildError(f"Placement.{name} must be a dict ({_FIELD_HELP[name]}), got "
                                  f"{type(value).__name__} {value!r:.80}")
         for dev, nbytes in self.budgets.items():
-            if not isinstance(nbytes, (int, np.integer)) or isinstance(nbytes, bool) \
-                    or nbytes < 0:
-                raise BuildError(f"Placement.budgets[{dev!r}] must be bytes (an integer >= 0), "
+            if not isinstance(nbytes, (int, float, np.number)) or isinstance(nbytes, bool) \
+                    or not 0 <= nbytes < float("inf"):
+                raise BuildError(f"Placement.budgets[{dev!r}] must be bytes (a number >= 0), "
                                  f"got {nbytes!r}")
-        if not isinstance(self.auto, (bool, np.bool_)):
+        if self.auto not in (True, False):  # 0 and 1 too
             raise BuildError(f"Placement.auto must be True or False, got {self.auto!r}")
         if self.profile is not None and not isinstance(self.profile, (str, os.PathLike)):
             raise BuildError(f"Placement.profile must be a path (what `hgrt profile DIR --json "

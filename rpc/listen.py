@@ -20,6 +20,7 @@ import itertools
 import logging
 import math
 import multiprocessing
+import numbers
 import os
 import select
 import shutil
@@ -110,7 +111,7 @@ class ListenConfig:
     def __post_init__(self) -> None:
         for name in ("port", "port_end"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
                 raise InputError(f"{name} must be an integer, got {value!r}")
         if not (isinstance(self.max_session, (int, float)) and 0 <= self.max_session < math.inf):
             raise InputError(f"max_session must be seconds >= 0 (0: no cap), got "
@@ -119,7 +120,8 @@ class ListenConfig:
             raise InputError(f"port {self.port} is not a TCP port (1-65535)")
         if not self.port < self.port_end <= 65536:
             raise InputError(f"the ports to try, [{self.port}, {self.port_end}), hold none: the "
-                             f"last port tried (--port-end) must be at least --port "
+                             f"last port tried (`hgrt rpc-server --port-end`; serve()'s "
+                             f"port_end is one past it) must be at least the first "
                              f"({self.port}) and at most 65535")
 
 

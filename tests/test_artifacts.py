@@ -110,7 +110,8 @@ CORRUPT = {
     "a name that is not UTF-8": (patched(NAMES_AT + 8, "<B", 0xFF),
                                  "the name of param 0 is not UTF-8"),
     "negative dims": (patched(W_AT + 24, "<i", -3), r"'w' has a header .* -3 dims"),
-    "a 37-bit float": (patched(W_AT + 29, "<B", 37), r"'w' has a header .* 37 bits"),
+    "a 37-bit float": (patched(W_AT + 29, "<B", 37), r"'w' of shape \(3, 4\) and dtype code 2 "
+                                                     r"of 37 bits x 1 records 48 bytes"),
     "a negative size": (patched(W_AT + 32, "<q", -3), r"'w' of shape \(-3, 4\) .* records"),
     "a huge size": (patched(W_AT + 32, "<q", 1 << 40), r"'w' of shape \(1099511627776, 4\)"),
     "a byte count that is not the shape's": (patched(W_AT + 48, "<Q", 40),
@@ -147,3 +148,24 @@ def test_a_corrupt_params_file_is_refused_by_load_and_host_leaving_nothing(art, 
     with pytest.raises(ParamError, match=r"param 'w' \(16,\) is truncated"):
         host.add("net", out)
     assert host.budgets()["cpu:0"].used == 0 and "net" not in repr(host)
+
+
+def test_a_library_with_corrupt_headers_is_refused(art, tmp_path):
+    whole = bytearray(read(os.path.join(art, LIB_FILE)))
+    struct.pack_into("<H", whole, 54, 35)  # e_phentsize: 35, not 56 (struct.error before)
+    out = damaged(art, tmp_path, LIB_FILE, bytes(whole))
+    with pytest.raises(ArtifactError, match="its ELF headers are corrupt"):
+        hgrt.load(out, ["cpu:0"])
+
+
+def test_params_of_dtypes_numpy_lacks_still_read_through_tvm():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    blob = params_to_bytes({"b": np.arange(3, dtype=ml_dtypes.bfloat16),
+                            "f": np.arange(4, dtype="float32")})
+    got = dict(iter_params(blob))
+    assert str(got["b"].dtype) == "bfloat16" and got["b"].shape == (3,)
+    np.testing.assert_array_equal(got["b"].numpy().astype("float32"), [0, 1, 2])
+    np.testing.assert_array_equal(got["f"], np.arange(4, dtype="float32"))
+    cut = blob[:-17]  # into the bfloat16 data, its sizes checked before TVM reads it
+    with pytest.raises(ParamError, match="truncated"):
+        list(iter_params(cut))

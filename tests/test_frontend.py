@@ -101,6 +101,7 @@ def test_an_nn_module_builds_split_over_two_devices(weights_from):
     ({}, r"input_shapes must name exactly \['x'\], got \[\]"),
     ({"input_shapes": {"y": [2, 8]}}, r"must name exactly \['x'\], got \['y'\]"),
     ({"input_shapes": {"x": [2, -8]}}, r"input_shapes\['x'\] = \[2, -8\]: expected sizes"),
+    ({"input_shapes": {"x": 8}}, r"input_shapes\['x'\] = 8: expected sizes"),
     ({"input_shapes": {"x": [2, 8]}}, r"parameters \['fc1.weight', .*\] hold no data"),
     ({"input_shapes": {"x": [2, 8]}, "params": {"fc3.weight": np.ones(1)}},
      r"params \['fc3.weight'\] are not parameters of the module"),
@@ -109,3 +110,32 @@ def test_an_nn_module_without_shapes_or_weights_is_refused(kwargs, match):
     net, _ = _mlp()
     with pytest.raises(hgrt.BuildError, match=match):
         hgrt.build(net, ["cpu:0"], **kwargs)
+
+
+def test_a_weight_of_another_shape_is_refused_at_build():
+    net, values = _mlp()  # it failed only when the weights were loaded
+    values["fc1.weight"] = values["fc1.weight"].T.copy()
+    with pytest.raises(hgrt.BuildError, match=r"param 'fc1.weight' is float32\[8, 16\], but "
+                                              r"main takes float32\[16, 8\]"):
+        hgrt.build(net, ["cpu:0"], params=values, input_shapes={"x": [2, 8]})
+
+
+def test_an_nn_module_keeps_the_kernels_it_brings():
+    """``nn.op.tensor_expr_op`` adds a PrimFunc of its own beside forward."""
+    from tvm import te
+    from tvm.relax.frontend import nn
+
+    class Doubled(nn.Module):
+        def __init__(self):
+            self.fc = nn.Linear(4, 4, bias=False)
+
+        def forward(self, x):
+            return nn.op.tensor_expr_op(
+                lambda a: te.compute(a.shape, lambda i, j: a[i, j] * 2.0, name="dbl"), "dbl",
+                [self.fc(x)])
+
+    net = Doubled()
+    w = np.arange(16, dtype="float32").reshape(4, 4)
+    res = hgrt.build(net, ["cpu:0"], params={"fc.weight": w}, input_shapes={"x": [1, 4]})
+    x = np.ones((1, 4), "float32")
+    np.testing.assert_allclose(run_hgrt(res, {"x": x})[0], 2 * (x @ w.T), rtol=1e-6)

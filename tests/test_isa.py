@@ -137,9 +137,11 @@ def test_an_mcpu_llvm_does_not_know_is_refused(spec, match):
 
 
 def test_known_mcpus_of_every_architecture_pass():
-    for spec in ("llvm -mcpu=haswell", "raspberry-pi/4b-aarch64",
-                 "llvm -mtriple=riscv64-linux-gnu -mcpu=sifive-u74", "llvm"):
+    for spec in ("llvm -mcpu=haswell", "raspberry-pi/4b-aarch64", "llvm -mcpu=x86-64-v3",
+                 "llvm -mtriple=riscv64-linux-gnu -mcpu=sifive-u74", "llvm",
+                 "llvm -mtriple=aarch64-linux-gnu -mcpu=apple-m1"):  # an alias LLVM takes
         assert as_target(spec).kind.name == "llvm"
+    assert as_target("apple/m1-gpu").kind.name == "metal"  # a tag whose host is an alias
 
 
 @pytest.mark.parametrize("targets, match", [
@@ -153,6 +155,10 @@ def test_a_target_for_a_device_not_in_the_list_is_refused(targets, match):
         hgrt.devices.parse_devices(["cpu:0"], targets=targets)
     devs = hgrt.devices.parse_devices(["cpu:0", "cpu:1"], targets={"cpu:1": "llvm -mcpu=haswell"})
     assert devs[1].target.attrs["mcpu"] == "haswell" != devs[0].target.attrs["mcpu"]
+    # with GPUs only, a CPU target is their host's
+    arm = {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mcpu": "cortex-a78"}
+    (gpu,) = hgrt.devices.parse_devices(["cuda"], targets={"cpu": arm, "cuda": "cuda -arch=sm_87"})
+    assert gpu.target.host.attrs["mcpu"] == "cortex-a78"
 
 
 def test_the_cli_spelling_of_targets():

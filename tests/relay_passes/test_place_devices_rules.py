@@ -29,6 +29,9 @@ def test_op_names_patterns_and_ops_this_model_lacks_are_fine(key):
 def test_a_placement_given_as_a_dict_of_its_fields_is_taken():
     res = hgrt.build(conv_model(), ["cpu:0", "cpu:1"], {"rules": {"nn.conv2d": "cpu:1"}})
     assert [r.device for r in res.placement_report if r.op == "relax.nn.conv2d"] == ["cpu:1"]
+    # what the settings took before they were checked: None for none, bytes as a float, 1
+    p = hgrt.Placement(rules=None, overrides=None, budgets={"cpu:1": 2e9}, auto=1)
+    assert p.rules == p.overrides == {} and p.budgets == {"cpu:1": 2e9}
 
 
 @pytest.mark.parametrize("placement, match", [
@@ -38,7 +41,7 @@ def test_a_placement_given_as_a_dict_of_its_fields_is_taken():
     ({"rules": "nn.conv2d"}, r"Placement.rules must be a dict \(op name or pattern -> device"),
     ({"overrides": ["lv"]}, r"Placement.overrides must be a dict .* got list"),
     ({"budgets": {"cpu:0": "lots"}, "auto": True},
-     r"Placement.budgets\['cpu:0'\] must be bytes \(an integer >= 0\), got 'lots'"),
+     r"Placement.budgets\['cpu:0'\] must be bytes \(a number >= 0\), got 'lots'"),
     ({"budgets": {"cpu:0": -1}}, r"must be bytes"),
     ({"auto": "yes"}, r"Placement.auto must be True or False, got 'yes'"),
     ({"profile": 3}, r"Placement.profile must be a path"),
