@@ -179,8 +179,6 @@ def cmd_zoo(args: argparse.Namespace) -> int:
 def cmd_tune(args: argparse.Namespace) -> int:
     from hgrt.tune import tune
 
-    if args.trials_per_task < 1:
-        raise InputError(f"--trials-per-task {args.trials_per_task}: must be at least 1")
     if not args.verbose:  # MetaSchedule's per-round log stays in DB/logs/, off the console
         logging.getLogger("tvm.s_tir.meta_schedule").propagate = False
     t0 = time.perf_counter()

@@ -65,9 +65,11 @@ def test_tune_compile_run(tmp_path, capsys):
 def test_tune_refuses_a_bad_budget(tmp_path, capsys):
     model = str(tmp_path / "mm.onnx")
     _matmul_model(model)
-    assert main(["tune", model, "--device", "cpu", "--db", str(tmp_path / "db"),
-                 "--trials-per-task", "0"]) == 2
-    assert "at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # a usage error, as argparse makes them
+        main(["tune", model, "--device", "cpu", "--db", str(tmp_path / "db"),
+              "--trials-per-task", "0"])
+    assert e.value.code == 2
+    assert "--trials-per-task: must be at least 1, got 0" in capsys.readouterr().err
 
 
 def test_zoo_writes_a_runnable_model(tmp_path, capsys):
