@@ -592,6 +592,7 @@ def test_a_dropped_module_leaves_nothing_in_the_kernels_caches():
     built = hgrt.build(model, ["cpu"], kernels="onednn")
     x = light_input(model)
     onednn.load()
+    gc.collect()  # modules earlier tests left in reference cycles: freed now, not inside the loop
     before = cached()
     for _ in range(3):
         m = hgrt.create(built.graph_json, built.lib, [tvm.cpu(0)])
