@@ -91,9 +91,9 @@ def _context(model: Any, devices: Any, placement: Placement | None, params: Any,
         ctx.log(f"device {d.name}: target {d.target}")
     with located("'import_model' failed"):
         mod, weights = import_model(model, params, input_shapes)
-    for p in mod["main"].params:
-        static_shape(p.ty, f"input {p.name!r}")
     main = mod["main"]
+    for p in main.params:
+        static_shape(p.ty, f"input {p.name!r}")
     ctx.weights = Weights(dict(weights), inputs=frozenset(
         p.name for p in main.params[:int(main.attrs["num_input"])]))
     return mod, ctx

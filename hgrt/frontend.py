@@ -231,9 +231,9 @@ def _from_nn(module: Any, params: dict[str, Any] | None, input_shapes: dict[str,
     renamed = tvm.IRModule({**{gv: f for gv, f in exported.functions_items()
                                if gv.name_hint != "forward"},
                             "main": func.with_attr("global_symbol", "main")})
-    by_var = {p.name: n for p, (n, _) in zip(func.params[len(args):], named, strict=True)}
-    weights = {v: values.get(n, p.data) for (v, n), (_, p) in zip(by_var.items(), named,
-                                                                   strict=True)}
+    # main's weight parameters come in the order export_tvm names them
+    weights = {var.name: values.get(name, param.data)
+               for var, (name, param) in zip(func.params[len(args):], named, strict=True)}
     return _from_relax(renamed, weights)
 
 

@@ -84,9 +84,7 @@ def open_database(db_dir: str):
     """The MetaSchedule JSON database in ``db_dir`` (created when missing)."""
     from tvm.s_tir import meta_schedule as ms
 
-    if os.path.exists(db_dir) and not os.path.isdir(db_dir):
-        raise BuildError(f"tuning database {db_dir!r} is a file; a database is a directory "
-                         f"(what `hgrt tune --db DIR` writes)")
+    _refuse_a_file(db_dir)
     os.makedirs(db_dir, exist_ok=True)
     try:
         return ms.database.JSONDatabase(work_dir=db_dir, module_equality="structural")
@@ -95,6 +93,12 @@ def open_database(db_dir: str):
         raise BuildError(f"tuning database {db_dir!r}: its files {files} do not read as "
                          f"MetaSchedule records ({type(e).__name__}: {str(e)[:200]}); mend or "
                          f"remove the damaged file and tune again") from None
+
+
+def _refuse_a_file(db_dir: str) -> None:
+    if os.path.exists(db_dir) and not os.path.isdir(db_dir):
+        raise BuildError(f"tuning database {db_dir!r} is a file; a database is a directory "
+                         f"(what `hgrt tune --db DIR` writes)")
 
 
 class TuningProgress:
@@ -249,8 +253,7 @@ def apply_database(mod: tvm.IRModule, db_dir: str, *, log: Callable[[str], None]
     builds for (another ``mcpu``) is a BuildError when ``explicit`` (the user named it: every
     ``build(tuning_db=)``), else ignored with a warning.
     """
-    if os.path.isfile(db_dir):
-        open_database(db_dir)  # the error that says a database is a directory
+    _refuse_a_file(db_dir)
     if not os.path.exists(os.path.join(db_dir, RECORDS_FILE)):
         raise BuildError(f"tuning database {db_dir!r} does not exist (no {RECORDS_FILE}): "
                          f"run `hgrt tune` first")
