@@ -283,7 +283,7 @@ def ort_block_suffix(ort_isa: str) -> str:
     """What a markdown block's name gains when onnxruntime ran under the CPUID cap."""
     from cpuid_cap import CAPPED
 
-    return "_ort_capped" if ort_isa.endswith(f"({CAPPED})") else ""
+    return "_ort_capped" if f"({CAPPED}" in ort_isa else ""
 
 
 def _flatten(out) -> list[np.ndarray]:

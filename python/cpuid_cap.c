@@ -7,10 +7,17 @@
 // with faulting lifted for a moment, clears the masked feature bits, writes the four registers
 // and steps over the two-byte instruction. Any other SIGSEGV goes to the handler that was
 // installed before (TVM's backtrace printer, or the default).
+//
+// Where the CPU has no CPUID faulting (AMD hosts, most VMs on them), cpuid_cap.py patches a copy
+// of onnxruntime's library instead: each CPUID and XGETBV instruction becomes an INT3 (padded
+// with NOPs), and the SIGTRAP handler below runs the real instruction for it, clearing the same
+// bits and, from XCR0, the AVX-512 and AMX state (an AVX2-only OS enables neither).
 #define _GNU_SOURCE
 #include <asm/prctl.h>
 #include <cpuid.h>
+#include <dlfcn.h>
 #include <signal.h>
+#include <stdint.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <ucontext.h>
@@ -19,6 +26,17 @@
 static struct sigaction previous;
 // bits to clear: leaf 7 subleaf 0 EBX, ECX, EDX; leaf 7 subleaf 1 EAX
 static unsigned mask7b, mask7c, mask7d, mask71a;
+
+static void clear_masked(unsigned leaf, unsigned sub, unsigned *a, unsigned *b, unsigned *c,
+                         unsigned *d) {
+  if (leaf == 7 && sub == 0) {
+    *b &= ~mask7b;
+    *c &= ~mask7c;
+    *d &= ~mask7d;
+  } else if (leaf == 7 && sub == 1) {
+    *a &= ~mask71a;
+  }
+}
 
 static void on_segv(int sig, siginfo_t *info, void *context) {
   (void)sig;
@@ -33,13 +51,7 @@ static void on_segv(int sig, siginfo_t *info, void *context) {
   syscall(SYS_arch_prctl, ARCH_SET_CPUID, 1);
   __cpuid_count(leaf, sub, a, b, c, d);
   syscall(SYS_arch_prctl, ARCH_SET_CPUID, 0);
-  if (leaf == 7 && sub == 0) {
-    b &= ~mask7b;
-    c &= ~mask7c;
-    d &= ~mask7d;
-  } else if (leaf == 7 && sub == 1) {
-    a &= ~mask71a;
-  }
+  clear_masked(leaf, sub, &a, &b, &c, &d);
   r[REG_RAX] = a;
   r[REG_RBX] = b;
   r[REG_RCX] = c;
@@ -63,7 +75,11 @@ int cpuid_cap_begin(unsigned leaf7_ebx, unsigned leaf7_ecx, unsigned leaf7_edx,
   struct sigaction before;
   if (sigaction(SIGSEGV, &sa, &before) != 0) return -1;
   if (before.sa_sigaction != on_segv) previous = before;
-  return syscall(SYS_arch_prctl, ARCH_SET_CPUID, 0) == 0 ? 0 : -2;
+  if (syscall(SYS_arch_prctl, ARCH_SET_CPUID, 0) != 0) {  // no faulting: handler back
+    sigaction(SIGSEGV, &previous, NULL);
+    return -2;
+  }
+  return 0;
 }
 
 // CPUID runs unfaulted again in the calling thread.
@@ -75,3 +91,83 @@ unsigned cpuid_leaf7_ebx(void) {
   __cpuid_count(7, 0, a, b, c, d);
   return b;
 }
+
+// ---- the patched-library cap (no CPUID faulting) ----
+#define MAX_SITES 512
+enum { SITE_CPUID = 0, SITE_XGETBV = 1 };
+static uint64_t xcr0_mask;
+static unsigned long site_at[MAX_SITES];  // offsets from the load address of their library
+static unsigned char site_kind[MAX_SITES];
+static int n_sites;
+static struct sigaction previous_trap;
+static volatile long trap_hits;
+
+static void on_trap(int sig, siginfo_t *info, void *context) {
+  (void)info;
+  greg_t *r = ((ucontext_t *)context)->uc_mcontext.gregs;
+  unsigned long at = (unsigned long)r[REG_RIP] - 1;  // the INT3 that trapped
+  int kind = -1;
+  Dl_info dl;
+  // dladdr is not async-signal-safe on paper; the traps come from ordinary code, not from
+  // other signal handlers, and the loader's lock it takes is recursive (traps inside dlopen)
+  if (dladdr((void *)at, &dl) && dl.dli_fbase != NULL) {
+    unsigned long off = at - (unsigned long)dl.dli_fbase;
+    for (int i = 0; i < n_sites; i++)
+      if (site_at[i] == off) {
+        kind = site_kind[i];
+        break;
+      }
+  }
+  if (kind < 0) {  // not one of ours: as if no handler had been here
+    sigaction(sig, &previous_trap, NULL);
+    raise(sig);
+    return;
+  }
+  __sync_fetch_and_add(&trap_hits, 1);
+  if (kind == SITE_CPUID) {
+    unsigned leaf = (unsigned)r[REG_RAX], sub = (unsigned)r[REG_RCX], a, b, c, d;
+    __cpuid_count(leaf, sub, a, b, c, d);
+    clear_masked(leaf, sub, &a, &b, &c, &d);
+    r[REG_RAX] = a;
+    r[REG_RBX] = b;
+    r[REG_RCX] = c;
+    r[REG_RDX] = d;
+    r[REG_RIP] = (greg_t)(at + 2);
+  } else {
+    unsigned lo, hi, which = (unsigned)r[REG_RCX];
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(which));
+    uint64_t v = (uint64_t)hi << 32 | lo;
+    if (which == 0) v &= ~xcr0_mask;
+    r[REG_RAX] = (uint32_t)v;
+    r[REG_RDX] = (uint32_t)(v >> 32);
+    r[REG_RIP] = (greg_t)(at + 3);
+  }
+}
+
+// Answer the INT3s at these offsets (kind 0: a CPUID, 2 bytes; 1: an XGETBV, 3 bytes) in any
+// library, process-wide, with the bits given cleared. 0 on success.
+int cpuid_trap_begin(unsigned leaf7_ebx, unsigned leaf7_ecx, unsigned leaf7_edx,
+                     unsigned leaf7_1_eax, unsigned long long xcr0, const unsigned long *at,
+                     const unsigned char *kind, int n) {
+  if (n < 0 || n > MAX_SITES) return -1;
+  mask7b = leaf7_ebx;
+  mask7c = leaf7_ecx;
+  mask7d = leaf7_edx;
+  mask71a = leaf7_1_eax;
+  xcr0_mask = xcr0;
+  memcpy(site_at, at, (size_t)n * sizeof *at);
+  memcpy(site_kind, kind, (size_t)n);
+  n_sites = n;
+  struct sigaction sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_sigaction = on_trap;
+  sa.sa_flags = SA_SIGINFO | SA_NODEFER;
+  sigemptyset(&sa.sa_mask);
+  struct sigaction before;
+  if (sigaction(SIGTRAP, &sa, &before) != 0) return -2;
+  if (before.sa_sigaction != on_trap) previous_trap = before;
+  return 0;
+}
+
+// How many patched instructions have been answered so far.
+long cpuid_trap_hits(void) { return trap_hits; }

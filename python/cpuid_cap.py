@@ -8,9 +8,17 @@ AVX-VNNI (Linux's CPUID faulting, ``cpuid_cap.c``), then lifts the cap: later th
 LLVM and oneDNN see the real CPU. Measured on a Xeon with AVX-512 (2 threads): light resnet50
 24 -> 37.5 ms, squeezenet 2.3 -> 3.6 ms under the cap.
 
-Needs Linux on x86-64, a C compiler (``cc``) and CPUID faulting (``cpuid_fault`` in
-/proc/cpuinfo flags; KVM guests usually have it). Where any is missing, onnxruntime runs the
-host's ISA and the returned line says why.
+Where the CPU has no CPUID faulting (``cpuid_fault`` in /proc/cpuinfo flags: Intel KVM guests
+usually have it, AMD hosts do not), onnxruntime is imported from a patched copy instead (made
+once into the cache: links to the installed files, its extension library copied): each CPUID
+and XGETBV instruction ``objdump`` finds in that library traps to a handler that answers as an
+AVX2 machine would, XCR0 without the AVX-512 and AMX state included. The cap then holds for
+onnxruntime alone, in every thread, for the life of the process; TVM, LLVM and oneDNN run
+unpatched code and see the real CPU. The answer says which way took (``(CPUID capped)``,
+``(CPUID capped, patched)``).
+
+Needs Linux on x86-64 and a C compiler (``cc``); the patched copy ``objdump`` (binutils).
+Where any is missing, onnxruntime runs the host's ISA and the returned line says why.
 """
 
 from __future__ import annotations
@@ -19,9 +27,12 @@ import ctypes
 import gc
 import hashlib
 import importlib.util
+import json
 import os
 import platform
+import re
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -38,15 +49,21 @@ _AVX2 = dict(
     leaf7_edx=sum(1 << b for b in (2, 3, 8, 22, 23, 24, 25)),
     # leaf 7.1 EAX: AVX_VNNI, AVX512_BF16
     leaf7_1_eax=sum(1 << b for b in (4, 5)),
+    # XCR0 (patched path only): opmask, ZMM_Hi256, Hi16_ZMM; AMX TILECFG, TILEDATA
+    xcr0=sum(1 << b for b in (5, 6, 7, 17, 18)),
 )
 MASKS = {"avx2": _AVX2}
 CAPPED = "CPUID capped"  # what cap_onnxruntime's answer ends with when the cap took
 
 
+def _cache() -> Path:
+    return Path(os.environ.get("HGRT_CACHE_DIR", Path.home() / ".cache" / "hgrt"))
+
+
 def _library() -> ctypes.CDLL:
     """cpuid_cap.c compiled once into the cache (keyed by its source), loaded."""
     src = SOURCE.read_bytes()
-    cache = Path(os.environ.get("HGRT_CACHE_DIR", Path.home() / ".cache" / "hgrt"))
+    cache = _cache()
     lib = cache / f"cpuid_cap-{hashlib.sha256(src).hexdigest()[:12]}.so"
     if not lib.exists():
         cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
@@ -60,7 +77,112 @@ def _library() -> ctypes.CDLL:
     so = ctypes.CDLL(str(lib))
     so.cpuid_cap_begin.argtypes = [ctypes.c_uint] * 4
     so.cpuid_leaf7_ebx.restype = ctypes.c_uint
+    so.cpuid_trap_begin.argtypes = [ctypes.c_uint] * 4 + [
+        ctypes.c_ulonglong, ctypes.POINTER(ctypes.c_ulong), ctypes.POINTER(ctypes.c_ubyte),
+        ctypes.c_int]
+    so.cpuid_trap_hits.restype = ctypes.c_long
     return so
+
+
+# what each patched instruction is, and its bytes
+_SITES = {"cpuid": (0, b"\x0f\xa2"), "xgetbv": (1, b"\x0f\x01\xd0")}
+
+
+def _load_segments(data: bytes) -> list[tuple[int, int, int]]:
+    """(address, file offset, size in the file) of each loadable segment of a 64-bit ELF."""
+    if data[:5] != b"\x7fELF\x02":
+        raise OSError("not a 64-bit ELF file")
+    phoff, = struct.unpack_from("<Q", data, 0x20)
+    phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
+    out = []
+    for i in range(phnum):
+        ptype, _, offset, vaddr, _, filesz = struct.unpack_from("<IIQQQQ", data, phoff + i * phentsize)
+        if ptype == 1:  # PT_LOAD
+            out.append((vaddr, offset, filesz))
+    return out
+
+
+def _patch(library: Path) -> list[tuple[int, int]]:
+    """Turn each CPUID / XGETBV instruction of ``library`` (as objdump disassembles it) into
+    an INT3 and NOPs, in place; returns (offset from the load address, kind) of each."""
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        raise OSError("no objdump (binutils) to find CPUID instructions")
+    text = subprocess.run([objdump, "-d", "--no-show-raw-insn", str(library)], check=True,
+                          capture_output=True, text=True).stdout
+    found = re.findall(r"^\s*([0-9a-f]+):\s+(cpuid|xgetbv)\s*$", text, re.M)
+    data = bytearray(library.read_bytes())
+    segments = _load_segments(data)
+    sites = []
+    for at, name in found:
+        kind, code = _SITES[name]
+        at = int(at, 16)
+        offset = next((at - va + off for va, off, size in segments if va <= at < va + size), None)
+        if offset is None or data[offset:offset + len(code)] != code:
+            raise OSError(f"{name} at {at:#x} is not where objdump put it")
+        data[offset:offset + len(code)] = b"\xcc" + b"\x90" * (len(code) - 1)
+        sites.append((at, kind))
+    if not sites:
+        raise OSError("objdump found no CPUID instruction in it")
+    library.write_bytes(bytes(data))
+    return sites
+
+
+def _patched_onnxruntime() -> tuple[Path, list[tuple[int, int]]]:
+    """A copy of the installed onnxruntime package whose extension library is patched
+    (``_patch``), made once into the cache; returns the directory to import it from and the
+    patched sites."""
+    package = Path(importlib.util.find_spec("onnxruntime").submodule_search_locations[0])
+    libs = sorted(package.glob("capi/onnxruntime_pybind11_state*.so"))
+    if len(libs) != 1:
+        raise OSError(f"{len(libs)} onnxruntime extension libraries in {package / 'capi'}")
+    st = libs[0].stat()
+    key = hashlib.sha256(f"{libs[0]}:{st.st_size}:{st.st_mtime_ns}:{SOURCE.read_bytes()!r}"
+                         .encode()).hexdigest()[:12]
+    root = _cache() / f"onnxruntime-cpuid-{key}"
+    if not (root / "sites.json").exists():
+        tmp = root.with_name(f"{root.name}.{os.getpid()}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        for path in package.rglob("*"):
+            if "__pycache__" in path.parts:
+                continue
+            into = tmp / "onnxruntime" / path.relative_to(package)
+            if path.is_dir():
+                into.mkdir(parents=True, exist_ok=True)
+                continue
+            into.parent.mkdir(parents=True, exist_ok=True)
+            if path == libs[0]:
+                shutil.copyfile(path, into)
+            else:
+                into.symlink_to(path)
+        sites = _patch(tmp / "onnxruntime" / libs[0].relative_to(package))
+        (tmp / "sites.json").write_text(json.dumps(sites))
+        shutil.rmtree(root, ignore_errors=True)
+        tmp.replace(root)
+    return root, [tuple(s) for s in json.loads((root / "sites.json").read_text())]
+
+
+def _cap_by_patching(so: ctypes.CDLL, isa: str, host_isa: str) -> str:
+    """onnxruntime imported from its patched copy, its CPUID answered as ``isa``'s."""
+    try:
+        root, sites = _patched_onnxruntime()
+    except (OSError, subprocess.CalledProcessError) as e:
+        return f"{host_isa} (no CPUID faulting, and onnxruntime not patched: {e})"
+    mask = MASKS[isa]
+    at = (ctypes.c_ulong * len(sites))(*(s[0] for s in sites))
+    kinds = (ctypes.c_ubyte * len(sites))(*(s[1] for s in sites))
+    if so.cpuid_trap_begin(mask["leaf7_ebx"], mask["leaf7_ecx"], mask["leaf7_edx"],
+                           mask["leaf7_1_eax"], mask["xcr0"], at, kinds, len(sites)) != 0:
+        return f"{host_isa} (the CPUID trap handler was not installed)"
+    sys.path.insert(0, str(root))
+    _load_onnxruntime()
+    import onnxruntime
+
+    if Path(onnxruntime.__file__).parent != root / "onnxruntime":
+        return f"{host_isa} (onnxruntime came from {onnxruntime.__file__}, not the patched copy)"
+    if so.cpuid_trap_hits() == 0:
+        return f"{host_isa} (the patched onnxruntime asked no CPUID)"
+    return f"{isa} ({CAPPED}, patched)"
 
 
 def _load_onnxruntime() -> None:
@@ -79,10 +201,11 @@ def _load_onnxruntime() -> None:
     gc.collect()
 
 
-def cap_onnxruntime(isa: str, host_isa: str) -> str:
+def cap_onnxruntime(isa: str, host_isa: str, *, patch: bool | None = None) -> str:
     """Load onnxruntime so that it runs ``isa`` (hgrt's vector ISA names) on a host of
     ``host_isa``; returns the ISA it runs, with the reason where that is the host's. Call before
-    anything imports onnxruntime."""
+    anything imports onnxruntime. ``patch``: True patches even where CPUID faults (tests),
+    False never patches; by default, only where it does not."""
     if isa == host_isa or isa not in MASKS:
         return host_isa if isa == host_isa else f"{host_isa} (no CPUID cap for {isa})"
     if importlib.util.find_spec("onnxruntime") is None:
@@ -98,9 +221,12 @@ def cap_onnxruntime(isa: str, host_isa: str) -> str:
     except (OSError, subprocess.CalledProcessError) as e:
         return f"{host_isa} (cpuid_cap.c not built: {str(e).splitlines()[0][:80]})"
     mask = MASKS[isa]
-    if so.cpuid_cap_begin(*mask.values()) != 0:
+    fault = {k: v for k, v in mask.items() if k != "xcr0"}
+    if patch or so.cpuid_cap_begin(*fault.values()) != 0:
         so.cpuid_cap_end()
-        return f"{host_isa} (no CPUID faulting on this machine)"
+        if patch is False:
+            return f"{host_isa} (no CPUID faulting on this machine)"
+        return _cap_by_patching(so, isa, host_isa)
     try:
         if so.cpuid_leaf7_ebx() & mask["leaf7_ebx"]:
             return f"{host_isa} (the CPUID cap did not take)"

@@ -1,5 +1,6 @@
 """python/cpuid_cap.py: the benchmarks' CPUID cap that makes onnxruntime run AVX2 kernels on an
-AVX-512 host. Each check runs in a fresh interpreter (the cap acts when onnxruntime loads)."""
+AVX-512 host, by CPUID faulting or by a patched copy of onnxruntime. Each check runs in a fresh
+interpreter (the cap acts when onnxruntime loads)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AVX512F = 1 << 16  # CPUID leaf 7 EBX
 
 pytest.importorskip("onnxruntime")
-pytestmark = pytest.mark.skipif(
-    not {"avx512f", "cpuid_fault"} <= cpu_flags(),
-    reason="needs an AVX-512 host with CPUID faulting (cpuid_fault in /proc/cpuinfo)")
+pytestmark = pytest.mark.skipif("avx512f" not in cpu_flags(), reason="needs an AVX-512 host")
+needs_faulting = pytest.mark.skipif(
+    "cpuid_fault" not in cpu_flags(),
+    reason="needs CPUID faulting (cpuid_fault in /proc/cpuinfo)")
 
 # one 3x3 convolution through onnxruntime, optionally under the cap; prints JSON
 SCRIPT = r"""
@@ -27,7 +29,8 @@ import json, sys, threading
 import numpy as np
 sys.path.insert(0, sys.argv[1])
 import cpuid_cap
-said = cpuid_cap.cap_onnxruntime("avx2", "avx512") if sys.argv[2] == "1" else "avx512"
+how = {"none": None, "auto": {}, "patch": {"patch": True}}[sys.argv[2]]
+said = "avx512" if how is None else cpuid_cap.cap_onnxruntime("avx2", "avx512", **how)
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 rng = np.random.default_rng(0)
@@ -49,23 +52,25 @@ seen = []
 t = threading.Thread(target=lambda: seen.append(lib.cpuid_leaf7_ebx()))
 t.start()
 t.join()
-print(json.dumps({"said": said, "main": lib.cpuid_leaf7_ebx(), "thread": seen[0]}))
+print(json.dumps({"said": said, "main": lib.cpuid_leaf7_ebx(), "thread": seen[0],
+                  "hits": lib.cpuid_trap_hits(), "ort": ort.__file__}))
 """
 
 
-def _conv(tmp_path, cap: bool) -> tuple[dict, np.ndarray]:
-    out = tmp_path / f"y{int(cap)}.npy"
+def _conv(tmp_path, how: str) -> tuple[dict, np.ndarray]:
+    out = tmp_path / f"y_{how}.npy"
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, os.path.join(CHECKOUT, "python"), str(int(cap)),
-         str(out)], capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", SCRIPT, os.path.join(CHECKOUT, "python"), how, str(out)],
+        capture_output=True, text=True, timeout=300,
         env={**os.environ, "HGRT_CACHE_DIR": str(tmp_path / "cache")})
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1]), np.load(out)
 
 
+@needs_faulting
 def test_onnxruntime_under_the_cap_runs_other_kernels_and_the_cap_is_lifted(tmp_path):
-    plain, y_host = _conv(tmp_path, cap=False)
-    capped, y_avx2 = _conv(tmp_path, cap=True)
+    plain, y_host = _conv(tmp_path, "none")
+    capped, y_avx2 = _conv(tmp_path, "auto")
     assert capped["said"] == "avx2 (CPUID capped)"
     # after loading onnxruntime, CPUID reports AVX-512 again, to this thread and to new ones
     assert capped["main"] & AVX512F and capped["thread"] & AVX512F
@@ -73,6 +78,23 @@ def test_onnxruntime_under_the_cap_runs_other_kernels_and_the_cap_is_lifted(tmp_
     # MLAS picked its AVX2 kernels: same convolution within rounding, not the same bits
     np.testing.assert_allclose(y_avx2, y_host, rtol=1e-4, atol=1e-4)
     assert not np.array_equal(y_avx2, y_host)
+
+
+def test_a_patched_onnxruntime_runs_avx2_kernels_and_nothing_else_is_capped(tmp_path):
+    plain, y_host = _conv(tmp_path, "none")
+    capped, y_avx2 = _conv(tmp_path, "patch")
+    assert capped["said"] == "avx2 (CPUID capped, patched)"
+    # imported from the patched copy in the cache, whose CPUID instructions trapped
+    assert capped["ort"].startswith(str(tmp_path / "cache")) and capped["hits"] > 0
+    assert not plain["ort"].startswith(str(tmp_path)) and plain["hits"] == 0
+    # code outside onnxruntime still sees the real CPU, in this thread and in new ones
+    assert capped["main"] & AVX512F and capped["thread"] & AVX512F
+    # MLAS picked its AVX2 kernels: same convolution within rounding, not the same bits
+    np.testing.assert_allclose(y_avx2, y_host, rtol=1e-4, atol=1e-4)
+    assert not np.array_equal(y_avx2, y_host)
+    # the copy is made once: a second process reuses it
+    again, y_again = _conv(tmp_path, "patch")
+    assert again["ort"] == capped["ort"] and np.array_equal(y_again, y_avx2)
 
 
 def test_the_cap_says_why_not_where_it_cannot_act():
