@@ -96,7 +96,8 @@ def _load_segments(data: bytes) -> list[tuple[int, int, int]]:
     phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
     out = []
     for i in range(phnum):
-        ptype, _, offset, vaddr, _, filesz = struct.unpack_from("<IIQQQQ", data, phoff + i * phentsize)
+        at = phoff + i * phentsize
+        ptype, _, offset, vaddr, _, filesz = struct.unpack_from("<IIQQQQ", data, at)
         if ptype == 1:  # PT_LOAD
             out.append((vaddr, offset, filesz))
     return out
@@ -157,8 +158,10 @@ def _patched_onnxruntime() -> tuple[Path, list[tuple[int, int]]]:
                 into.symlink_to(path)
         sites = _patch(tmp / "onnxruntime" / libs[0].relative_to(package))
         (tmp / "sites.json").write_text(json.dumps(sites))
-        shutil.rmtree(root, ignore_errors=True)
-        tmp.replace(root)
+        try:
+            tmp.replace(root)
+        except OSError:  # another process made it first
+            shutil.rmtree(tmp, ignore_errors=True)
     return root, [tuple(s) for s in json.loads((root / "sites.json").read_text())]
 
 
@@ -234,3 +237,46 @@ def cap_onnxruntime(isa: str, host_isa: str, *, patch: bool | None = None) -> st
     finally:
         so.cpuid_cap_end()
     return f"{isa} ({CAPPED})"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Time onnxruntime alone on zoo models, capped or not: what the cap does to it here."""
+    import argparse
+    import statistics
+    import time
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("models", nargs="+", help="zoo names (squeezenet, resnet50, ...)")
+    ap.add_argument("--isa", default=None, help="cap onnxruntime to this ISA (avx2)")
+    ap.add_argument("--patch", action="store_true", help="the patched copy even where CPUID faults")
+    ap.add_argument("--runs", type=int, default=60)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(SOURCE.parent.parent))
+    from hgrt.devices import host_target, vector_isa
+    from hgrt.zoo import light_input, light_model
+
+    host = vector_isa(host_target()).name
+    said = cap_onnxruntime(args.isa, host, patch=args.patch or None) if args.isa else host
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = args.threads
+    print(f"onnxruntime {ort.__version__} runs {said}, {args.threads} threads")
+    for name in args.models:
+        model = light_model(name)
+        sess = ort.InferenceSession(model.SerializeToString(), opts,
+                                    providers=["CPUExecutionProvider"])
+        feed = light_input(model)
+        for _ in range(10):
+            sess.run(None, feed)
+        times = []
+        for _ in range(args.runs):
+            t = time.perf_counter()
+            sess.run(None, feed)
+            times.append(time.perf_counter() - t)
+        print(f"{name}: median {1e3 * statistics.median(times):.2f} ms of {args.runs} runs")
+
+
+if __name__ == "__main__":
+    main()
