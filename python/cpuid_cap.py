@@ -53,7 +53,7 @@ _AVX2 = dict(
     xcr0=sum(1 << b for b in (5, 6, 7, 17, 18)),
 )
 MASKS = {"avx2": _AVX2}
-CAPPED = "CPUID capped"  # what cap_onnxruntime's answer ends with when the cap took
+CAPPED = "CPUID capped"  # what cap_onnxruntime's answer says (in brackets) when the cap took
 
 
 def _cache() -> Path:
@@ -138,9 +138,10 @@ def _patched_onnxruntime() -> tuple[Path, list[tuple[int, int]]]:
     if len(libs) != 1:
         raise OSError(f"{len(libs)} onnxruntime extension libraries in {package / 'capi'}")
     st = libs[0].stat()
-    key = hashlib.sha256(f"{libs[0]}:{st.st_size}:{st.st_mtime_ns}:{SOURCE.read_bytes()!r}"
-                         .encode()).hexdigest()[:12]
-    root = _cache() / f"onnxruntime-cpuid-{key}"
+    # the installed library, and how this file and cpuid_cap.c patch and answer it
+    how = hashlib.sha256(Path(__file__).read_bytes() + SOURCE.read_bytes()).hexdigest()
+    key = hashlib.sha256(f"{libs[0]}:{st.st_size}:{st.st_mtime_ns}:{how}".encode()).hexdigest()
+    root = _cache() / f"onnxruntime-cpuid-{key[:12]}"
     if not (root / "sites.json").exists():
         tmp = root.with_name(f"{root.name}.{os.getpid()}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
