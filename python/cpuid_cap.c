@@ -11,11 +11,14 @@
 // Where the CPU has no CPUID faulting (AMD hosts, most VMs on them), cpuid_cap.py patches a copy
 // of onnxruntime's library instead: each CPUID and XGETBV instruction becomes an INT3 (padded
 // with NOPs), and the SIGTRAP handler below runs the real instruction for it, clearing the same
-// bits and, from XCR0, the AVX-512 and AMX state (an AVX2-only OS enables neither).
+// leaf-7 bits and, from XCR0, the AVX-512 and AMX state (an AVX2-only OS enables neither).
+// Other leaves pass through as the CPU answers them. Under gdb, pass SIGTRAP to the process
+// (`handle SIGTRAP nostop noprint pass`): a debugger that swallows it skips the instruction.
 #define _GNU_SOURCE
 #include <asm/prctl.h>
 #include <cpuid.h>
 #include <dlfcn.h>
+#include <link.h>
 #include <signal.h>
 #include <stdint.h>
 #include <string.h>
@@ -96,31 +99,48 @@ unsigned cpuid_leaf7_ebx(void) {
 #define MAX_SITES 512
 enum { SITE_CPUID = 0, SITE_XGETBV = 1 };
 static uint64_t xcr0_mask;
-static unsigned long site_at[MAX_SITES];  // offsets from the load address of their library
+static unsigned long site_at[MAX_SITES];  // addresses in the library's own (objdump's) terms
 static unsigned char site_kind[MAX_SITES];
 static int n_sites;
+static char library_tag[256];  // a part of the patched library's path no other library has
 static struct sigaction previous_trap;
 static volatile long trap_hits;
 
+// Which patched instruction the INT3 at `at` stands for, or -1 when it is not one of ours.
+static int site_kind_at(unsigned long at) {
+  Dl_info dl;
+  struct link_map *map = NULL;
+  // dladdr1 is not async-signal-safe on paper; the traps come from ordinary code, not from
+  // other signal handlers, and the loader's lock it takes is recursive (traps inside dlopen)
+  if (!dladdr1((void *)at, &dl, (void **)&map, RTLD_DL_LINKMAP) || map == NULL ||
+      dl.dli_fname == NULL || strstr(dl.dli_fname, library_tag) == NULL)
+    return -1;
+  unsigned long in_library = at - (unsigned long)map->l_addr;  // the load bias taken off
+  for (int i = 0; i < n_sites; i++)
+    if (site_at[i] == in_library) return site_kind[i];
+  return -1;
+}
+
+// A SIGTRAP that is not ours goes where it would have gone without this handler, which stays.
+static void pass_on(int sig, siginfo_t *info, void *context) {
+  if (previous_trap.sa_flags & SA_SIGINFO) {
+    previous_trap.sa_sigaction(sig, info, context);
+  } else if (previous_trap.sa_handler == SIG_IGN) {
+    return;
+  } else if (previous_trap.sa_handler != SIG_DFL) {
+    previous_trap.sa_handler(sig);
+  } else {  // the default action: end the process as a SIGTRAP would have
+    signal(sig, SIG_DFL);
+    raise(sig);
+  }
+}
+
 static void on_trap(int sig, siginfo_t *info, void *context) {
-  (void)info;
   greg_t *r = ((ucontext_t *)context)->uc_mcontext.gregs;
   unsigned long at = (unsigned long)r[REG_RIP] - 1;  // the INT3 that trapped
-  int kind = -1;
-  Dl_info dl;
-  // dladdr is not async-signal-safe on paper; the traps come from ordinary code, not from
-  // other signal handlers, and the loader's lock it takes is recursive (traps inside dlopen)
-  if (dladdr((void *)at, &dl) && dl.dli_fbase != NULL) {
-    unsigned long off = at - (unsigned long)dl.dli_fbase;
-    for (int i = 0; i < n_sites; i++)
-      if (site_at[i] == off) {
-        kind = site_kind[i];
-        break;
-      }
-  }
-  if (kind < 0) {  // not one of ours: as if no handler had been here
-    sigaction(sig, &previous_trap, NULL);
-    raise(sig);
+  int kind = info->si_code == SI_KERNEL ? site_kind_at(at) : -1;
+  if (kind < 0) {
+    pass_on(sig, info, context);
     return;
   }
   __sync_fetch_and_add(&trap_hits, 1);
@@ -144,12 +164,14 @@ static void on_trap(int sig, siginfo_t *info, void *context) {
   }
 }
 
-// Answer the INT3s at these offsets (kind 0: a CPUID, 2 bytes; 1: an XGETBV, 3 bytes) in any
-// library, process-wide, with the bits given cleared. 0 on success.
+// Answer the INT3s at these addresses (in objdump's terms; kind 0: a CPUID, 2 bytes; 1: an
+// XGETBV, 3 bytes) of the library whose path contains `tag`, process-wide, with the bits given
+// cleared. 0 on success.
 int cpuid_trap_begin(unsigned leaf7_ebx, unsigned leaf7_ecx, unsigned leaf7_edx,
                      unsigned leaf7_1_eax, unsigned long long xcr0, const unsigned long *at,
-                     const unsigned char *kind, int n) {
-  if (n < 0 || n > MAX_SITES) return -1;
+                     const unsigned char *kind, int n, const char *tag) {
+  if (n < 0 || n > MAX_SITES || strlen(tag) == 0 || strlen(tag) >= sizeof library_tag)
+    return -1;
   mask7b = leaf7_ebx;
   mask7c = leaf7_ecx;
   mask7d = leaf7_edx;
@@ -158,6 +180,7 @@ int cpuid_trap_begin(unsigned leaf7_ebx, unsigned leaf7_ecx, unsigned leaf7_edx,
   memcpy(site_at, at, (size_t)n * sizeof *at);
   memcpy(site_kind, kind, (size_t)n);
   n_sites = n;
+  strcpy(library_tag, tag);
   struct sigaction sa;
   memset(&sa, 0, sizeof sa);
   sa.sa_sigaction = on_trap;

@@ -11,8 +11,9 @@ LLVM and oneDNN see the real CPU. Measured on a Xeon with AVX-512 (2 threads): l
 Where the CPU has no CPUID faulting (``cpuid_fault`` in /proc/cpuinfo flags: Intel KVM guests
 usually have it, AMD hosts do not), onnxruntime is imported from a patched copy instead (made
 once into the cache: links to the installed files, its extension library copied): each CPUID
-and XGETBV instruction ``objdump`` finds in that library traps to a handler that answers as an
-AVX2 machine would, XCR0 without the AVX-512 and AMX state included. The cap then holds for
+and XGETBV instruction ``objdump`` finds in that library traps to a handler that answers leaf 7
+as an AVX2 machine would, and XCR0 without the AVX-512 and AMX state (other leaves as the CPU
+answers them; under gdb, ``handle SIGTRAP nostop noprint pass``). The cap then holds for
 onnxruntime alone, in every thread, for the life of the process; TVM, LLVM and oneDNN run
 unpatched code and see the real CPU. The answer says which way took (``(CPUID capped)``,
 ``(CPUID capped, patched)``).
@@ -35,6 +36,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("cpuid_cap.c")
@@ -57,7 +59,7 @@ CAPPED = "CPUID capped"  # what cap_onnxruntime's answer says (in brackets) when
 
 
 def _cache() -> Path:
-    return Path(os.environ.get("HGRT_CACHE_DIR", Path.home() / ".cache" / "hgrt"))
+    return Path(os.environ.get("HGRT_CACHE_DIR", Path.home() / ".cache" / "hgrt")).expanduser()
 
 
 def _library() -> ctypes.CDLL:
@@ -79,7 +81,7 @@ def _library() -> ctypes.CDLL:
     so.cpuid_leaf7_ebx.restype = ctypes.c_uint
     so.cpuid_trap_begin.argtypes = [ctypes.c_uint] * 4 + [
         ctypes.c_ulonglong, ctypes.POINTER(ctypes.c_ulong), ctypes.POINTER(ctypes.c_ubyte),
-        ctypes.c_int]
+        ctypes.c_int, ctypes.c_char_p]
     so.cpuid_trap_hits.restype = ctypes.c_long
     return so
 
@@ -129,6 +131,25 @@ def _patch(library: Path) -> list[tuple[int, int]]:
     return sites
 
 
+def _copy_and_patch(package: Path, library: Path, into: Path) -> None:
+    """``package`` as links under ``into``/onnxruntime, ``library`` copied and patched
+    (``_patch``); the patched sites in ``into``/sites.json."""
+    for path in package.rglob("*"):
+        if "__pycache__" in path.parts:
+            continue
+        to = into / "onnxruntime" / path.relative_to(package)
+        if path.is_dir():
+            to.mkdir(parents=True, exist_ok=True)
+            continue
+        to.parent.mkdir(parents=True, exist_ok=True)
+        if path == library:
+            shutil.copyfile(path, to)
+        else:
+            to.symlink_to(path)
+    sites = _patch(into / "onnxruntime" / library.relative_to(package))
+    (into / "sites.json").write_text(json.dumps(sites))
+
+
 def _patched_onnxruntime() -> tuple[Path, list[tuple[int, int]]]:
     """A copy of the installed onnxruntime package whose extension library is patched
     (``_patch``), made once into the cache; returns the directory to import it from and the
@@ -143,26 +164,18 @@ def _patched_onnxruntime() -> tuple[Path, list[tuple[int, int]]]:
     key = hashlib.sha256(f"{libs[0]}:{st.st_size}:{st.st_mtime_ns}:{how}".encode()).hexdigest()
     root = _cache() / f"onnxruntime-cpuid-{key[:12]}"
     if not (root / "sites.json").exists():
-        tmp = root.with_name(f"{root.name}.{os.getpid()}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        for path in package.rglob("*"):
-            if "__pycache__" in path.parts:
-                continue
-            into = tmp / "onnxruntime" / path.relative_to(package)
-            if path.is_dir():
-                into.mkdir(parents=True, exist_ok=True)
-                continue
-            into.parent.mkdir(parents=True, exist_ok=True)
-            if path == libs[0]:
-                shutil.copyfile(path, into)
-            else:
-                into.symlink_to(path)
-        sites = _patch(tmp / "onnxruntime" / libs[0].relative_to(package))
-        (tmp / "sites.json").write_text(json.dumps(sites))
+        root.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{root.name}.", suffix=".tmp", dir=root.parent))
         try:
+            _copy_and_patch(package, libs[0], tmp)
             tmp.replace(root)
-        except OSError:  # another process made it first
+        except OSError:
             shutil.rmtree(tmp, ignore_errors=True)
+            if not (root / "sites.json").exists():  # (else another process made it first)
+                raise
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return root, [tuple(s) for s in json.loads((root / "sites.json").read_text())]
 
 
@@ -176,10 +189,14 @@ def _cap_by_patching(so: ctypes.CDLL, isa: str, host_isa: str) -> str:
     at = (ctypes.c_ulong * len(sites))(*(s[0] for s in sites))
     kinds = (ctypes.c_ubyte * len(sites))(*(s[1] for s in sites))
     if so.cpuid_trap_begin(mask["leaf7_ebx"], mask["leaf7_ecx"], mask["leaf7_edx"],
-                           mask["leaf7_1_eax"], mask["xcr0"], at, kinds, len(sites)) != 0:
+                           mask["leaf7_1_eax"], mask["xcr0"], at, kinds, len(sites),
+                           root.name.encode()) != 0:
         return f"{host_isa} (the CPUID trap handler was not installed)"
     sys.path.insert(0, str(root))
-    _load_onnxruntime()
+    try:
+        _load_onnxruntime()
+    except Exception as e:  # noqa: BLE001  (the answer says why, as for every other way out)
+        return f"{host_isa} (the patched onnxruntime did not load: {str(e).splitlines()[0][:80]})"
     import onnxruntime
 
     if Path(onnxruntime.__file__).parent != root / "onnxruntime":
