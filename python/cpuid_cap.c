@@ -62,6 +62,19 @@ static void on_segv(int sig, siginfo_t *info, void *context) {
   r[REG_RIP] += 2;
 }
 
+// `handler` for `sig`; what was there before kept in `previous` (unless it was `handler`).
+static int install(int sig, void (*handler)(int, siginfo_t *, void *),
+                   struct sigaction *previous_out) {
+  struct sigaction sa, before;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_sigaction = handler;
+  sa.sa_flags = SA_SIGINFO | SA_NODEFER;
+  sigemptyset(&sa.sa_mask);
+  if (sigaction(sig, &sa, &before) != 0) return -1;
+  if (before.sa_sigaction != handler) *previous_out = before;
+  return 0;
+}
+
 // Fault CPUID in the calling thread (and the threads it creates from now on), clearing these
 // bits. 0 on success, else the errno of the failed call (EINVAL/ENODEV: no CPUID faulting).
 int cpuid_cap_begin(unsigned leaf7_ebx, unsigned leaf7_ecx, unsigned leaf7_edx,
@@ -70,14 +83,7 @@ int cpuid_cap_begin(unsigned leaf7_ebx, unsigned leaf7_ecx, unsigned leaf7_edx,
   mask7c = leaf7_ecx;
   mask7d = leaf7_edx;
   mask71a = leaf7_1_eax;
-  struct sigaction sa;
-  memset(&sa, 0, sizeof sa);
-  sa.sa_sigaction = on_segv;
-  sa.sa_flags = SA_SIGINFO | SA_NODEFER;
-  sigemptyset(&sa.sa_mask);
-  struct sigaction before;
-  if (sigaction(SIGSEGV, &sa, &before) != 0) return -1;
-  if (before.sa_sigaction != on_segv) previous = before;
+  if (install(SIGSEGV, on_segv, &previous) != 0) return -1;
   if (syscall(SYS_arch_prctl, ARCH_SET_CPUID, 0) != 0) {  // no faulting: handler back
     sigaction(SIGSEGV, &previous, NULL);
     return -2;
@@ -181,15 +187,7 @@ int cpuid_trap_begin(unsigned leaf7_ebx, unsigned leaf7_ecx, unsigned leaf7_edx,
   memcpy(site_kind, kind, (size_t)n);
   n_sites = n;
   strcpy(library_tag, tag);
-  struct sigaction sa;
-  memset(&sa, 0, sizeof sa);
-  sa.sa_sigaction = on_trap;
-  sa.sa_flags = SA_SIGINFO | SA_NODEFER;
-  sigemptyset(&sa.sa_mask);
-  struct sigaction before;
-  if (sigaction(SIGTRAP, &sa, &before) != 0) return -2;
-  if (before.sa_sigaction != on_trap) previous_trap = before;
-  return 0;
+  return install(SIGTRAP, on_trap, &previous_trap) != 0 ? -2 : 0;
 }
 
 // How many patched instructions have been answered so far.
