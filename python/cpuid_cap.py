@@ -59,7 +59,9 @@ CAPPED = "CPUID capped"  # what cap_onnxruntime's answer says (in brackets) when
 
 
 def _cache() -> Path:
-    return Path(os.environ.get("HGRT_CACHE_DIR", Path.home() / ".cache" / "hgrt")).expanduser()
+    from hgrt.runtime.onednn import cache_root  # (one home for hgrt's cache directory)
+
+    return cache_root()
 
 
 def _library() -> ctypes.CDLL:

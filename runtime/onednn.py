@@ -36,8 +36,9 @@ from hgrt.errors import GraphError
 from hgrt.graph import ONEDNN_PREFIX as PREFIX
 from hgrt.runtime.threads import use_all_cores
 
-__all__ = ["FUNCTIONS", "INSTALL_HINT", "forget", "implementation", "isa", "kernel_function",
-           "layout_name", "load", "nhwc_tag", "pack", "unavailable_reason", "version"]
+__all__ = ["FUNCTIONS", "INSTALL_HINT", "cache_root", "forget", "implementation", "isa",
+           "kernel_function", "layout_name", "load", "nhwc_tag", "pack", "unavailable_reason",
+           "version"]
 
 INSTALL_HINT = "pip install -e '.[onednn]'"
 # what graph nodes call
@@ -92,8 +93,14 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def cache_root() -> Path:
+    """Where hgrt keeps what it builds once per machine (``HGRT_CACHE_DIR``, else
+    ~/.cache/hgrt)."""
+    return Path(os.environ.get("HGRT_CACHE_DIR", "~/.cache/hgrt")).expanduser()
+
+
 def _cache_dir(flags: list[str]) -> Path:
-    root = Path(os.environ.get("HGRT_CACHE_DIR", "~/.cache/hgrt")).expanduser()
+    root = cache_root()
     key = hashlib.sha256(SOURCE.read_bytes() + "\0".join(flags).encode()).hexdigest()[:16]
     return root / f"onednn-{key}"
 
