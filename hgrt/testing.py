@@ -2,8 +2,14 @@
 
 What hgrt's tests and benchmark scripts share:
 
-* the reference: ``run_relax_vm`` runs a model through ``tvm.compile`` + the Relax VM;
-  ``run_lowered_vm`` runs an already lowered (fused) module, e.g. ``fused_module``'s;
+* the oracles, outside hgrt: ``reference`` runs an ONNX file on onnxruntime (or ONNX's
+  reference evaluator), never through hgrt's import (``onnx_reference``), and a Relax module
+  through ``tvm.compile`` + the Relax VM (``run_relax_vm``); ``run_lowered_vm`` runs an already
+  lowered (fused) module, e.g. ``fused_module``'s;
+* random weights that keep outputs informative: ``calibrated`` scales a model's last layer so
+  its logits have a standard deviation of a few units (``zoo_model``: a calibrated zoo model),
+  ``one_hot_rows`` counts outputs a comparison would see only the argmax of, and
+  ``assert_close_to`` compares with the oracle and refuses a one-hot one;
 * running an ``hgrt.build`` result on ``tvm.cpu(0)``, ``tvm.cpu(1)``, … (``run_hgrt``) and an
   adversarial placement that alternates ops between devices (``alternating``), also written
   into the Relax module itself as a user would (``user_placed``);
@@ -14,12 +20,12 @@ What hgrt's tests and benchmark scripts share:
 
 >>> import numpy as np
 >>> import hgrt
->>> from hgrt.testing import alternating, conv_model, run_hgrt, run_relax_vm
+>>> from hgrt.testing import alternating, conv_model, reference, run_hgrt
 >>> model = conv_model()
 >>> x = np.ones((1, 3, 8, 8), "float32")
 >>> res = hgrt.build(model, ["cpu:0", "cpu:1"], alternating(model))
 >>> got = run_hgrt(res, {"x": x})
->>> np.testing.assert_allclose(got[0], run_relax_vm(model, [x])[0], rtol=1e-5)
+>>> np.testing.assert_allclose(got[0], reference(model, {"x": x})[0], rtol=1e-5)
 
 The heavy imports (onnx, the Relax stack) happen inside the functions that need them.
 """
@@ -40,9 +46,11 @@ import tvm
 import hgrt
 
 __all__ = [
-    "N", "GraphBuilder", "OnnxCase", "alternating", "case_inputs", "check_case", "conv_model",
-    "elementwise_lib", "fused_module", "input_names", "input_shape", "load_case",
-    "onnx_case_names", "run_hgrt", "run_lowered_vm", "run_relax_vm", "user_placed",
+    "LOGITS_STD", "N", "GraphBuilder", "OnnxCase", "alternating", "assert_close_to",
+    "calibrated", "case_inputs", "check_case", "conv_model", "elementwise_lib", "fused_module",
+    "input_names", "input_shape", "load_case", "one_hot_rows", "onnx_case_names",
+    "onnx_reference", "reference", "run_hgrt", "run_lowered_vm", "run_relax_vm", "user_placed",
+    "zoo_input", "zoo_model",
 ]
 
 N = 16  # the vector length of elementwise_lib's kernels and GraphBuilder's default shape
@@ -54,14 +62,28 @@ CASE_DIRS = ("pytorch-converted", "pytorch-operator", "simple")
 
 def run_relax_vm(model: Any, inputs: list[np.ndarray], params: dict | None = None
                  ) -> list[np.ndarray]:
-    """The reference: ``model`` (what ``hgrt.build`` takes: ONNX ModelProto / path, or Relax
-    IRModule + ``params``) imported as hgrt imports it, then ``tvm.compile`` + the Relax VM on
-    the CPU. ``inputs`` in ``main``'s order; returns every output, tuples flattened."""
+    """The reference for Relax modules: ``model`` (a Relax IRModule + ``params``, or a
+    ``tvm.relax.frontend.nn`` module, as ``hgrt.build`` takes them) through ``tvm.compile`` and
+    the Relax VM on the CPU. An ONNX model is imported by TVM's own frontend, without hgrt's
+    rewrites (its oracle is ``onnx_reference``). ``inputs`` in ``main``'s order; returns every
+    output, tuples flattened."""
     from tvm import relax
 
-    from hgrt.frontend import import_model
+    if _is_onnx(model):
+        from tvm.relax.frontend.onnx import from_onnx
 
-    mod, weights = import_model(model, params)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mod, detached = relax.frontend.detach_params(
+                from_onnx(_onnx_proto(model), keep_params_in_input=True))
+        main = mod["main"]
+        n_in = int(main.attrs["num_input"])
+        weights = {p.name: v.numpy() for p, v in
+                   zip(main.params[n_in:], detached.get("main", []), strict=True)}
+    else:
+        from hgrt.frontend import import_model
+
+        mod, weights = import_model(model, params)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ex = tvm.compile(mod, "llvm")
@@ -185,17 +207,209 @@ def build_and_compare(model: Any, devices: Any = ("cpu",), placement: Any = None
                       kernels: str = "tvm", inputs: dict[str, np.ndarray] | None = None,
                       rtol: float = 1e-4, atol: float = 1e-4):
     """``hgrt.build`` the ONNX ``model``, run it once on ``inputs`` (default ``onnx_inputs``)
-    and assert every output equals the Relax VM's within ``rtol``/``atol``; the build result."""
+    and assert every output equals onnxruntime's on the same file (``onnx_reference``) within
+    ``rtol``/``atol``; the build result."""
     inputs = onnx_inputs(model) if inputs is None else inputs
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         res = hgrt.build(model, list(devices), placement, kernels=kernels)
-        want = run_relax_vm(model, list(inputs.values()))
+    want = onnx_reference(model, inputs)
     got = run_hgrt(res, inputs)
     assert len(got) == len(want), (len(got), len(want))
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=rtol, atol=atol)
     return res
+
+
+# --- an oracle outside hgrt: the ONNX file as onnxruntime (or ONNX's reference) runs it ---------
+
+
+def _onnx_proto(model: Any):
+    import onnx
+
+    return onnx.load(model) if isinstance(model, str | os.PathLike) else model
+
+
+def _onnx_feeds(proto, inputs: dict[str, np.ndarray] | list[np.ndarray]) -> dict[str, np.ndarray]:
+    if isinstance(inputs, dict):
+        return dict(inputs)
+    inits = {t.name for t in proto.graph.initializer}
+    names = [i.name for i in proto.graph.input if i.name not in inits]
+    return dict(zip(names, inputs, strict=True))
+
+
+def onnx_reference(model: Any, inputs: dict[str, np.ndarray] | list[np.ndarray],
+                   outputs: list[str] | None = None) -> list[np.ndarray]:
+    """The oracle for ONNX models, outside hgrt and TVM: the original ``model`` (ModelProto or
+    path) run by onnxruntime's CPU provider, or by ONNX's reference evaluator where onnxruntime
+    is not installed. ``inputs`` by ONNX input name (or a list in graph-input order);
+    ``outputs``: tensor names to return (default: the graph outputs)."""
+    proto = _onnx_proto(model)
+    feeds = _onnx_feeds(proto, inputs)
+    if outputs:
+        proto = _with_outputs(proto, outputs)
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        from onnx.reference import ReferenceEvaluator
+
+        return list(ReferenceEvaluator(proto).run(outputs, feeds))
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1  # no pool threads left spinning beside the code under test
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(proto.SerializeToString(), opts,
+                                providers=["CPUExecutionProvider"])
+    return list(sess.run(outputs, feeds))
+
+
+def _with_outputs(proto, names: list[str]):
+    """A copy of ``proto`` whose graph outputs are the tensors ``names``."""
+    import onnx
+    from onnx import helper
+
+    out = onnx.ModelProto()
+    out.CopyFrom(proto)
+    del out.graph.output[:]
+    out.graph.output.extend(helper.make_empty_tensor_value_info(n) for n in names)
+    return out
+
+
+def reference(model: Any, inputs: dict[str, np.ndarray] | list[np.ndarray],
+              params: dict | None = None) -> list[np.ndarray]:
+    """The oracle for what ``hgrt.build`` takes: an ONNX model (ModelProto or path) by
+    ``onnx_reference``, never through hgrt's import; a Relax module by ``run_relax_vm``."""
+    if _is_onnx(model):
+        return onnx_reference(model, inputs)
+    if isinstance(inputs, dict):
+        inputs = list(inputs.values())
+    return run_relax_vm(model, list(inputs), params)
+
+
+def _is_onnx(model: Any) -> bool:
+    return isinstance(model, str | os.PathLike) or type(model).__name__ == "ModelProto"
+
+
+# --- random weights that keep the outputs informative -------------------------------------------
+
+# ops whose output scales by s when their data input does (s > 0), so the logits stay a fixed
+# multiple of the last weighted layer's output
+_HOMOGENEOUS = {"Relu", "GlobalAveragePool", "AveragePool", "MaxPool", "GlobalMaxPool",
+                "Flatten", "Reshape", "Squeeze", "Unsqueeze", "Dropout", "Identity", "Transpose"}
+_SOFTMAX = {"Softmax", "LogSoftmax"}
+LOGITS_STD = 3.0
+
+
+def _last_layer(proto) -> tuple[str, list[str]]:
+    """(the logits tensor, the initializers that scale it linearly): the softmax's input (or
+    the graph output when there is none), and the weight and bias of the weighted layer it
+    comes from through ops that commute with a positive scale."""
+    graph = proto.graph
+    producer = {o: n for n in graph.node for o in n.output}
+    inits = {t.name for t in graph.initializer}
+
+    def weight(name: str) -> str | None:  # the initializer behind a reshaped/transposed weight
+        while name not in inits:
+            node = producer.get(name)
+            if node is None or node.op_type not in ("Reshape", "Transpose", "Identity",
+                                                    "Flatten", "Unsqueeze", "Squeeze"):
+                return None
+            name = node.input[0]
+        return name
+
+    head = producer.get(graph.output[0].name)
+    logits = head.input[0] if head is not None and head.op_type in _SOFTMAX else \
+        graph.output[0].name
+    cur, scaled = logits, []
+    while (node := producer.get(cur)) is not None:
+        params = [w for w in map(weight, node.input[1:3]) if w is not None]
+        if node.op_type in _HOMOGENEOUS:
+            cur = node.input[0]
+        elif node.op_type in ("Conv", "Gemm", "BatchNormalization") and weight(node.input[1]):
+            return logits, scaled + params
+        elif node.op_type == "MatMul" and weight(node.input[1]):
+            return logits, scaled + params[:1]
+        elif node.op_type == "Add" and (bias := weight(node.input[1]) or weight(node.input[0])):
+            scaled.append(bias)
+            cur = node.input[0] if bias == weight(node.input[1]) else node.input[1]
+        else:
+            break
+    raise ValueError(f"no weighted layer found that scales the logits '{logits}' linearly "
+                     f"(stopped at {node.op_type if node is not None else 'a graph input'} "
+                     f"'{cur}')")
+
+
+def calibrated(model: Any, inputs: dict[str, np.ndarray] | None = None,
+               std: float = LOGITS_STD):
+    """A copy of the ONNX ``model`` whose last weighted layer is scaled so that its logits (the
+    input of the final softmax, or the output where there is none) have standard deviation
+    ``std`` on ``inputs`` (default ``onnx_inputs``). Random weights otherwise give logits of
+    hundreds, and a softmax of them is one-hot: a comparison of such outputs sees only the
+    winning class."""
+    import onnx
+    from onnx import numpy_helper
+
+    proto = onnx.ModelProto()
+    proto.CopyFrom(_onnx_proto(model))
+    inputs = onnx_inputs(proto) if inputs is None else inputs
+    logits, names = _last_layer(proto)
+    now = float(np.std(onnx_reference(proto, inputs, [logits])[0]))
+    if not np.isfinite(now) or now == 0:
+        raise ValueError(f"logits '{logits}' have standard deviation {now}: cannot calibrate")
+    scale = std / now
+    for t in proto.graph.initializer:
+        if t.name in names:
+            value = numpy_helper.to_array(t)
+            t.CopyFrom(numpy_helper.from_array((value * scale).astype(value.dtype), t.name))
+    return proto
+
+
+def zoo_model(name: str, seed: int = 0):
+    """``hgrt.zoo.light_model(name, seed)`` calibrated (``calibrated``) on ``zoo_input``."""
+    from hgrt.zoo import light_model
+
+    model = light_model(name, seed=seed)
+    return calibrated(model, zoo_input(model, seed + 1))
+
+
+def zoo_input(model, seed: int = 1) -> dict[str, np.ndarray]:
+    """The zoo's seeded inputs for ``model`` (``hgrt.zoo.light_input``)."""
+    from hgrt.zoo import light_input
+
+    return light_input(model, seed=seed)
+
+
+def one_hot_rows(output: np.ndarray, floor: float = 1e-6) -> int:
+    """How many rows of a probability ``output`` (a row per batch item, its classes flattened)
+    are one-hot: the next class below ``floor`` x the largest. A comparison of such a row sees
+    only its argmax."""
+    rows = _rows(output)
+    top2 = np.sort(rows, axis=1)[:, -2:]
+    return int(np.sum(top2[:, 0] <= floor * np.abs(top2[:, 1])))
+
+
+def _rows(a: np.ndarray) -> np.ndarray:
+    a = np.asarray(a, dtype="float64")
+    return a.reshape(a.shape[0] if a.ndim > 1 else 1, -1)
+
+
+def _is_probability(a: np.ndarray) -> bool:
+    """Non-negative rows of two or more entries that each sum to 1 (a softmax's output)."""
+    rows = _rows(a)
+    return rows.shape[1] > 1 and bool(np.all(rows >= 0)) and \
+        bool(np.allclose(rows.sum(1), 1, atol=1e-3))
+
+
+def assert_close_to(got: list[np.ndarray], want: list[np.ndarray], rtol: float = 1e-4,
+                    atol_of_max: float = 1e-5) -> None:
+    """Each output within ``rtol`` and an absolute ``atol_of_max`` x max|want| of the oracle's,
+    and no output one-hot (``one_hot_rows``) where it is a softmax, so that the comparison sees
+    numbers."""
+    assert len(got) == len(want), (len(got), len(want))
+    for g, w in zip(got, want, strict=True):
+        w = np.asarray(w)
+        if _is_probability(w):
+            assert one_hot_rows(w) == 0, f"the oracle's output {w.shape} is one-hot"
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=atol_of_max * float(np.max(np.abs(w))))
 
 
 def conv_model(seed: int = 0):

@@ -15,7 +15,7 @@ from tvm.script import relax as R
 import hgrt
 from hgrt.errors import BuildError, DeviceError
 from hgrt.graph import COPY_FUNC, Graph
-from hgrt.testing import alternating, conv_model, run_hgrt, run_relax_vm, user_placed
+from hgrt.testing import alternating, conv_model, reference, run_hgrt, user_placed
 
 
 @pytest.fixture(scope="module")
@@ -29,29 +29,30 @@ def x():
 
 
 @pytest.fixture(scope="module")
-def reference(model, x):
-    return run_relax_vm(model, [x])[0]
+def want(model, x):
+    """onnxruntime's output on the model file."""
+    return reference(model, {"x": x})[0]
 
 
 def graph_of(res) -> Graph:
     return res.graph
 
 
-def test_single_device_matches_vm(model, x, reference):
+def test_single_device_matches_the_reference(model, x, want):
     res = hgrt.build(model, ["cpu"])
     g = graph_of(res)
     assert set(g.device_index) == {0}
     assert not any(n.func_name == COPY_FUNC for n in g.nodes)
-    np.testing.assert_allclose(run_hgrt(res, {"x": x})[0], reference, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(run_hgrt(res, {"x": x})[0], want, rtol=1e-5, atol=1e-5)
 
 
-def test_alternating_two_cpus_matches_vm(model, x, reference):
+def test_alternating_two_cpus_match_the_reference(model, x, want):
     res = hgrt.build(model, ["cpu:0", "cpu:1"], alternating(model))
     g = graph_of(res)
     assert set(g.device_index) == {0, 1}
     copies = [n for n in g.nodes if n.func_name == COPY_FUNC]
     assert copies, "an alternating placement needs copies"
-    np.testing.assert_allclose(run_hgrt(res, {"x": x})[0], reference, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(run_hgrt(res, {"x": x})[0], want, rtol=1e-5, atol=1e-5)
 
 
 def test_one_copy_per_tensor_and_destination(model):
@@ -65,7 +66,7 @@ def test_one_copy_per_tensor_and_destination(model):
         assert g.nodes[src[0]].func_name != COPY_FUNC
 
 
-def test_weight_used_on_two_devices_is_stored_on_both(model, x, reference):
+def test_weight_used_on_two_devices_is_stored_on_both(model, x, want):
     # 's' is read by the Add (cpu:0) and the Mul (cpu:1)
     from hgrt.frontend import import_model
     from hgrt.relay_passes.place_devices import op_bindings
@@ -86,19 +87,19 @@ def test_weight_used_on_two_devices_is_stored_on_both(model, x, reference):
     for n in g.nodes:
         if n.func_name == COPY_FUNC:
             assert g.nodes[n.inputs[0][0]].name not in g.params
-    np.testing.assert_allclose(run_hgrt(res, {"x": x})[0], reference, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(run_hgrt(res, {"x": x})[0], want, rtol=1e-5, atol=1e-5)
 
 
-def test_params_are_not_baked_into_the_library(model, x, reference):
+def test_params_are_not_baked_into_the_library(model, x, want):
     res = hgrt.build(model, ["cpu"], kernels="tvm")  # oneDNN refuses weights never loaded
     m = hgrt.create(res.graph_json, res.lib, [tvm.cpu(0)])
     m.load_params({k: np.zeros_like(v) for k, v in res.params.items()})
     m.set_input("x", x)
     m.run()
-    assert not np.allclose(m.get_output(0).numpy(), reference)
+    assert not np.allclose(m.get_output(0).numpy(), want)
     m.load_params(res.params)
     m.run()
-    np.testing.assert_allclose(m.get_output(0).numpy(), reference, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(m.get_output(0).numpy(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_rule_places_convs_and_report_says_why(model):
@@ -224,7 +225,7 @@ def test_graph_json_contract(model):
     assert doc["hgrt"]["devices"] == ["cpu:0", "cpu:1"]  # what `hgrt run` uses by default
 
 
-def test_cli_runs_artifacts_on_the_devices_they_were_built_for(model, x, reference, tmp_path,
+def test_cli_runs_artifacts_on_the_devices_they_were_built_for(model, x, want, tmp_path,
                                                                capsys):
     from hgrt.cli import main
 
@@ -234,7 +235,7 @@ def test_cli_runs_artifacts_on_the_devices_they_were_built_for(model, x, referen
     rc = main(["run", str(tmp_path / "out"), "--input", f"x={tmp_path / 'x.npy'}",
                "--save-output", str(tmp_path / "y.npz")])
     assert rc == 0, capsys.readouterr()
-    np.testing.assert_allclose(np.load(tmp_path / "y.npz")["arr_0"], reference,
+    np.testing.assert_allclose(np.load(tmp_path / "y.npz")["arr_0"], want,
                                rtol=1e-5, atol=1e-5)
 
 
@@ -325,7 +326,7 @@ def test_user_placed_relax_module_keeps_its_placement_and_folds_weights():
     assert {r.device for r in res.placement_report} == {"cpu:0", "cpu:1"}
     assert not any("transpose" in n.func_name for n in res.graph.nodes if n.op == "tvm_op")
     x = rng.standard_normal((2, 8)).astype("float32")
-    np.testing.assert_allclose(run_hgrt(res, {"x": x})[0], run_relax_vm(model, [x])[0],
+    np.testing.assert_allclose(run_hgrt(res, {"x": x})[0], reference(model, [x])[0],
                                rtol=1e-5, atol=1e-5)
 
 

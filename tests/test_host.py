@@ -195,10 +195,9 @@ def test_vgg19_split_over_two_devices_fits_300_mib_and_runs_right(tmp_path):
     100 MiB: under budgets of 300 and 600 MiB, Host maps logical 0 onto the larger device.
     (Direct convolutions: with oneDNN's Winograd the features' weights take 4x the bytes,
     305 MiB, and the Host says so.)"""
-    from hgrt.testing import run_relax_vm
-    from hgrt.zoo import light_input, light_model
+    from hgrt.testing import assert_close_to, reference, zoo_input, zoo_model
 
-    model = light_model("vgg19")
+    model = zoo_model("vgg19")
     res = hgrt.build(model, ["cpu:0", "cpu:1"], hgrt.Placement(rules={"matmul": "cpu:0"},
                                                               preferred="cpu:1"),
                      kernels=hgrt.Kernels("auto", winograd=False))
@@ -218,6 +217,5 @@ def test_vgg19_split_over_two_devices_fits_300_mib_and_runs_right(tmp_path):
     assert [str(d) for d in m.devices] == [str(tvm.cpu(1)), str(tvm.cpu(0))]
     assert all(b.used <= b.total for b in host.budgets().values())
     assert host.budgets()["cpu:0"].used == res.memory_report[1].planned_bytes
-    x = light_input(model)
-    np.testing.assert_allclose(m(x)[0], run_relax_vm(model, list(x.values()))[0],
-                               rtol=1e-4, atol=1e-5)
+    x = zoo_input(model)
+    assert_close_to(m(x), reference(model, x))

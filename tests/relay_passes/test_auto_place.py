@@ -12,13 +12,12 @@ from hgrt.devices import parse_devices
 from hgrt.frontend import import_model
 from hgrt.relay_passes.context import BuildContext, Weights
 from hgrt.relay_passes.place_devices import place_devices
-from hgrt.testing import run_hgrt, run_relax_vm
-from hgrt.zoo import light_input, light_model
+from hgrt.testing import assert_close_to, reference, run_hgrt, zoo_input, zoo_model
 
 
 @pytest.fixture(scope="module")
 def squeezenet():
-    return light_model("squeezenet")
+    return zoo_model("squeezenet")
 
 
 def placed(model, devices, placement):
@@ -60,10 +59,8 @@ def test_a_budget_splits_the_model_in_few_places_and_rules_still_win(squeezenet)
 def test_auto_build_runs_right(squeezenet):
     res = hgrt.build(squeezenet, ["cpu:0", "cpu:1"],
                      hgrt.Placement(auto=True, budgets={"cpu:0": 1 << 20}))
-    x = light_input(squeezenet)
-    got = run_hgrt(res, x)[0]
-    np.testing.assert_allclose(got, run_relax_vm(squeezenet, list(x.values()))[0],
-                               rtol=1e-4, atol=1e-5)
+    x = zoo_input(squeezenet)
+    assert_close_to(run_hgrt(res, x), reference(squeezenet, x))
     copies = sum(1 for n in res.graph.nodes if n.func_name == "__copy")
     conv_rule = hgrt.build(squeezenet, ["cpu:0", "cpu:1"],
                            hgrt.Placement(rules={"nn.conv2d": "cpu:1"}))

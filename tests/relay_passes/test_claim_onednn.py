@@ -1,4 +1,4 @@
-"""claim_onednn: which ops oneDNN kernels take, and that the builds equal the Relax VM."""
+"""claim_onednn: which ops oneDNN kernels take, and that the builds equal onnxruntime."""
 
 from __future__ import annotations
 
@@ -17,8 +17,16 @@ from tvm import relax
 import hgrt
 from hgrt.relay_passes import claim_onednn as claim
 from hgrt.runtime import onednn
-from hgrt.testing import alternating, build_and_compare, onnx_inputs, run_hgrt, run_relax_vm
-from hgrt.zoo import light_input, light_model
+from hgrt.testing import (
+    alternating,
+    assert_close_to,
+    build_and_compare,
+    onnx_inputs,
+    reference,
+    run_hgrt,
+    zoo_input,
+    zoo_model,
+)
 
 REASON = onednn.unavailable_reason()
 needs_onednn = pytest.mark.skipif(REASON is not None, reason=f"oneDNN unavailable: {REASON}")
@@ -59,7 +67,7 @@ def conv_onnx(c=8, oc=16, hw=9, k=3, stride=1, pad=(1, 1, 1, 1), dilation=1, gro
 
 
 def _check(model, devices=("cpu",), placement=None, kernels="onednn"):
-    """Build with oneDNN, compare with the Relax VM; the build result."""
+    """Build with oneDNN, compare with onnxruntime; the build result."""
     return build_and_compare(model, devices, placement, kernels, **TOL)
 
 
@@ -268,7 +276,7 @@ def test_clip_is_a_post_op():
     res = hgrt.build(bb.finalize(), ["cpu"], params=params, kernels="onednn")
     (node,) = _onednn_nodes(res)
     assert node.attrs["onednn_op"] == "conv2d+clip"
-    want = run_relax_vm(bb.finalize(), [xv], params)[0]
+    want = reference(bb.finalize(), [xv], params)[0]
     np.testing.assert_allclose(run_hgrt(res, {"x": xv})[0], want, **TOL)
 
 
@@ -286,8 +294,8 @@ def test_report_and_graph_say_who_computes_each_op():
 
 
 @needs_onednn
-def test_squeezenet_split_over_two_devices_equals_the_relax_vm():
-    model = light_model("squeezenet")
+def test_squeezenet_split_over_two_devices_equals_the_reference():
+    model = zoo_model("squeezenet")
     res = _check(model, ["cpu:0", "cpu:1"], alternating(model))
     devices = {res.graph.entry_device(res.graph.entry_id(res.graph.nodes.index(n)))
                for n in _onednn_nodes(res)}
@@ -297,17 +305,13 @@ def test_squeezenet_split_over_two_devices_equals_the_relax_vm():
 @needs_onednn
 @pytest.mark.parametrize("name", ["squeezenet", "resnet50"])
 def test_light_models_equal_the_reference(name):
-    """squeezenet against the Relax VM; resnet50 (the VM takes 20 s on it here) against hgrt's
-    TVM kernels, which the other tests hold to the VM."""
-    model = light_model(name)
-    inputs = light_input(model)
+    """Calibrated zoo models (their softmax not one-hot) against onnxruntime on the file."""
+    model = zoo_model(name)
+    inputs = zoo_input(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         res = hgrt.build(model, ["cpu"], kernels="auto")
-        want = run_relax_vm(model, list(inputs.values()))[0] if name == "squeezenet" else \
-            run_hgrt(hgrt.build(model, ["cpu"], kernels="tvm"), inputs)[0]
-    got = run_hgrt(res, inputs)[0]
-    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * float(np.abs(want).max()))
+    assert_close_to(run_hgrt(res, inputs), reference(model, inputs), rtol=1e-3)
     # squeezenet's 26, seven of them two each (split_concat: the squeeze convolution of a fire
     # module's concat; the eighth concat is read through a dropout)
     convs = {"squeezenet": 26 + 7, "resnet50": 53}[name]

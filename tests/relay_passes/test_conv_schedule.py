@@ -16,7 +16,7 @@ import hgrt
 from hgrt.devices import vector_isa
 from hgrt.relay_passes.prepack_weights import pack_output_channels
 from hgrt.relay_passes.schedule_cpu import schedule_cpu_functions
-from hgrt.testing import run_hgrt, run_lowered_vm, run_relax_vm
+from hgrt.testing import reference, run_hgrt, run_lowered_vm
 
 AVX2 = {"kind": "llvm", "mcpu": "haswell", "num-cores": 2}
 AVX512 = {"kind": "llvm", "mcpu": "skylake-avx512", "num-cores": 2}
@@ -69,7 +69,7 @@ def test_convs_equal_the_vm_with_prepacked_weights(target, width, stride):
                                               (32 // oc, 16, 1, 1, oc)])
     assert not any(v.ndim == 4 and v.shape[0] in (16, 32) for v in res.params.values())
     got = run_hgrt(res, {"x": x})[0]
-    np.testing.assert_allclose(got, run_relax_vm(model, [x])[0], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got, reference(model, [x])[0], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("target", [AVX2, AVX512], ids=["avx2", "avx512"])
@@ -96,7 +96,7 @@ def test_grouped_convs_are_tiled_within_a_group(target, groups):
     packed = [v.shape for k, v in res.params.items() if k.endswith(f"_oc{lanes}")]
     tiled = (64 // groups) % lanes == 0
     assert packed == ([(64 // lanes, 16 // groups, 3, 3, lanes)] if tiled else [])
-    np.testing.assert_allclose(run_hgrt(res, {"x": x})[0], run_relax_vm(model, [x])[0],
+    np.testing.assert_allclose(run_hgrt(res, {"x": x})[0], reference(model, [x])[0],
                                rtol=1e-4, atol=1e-4)
 
 
@@ -167,7 +167,7 @@ def test_the_lowered_module_with_packed_weights_runs_on_the_relax_vm():
     n_in = int(main.attrs["num_input"])
     assert any("_oc" in p.name for p in main.params[n_in:])
     got = run_lowered_vm(mod, [x] + [weights[p.name] for p in main.params[n_in:]])[0]
-    np.testing.assert_allclose(got, run_relax_vm(model, [x])[0], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got, reference(model, [x])[0], rtol=1e-4, atol=1e-4)
 
 
 def _conv_model(channels: int, width: int, kernel: int, stride: int, groups: int):
@@ -209,7 +209,7 @@ def test_large_planes_are_read_through_staged_rows(channels, width, kernel, stri
     assert ("hgrt_staged_rows" in text) == staged
     if staged:  # the staged copy is written inside the parallel loop, not before it
         assert text.index("T.parallel") < text.index("hgrt_staged_rows")
-    np.testing.assert_allclose(run_hgrt(res, {"x": x})[0], run_relax_vm(model, [x])[0],
+    np.testing.assert_allclose(run_hgrt(res, {"x": x})[0], reference(model, [x])[0],
                                rtol=1e-4, atol=1e-4)
 
 
@@ -232,7 +232,7 @@ def test_dense_weights_are_packed_by_column_tile(n, dropout):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         res = hgrt.build(model, ["cpu"], kernels="tvm")
-        want = run_relax_vm(model, [x])[0]
+        want = reference(model, [x])[0]
     packed = [(k, v.shape) for k, v in res.params.items() if "_col" in k]
     assert len(packed) == 1, res.params.keys()
     name, (tiles, k, vf) = packed[0]
@@ -283,7 +283,7 @@ def test_pointwise_convs_are_a_matrix_product(target, channels, out, width, stri
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         res = hgrt.build(model, ["cpu"], kernels="tvm", target={"cpu": target})
-        want = run_relax_vm(model, [inputs["x"], inputs["r"]])[0]
+        want = reference(model, [inputs["x"], inputs["r"]])[0]
     packed = [(k, v.shape) for k, v in res.params.items() if "_oc" in k]
     assert len(packed) == 1, res.params.keys()
     name, shape = packed[0]
@@ -330,7 +330,7 @@ def test_pointwise_convs_with_large_weights_read_each_weight_once(target, channe
         warnings.simplefilter("ignore")
         res = hgrt.build(model, ["cpu"], kernels="tvm", target={"cpu": target})
         mod, _ = lower_model(model, "cpu", schedule=False)
-    np.testing.assert_allclose(run_hgrt(res, {"x": x})[0], run_relax_vm(model, [x])[0],
+    np.testing.assert_allclose(run_hgrt(res, {"x": x})[0], reference(model, [x])[0],
                                rtol=1e-4, atol=1e-4)
     rows = max(d for d in range(1, isa.registers // 4 + 1) if out % d == 0)
     assert any(k.endswith(f"_oc{rows}") for k in res.params), res.params.keys()
@@ -376,7 +376,7 @@ def test_a_pointwise_conv_that_writes_the_result_flattens_a_copy(target, width):
         mod, _ = lower_model(model, "cpu", schedule=False)
     rows = vector_isa(tvm.target.Target(target)).registers // 4
     assert any(k.endswith(f"_oc{rows}") for k in res.params), res.params.keys()
-    np.testing.assert_allclose(run_hgrt(res, {"x": x})[0], run_relax_vm(model, [x])[0],
+    np.testing.assert_allclose(run_hgrt(res, {"x": x})[0], reference(model, [x])[0],
                                rtol=1e-4, atol=1e-4)
     func = next(f for gv, f in mod.functions_items() if "conv" in gv.name_hint)
     func = func.with_attr("target", tvm.target.Target(target))
@@ -436,7 +436,7 @@ def test_grouped_pointwise_convs_are_a_matrix_product_per_group(target, channels
         assert packed[0][0].endswith(f"_oc{oc}")
     else:
         assert packed == []
-    np.testing.assert_allclose(run_hgrt(res, {"x": x})[0], run_relax_vm(model, [x])[0],
+    np.testing.assert_allclose(run_hgrt(res, {"x": x})[0], reference(model, [x])[0],
                                rtol=1e-4, atol=1e-4)
     func = next(f for gv, f in mod.functions_items() if "conv" in gv.name_hint)
     trace = default_schedule_trace(func.with_attr("target", tvm.target.Target(target)),

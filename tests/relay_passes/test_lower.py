@@ -131,7 +131,7 @@ def test_the_join_of_two_devices_is_a_kernel_of_its_own(kernels):
     a's last kernel (nor taken as a oneDNN residual): that kernel would wait for cpu:1 and the
     devices could not overlap. Same numbers as the VM."""
     from hgrt.runtime import onednn
-    from hgrt.testing import run_relax_vm
+    from hgrt.testing import reference
 
     if kernels == "onednn" and onednn.unavailable_reason():
         pytest.skip(onednn.unavailable_reason())
@@ -159,7 +159,7 @@ def test_the_join_of_two_devices_is_a_kernel_of_its_own(kernels):
                         and "dense" not in g.nodes[nid].func_name for nid in back), \
         [g.nodes[nid].func_name for nid in back]
     got = run_hgrt(res, {"x": x})[0]
-    np.testing.assert_allclose(got, run_relax_vm(model, [x])[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, reference(model, [x])[0], rtol=1e-5, atol=1e-5)
 
 
 def relax_free_vars(expr):

@@ -162,7 +162,7 @@ def test_strided_padded_pools_read_their_input_without_a_padded_copy(stride, pad
     Same numbers as unscheduled either way, max and average."""
     from onnx import TensorProto, helper
 
-    from hgrt.testing import run_relax_vm
+    from hgrt.testing import reference
 
     for op in ("MaxPool", "AveragePool"):
         node = helper.make_node(op, ["x"], ["y"], kernel_shape=[3, 3], strides=[stride] * 2,
@@ -181,7 +181,7 @@ def test_strided_padded_pools_read_their_input_without_a_padded_copy(stride, pad
             assert ("pad_temp" in pool.script()) != window, op
         x = np.random.default_rng(3).standard_normal((1, 8, 30, 30)).astype("float32")
         np.testing.assert_allclose(run_lowered_vm(new, [x], TARGET)[0],
-                                   run_relax_vm(model, [x])[0], rtol=1e-5, atol=1e-5)
+                                   reference(model, [x])[0], rtol=1e-5, atol=1e-5)
 
 
 def _one_op_model(op: str, inputs: list, out_shape: list, opset: int = 18):

@@ -20,7 +20,7 @@ from conftest import RPCEnv, _spawn, _wait, free_port
 import hgrt
 import hgrt.rpc
 from hgrt.rpc.session import library_machine, server_platform, tracker_summary
-from hgrt.zoo import light_input, light_model
+from hgrt.testing import zoo_input, zoo_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.rpc]
 
@@ -72,8 +72,8 @@ def board_env(board, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def squeezenet():
-    model = light_model("squeezenet", seed=0)
-    return model, light_input(model, seed=1)
+    model = zoo_model("squeezenet", seed=0)
+    return model, zoo_input(model, seed=1)
 
 
 @pytest.fixture(scope="module")
