@@ -204,7 +204,8 @@ class RemoteModuleServer:
     def share_params(self, other_id: int, names_json: str) -> None:
         other = _MODULES.get(int(other_id))
         if other is None:
-            raise ParamError(f"share_params: module {other_id} is not alive in this session")
+            raise ParamError(f"share_params: module {other_id} is not alive in this RPC "
+                             "session")
         try:
             names = json.loads(str(names_json))
         except ValueError as e:
@@ -231,7 +232,7 @@ def remote_create(graph_json: str, lib, *devices) -> Any:
         except (TypeError, UnicodeDecodeError) as e:
             raise GraphError(f"the graph JSON must be UTF-8 text: {e}") from None
     if not isinstance(lib, tvm_ffi.Module):  # never a path: the server loads no file by name
-        raise InputError(f"create: lib must be a module uploaded to this session "
+        raise InputError(f"create: lib must be a module uploaded to this RPC session "
                          f"(hgrt.rpc.upload), got {type(lib).__name__}")
     module = create(graph_json, lib, list(devices))  # devices arrive without the session mask
     server = RemoteModuleServer(module)
@@ -247,8 +248,8 @@ def remote_platform() -> str:
 
 
 def remote_stats() -> str:
-    """``hgrt.remote.stats``: the modules alive in this session's process, the bytes they
-    allocated, and the process's resident memory (what a soak test watches)."""
+    """``hgrt.remote.stats``: the modules alive in this RPC session's process, the bytes
+    they allocated, and the process's resident memory (what a soak test watches)."""
     alive = [m.module for m in list(_MODULES.values()) if m.module is not None]
     return json.dumps({"modules": len(alive),
                        "module_bytes": sum(sum(m.device_bytes) for m in alive),

@@ -96,7 +96,7 @@ def pointer_view(base, shape, dtype: str, byte_offset: int = 0, own_base: bool =
     caller keeps ``base`` alive as long as the view (a module's pools); else the view does. The
     view always owns its DLPack struct (freed by the deleter when TVM frees the view): a view
     outliving a list of structs kept beside it read a freed struct's deleter field (a pool
-    dropped before the steps that hold its views crashed, 4 runs in 6, in a reviewer's test)."""
+    dropped before the steps that hold its views crashed the process in 4 runs of 6)."""
     if byte_offset == 0 and not own_base:
         return base._create_view(tuple(shape), dtype, 0)
     dev = base.device

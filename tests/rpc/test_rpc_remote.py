@@ -154,7 +154,7 @@ def test_bad_graph_json_reaches_client_and_server_serves_next_session(rpc_env, l
     m.run(x=np.zeros(N, "float32"))
     del m, lib, remote
     gc.collect()
-    # ... and so does the server, for the next session
+    # ... and so does the server, for the next RPC session
     remote = connect(rpc_env)
     m = hgrt.create(g.json(), hgrt.rpc.upload(remote, lib_path), [remote.cpu(0), remote.cpu(1)])
     m.load_params({"w": np.ones(N, "float32")})

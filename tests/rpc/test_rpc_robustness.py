@@ -1,5 +1,5 @@
-"""Faults of remote execution found in review (session 22), through a real tracker and real
-hgrt rpc-server processes on 127.0.0.1: each test fails on the code before.
+"""Faults of remote execution, through a real tracker and real hgrt rpc-server processes on
+127.0.0.1: each test fails on the code before its fix.
 """
 
 from __future__ import annotations

@@ -518,7 +518,7 @@ def test_winograd_in_blocks_of_tiles_also_over_its_own_input(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-# ---- faults found in review (session 22) ----------------------------------------------------
+# ---- faults: each test fails on the code before its fix ---------------------------------------
 
 def test_concat_from_two_threads_at_once_keeps_each_its_own_data():
     f = onednn.kernel_function("hgrt.onednn.concat")

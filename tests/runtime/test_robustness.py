@@ -1,4 +1,4 @@
-"""Faults found in review of the runtime (session 22): each test fails on the code before it.
+"""Faults of the runtime: each test fails on the code before its fix.
 
 Wrong numbers (weights read through views or by call frames), crashes (misaligned plans, a
 module closed under a running thread), hangs (a stream interrupted, frames given back to a pool
