@@ -39,6 +39,16 @@ _BENIGN_WARNINGS = (r".* in initializer but not in graph input",)
 SMALL_INTEGERS = 64  # integer initializers up to this size (shapes, axes, positions): constants
 
 
+def is_weight(shape: tuple[int, ...] | list[int], dtype: Any) -> bool:
+    """Whether a constant tensor is a weight (a param of ``main``, seen by the passes that use
+    weights, stored in the weight pool) rather than a constant inlined into the kernels: one of
+    one or more dimensions that is not a small integer tensor (a shape, axes, positions), in
+    whatever form the model holds it (an ONNX initializer or ``Constant`` node, a constant
+    bound in a Relax module)."""
+    return len(shape) >= 1 and not (np.dtype(dtype).kind in "iub"
+                                    and int(np.prod(shape)) <= SMALL_INTEGERS)
+
+
 def _prepared(model: Any) -> Any:
     """A copy of ``model`` as TVM's ONNX import needs it (see the comments below)."""
     from onnx import helper, numpy_helper
@@ -58,11 +68,31 @@ def _prepared(model: Any) -> Any:
     for t in reversed(small):
         graph.node.insert(0, helper.make_node("Constant", [], [t.name], value=t))
         graph.initializer.remove(t)
+    _constant_nodes_as_initializers(graph)
     _sequence_insert_positions(graph, {t.name: numpy_helper.to_array(t) for t in small})
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 99)
     if opset < 7:
         _channel_prelu(model, inits)
     return model
+
+
+def _constant_nodes_as_initializers(graph: Any) -> None:
+    """A ``Constant`` node that holds a weight (``is_weight``: biases as some exporters write
+    them) becomes an initializer, so that it reaches the passes as an initializer would."""
+    from onnx import helper
+
+    outputs = {o.name for o in graph.output}
+    for node in list(graph.node):
+        if node.op_type != "Constant" or len(node.attribute) != 1 \
+                or node.attribute[0].name != "value" or node.output[0] in outputs:
+            continue
+        t = node.attribute[0].t
+        if is_weight(list(t.dims), helper.tensor_dtype_to_np_dtype(t.data_type)):
+            tensor = type(t)()
+            tensor.CopyFrom(t)
+            tensor.name = node.output[0]
+            graph.initializer.append(tensor)
+            graph.node.remove(node)
 
 
 def _sequence_insert_positions(graph: Any, constants: dict[str, np.ndarray]) -> None:
@@ -156,13 +186,98 @@ def _from_onnx(model: Any, input_shapes: dict[str, Any] | None) -> tuple[tvm.IRM
     return mod, {n: v.numpy() for n, v in zip(names, detached.get("main", []), strict=True)}
 
 
+@relax.expr_functor.mutator
+class _LiftConstants(relax.PyExprMutator):
+    """Each weight (``is_weight``) bound as a constant in ``main`` becomes a new parameter."""
+
+    def __init__(self, mod: tvm.IRModule, taken: set[str]) -> None:
+        super().__init__(mod)
+        self.taken = taken
+        self.lifted: list[tuple[relax.Var, np.ndarray]] = []
+
+    def visit_generic_const_(self, const: Any) -> relax.Expr:
+        value = const.value.numpy()
+        if not is_weight(value.shape, value.dtype):
+            return const
+        k = len(self.lifted)
+        while f"const{k}" in self.taken:
+            k += 1
+        self.taken.add(f"const{k}")
+        var = relax.Var(f"const{k}", const.ty)
+        self.lifted.append((var, value))
+        return var
+
+
+def _lifted_constants(mod: tvm.IRModule) -> tuple[tvm.IRModule, dict[str, np.ndarray]]:
+    """``mod`` with the weights bound as constants in ``main`` made parameters after its own,
+    and their values by name."""
+    main = mod["main"]
+    taken = {p.name for p in main.params} | {b.var.name for blk in main.body.blocks
+                                              for b in blk.bindings}
+    lifter = _LiftConstants(mod, taken)
+    body = lifter.visit_expr(main.body)
+    if not lifter.lifted:
+        return mod, {}
+    params = list(main.params) + [v for v, _ in lifter.lifted]
+    func = relax.Function(params, body, main.ret_ty, main.is_pure, main.attrs)
+    mod = mod.clone()
+    mod.update_func(mod.get_global_var("main"), func)
+    return mod, {v.name: value for v, value in lifter.lifted}
+
+
+def _prelu_axis(x: relax.Expr, alpha: relax.Expr, axis: int, var2val: dict) -> int:
+    """The axis a ``relax.nn.prelu`` of ``x`` means: its own, except where TVM's ONNX import
+    of a per-channel PRelu before opset 7 wrote it (the slope reshaped to 1-D, ``axis`` the
+    last, which the slope does not fit, and the channel axis 1, which it does): there 1."""
+    shape, slope = static_dims(x.ty), static_dims(alpha.ty)
+    producer = var2val.get(alpha) if isinstance(alpha, relax.Var) else None
+    if shape is None or slope is None or len(slope) != 1 or len(shape) < 3 \
+            or axis != len(shape) - 1 or not (isinstance(producer, relax.Call)
+                                              and isinstance(producer.op, tvm.ir.Op)
+                                              and producer.op.name == "relax.reshape"):
+        return axis
+    return 1 if shape[axis] != slope[0] and shape[1] == slope[0] else axis
+
+
+@relax.expr_functor.mutator
+class _PreluAxes(relax.PyExprMutator):
+    def __init__(self, mod: tvm.IRModule, var2val: dict) -> None:
+        super().__init__(mod)
+        self.var2val = var2val
+        self.rewritten = 0
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        if not (isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.nn.prelu"):
+            return super().visit_call_(call)
+        axis = int(call.attrs.axis)
+        if _prelu_axis(call.args[0], call.args[1], axis, self.var2val) == axis:
+            return super().visit_call_(call)
+        self.rewritten += 1
+        return relax.op.nn.prelu(self.visit_expr(call.args[0]), self.visit_expr(call.args[1]),
+                                 axis=1)
+
+
+def _prelu_channel_axes(mod: tvm.IRModule) -> tvm.IRModule:
+    """Each ``relax.nn.prelu`` of ``main`` on the axis it means (``_prelu_axis``)."""
+    main = mod["main"]
+    mutator = _PreluAxes(mod, relax.analysis.get_var2val(main))
+    func = mutator.visit_expr(main)
+    if not mutator.rewritten:
+        return mod
+    mod = mod.clone()
+    mod.update_func(mod.get_global_var("main"), func)
+    return mod
+
+
 def _from_relax(mod: tvm.IRModule, params: dict[str, Any] | None) -> tuple[tvm.IRModule, dict]:
     if "main" not in [gv.name_hint for gv in mod.get_global_vars()]:
         raise BuildError("the Relax IRModule has no 'main' function")
     mod, detached = relax.frontend.detach_params(mod)
+    mod, lifted = _lifted_constants(_prelu_channel_axes(mod))
     main = mod["main"]
     given = {k: v.numpy() if hasattr(v, "numpy") else np.asarray(v)
              for k, v in (params or {}).items()}
+    given.update(lifted)
     if detached.get("main"):
         n = len(detached["main"])
         for p, v in zip(main.params[len(main.params) - n:], detached["main"], strict=True):

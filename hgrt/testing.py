@@ -69,29 +69,31 @@ def run_relax_vm(model: Any, inputs: list[np.ndarray], params: dict | None = Non
     output, tuples flattened."""
     from tvm import relax
 
-    if _is_onnx(model):
+    if _is_onnx(model):  # TVM alone, the weights bound as constants
         from tvm.relax.frontend.onnx import from_onnx
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            mod, detached = relax.frontend.detach_params(
-                from_onnx(_onnx_proto(model), keep_params_in_input=True))
-        main = mod["main"]
-        n_in = int(main.attrs["num_input"])
-        weights = {p.name: v.numpy() for p, v in
-                   zip(main.params[n_in:], detached.get("main", []), strict=True)}
-    else:
+            mod, weights = from_onnx(_onnx_proto(model), sanitize_input_names=False), {}
+    elif isinstance(model, tvm.IRModule):  # as given: none of hgrt's import or rewrites
+        mod, detached = relax.frontend.detach_params(model)
+        weights = {k: v.numpy() if hasattr(v, "numpy") else np.asarray(v)
+                   for k, v in (params or {}).items()}
+        n = len(detached.get("main", []))
+        for p, v in zip(mod["main"].params[len(mod["main"].params) - n:],
+                        detached.get("main", []), strict=True):
+            weights.setdefault(p.name, v.numpy())
+    else:  # a tvm.relax.frontend.nn module: exported as hgrt.build exports it
         from hgrt.frontend import import_model
 
         mod, weights = import_model(model, params)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ex = tvm.compile(mod, "llvm")
-    main = mod["main"]
     dev = tvm.cpu()
-    args = [tvm.runtime.tensor(x, dev) for x in inputs]
-    args += [tvm.runtime.tensor(weights[p.name], dev)
-             for p in main.params[int(main.attrs["num_input"]):]]
+    given = iter(inputs)
+    args = [tvm.runtime.tensor(weights[p.name] if p.name in weights else next(given), dev)
+            for p in mod["main"].params]
     return _flatten(relax.VirtualMachine(ex, dev)["main"](*args))
 
 
@@ -492,14 +494,32 @@ def case_inputs(case: OnnxCase) -> dict[str, np.ndarray]:
     return dict(zip(input_names(case.model_path), given, strict=True))
 
 
-def check_case(case: OnnxCase, placement: str) -> None:
+def check_case(case: OnnxCase, placement: str, form: str = "onnx") -> None:
     """Build ``case`` (placement ``"single"``: all on cpu:0, or ``"alternating"``: ops alternate
-    between cpu:0 and cpu:1), run it and compare with the expected outputs."""
+    between cpu:0 and cpu:1), run it and compare with the expected outputs. ``form``:
+    ``"onnx"`` builds the file; ``"relax"`` the Relax module TVM's ``from_onnx`` makes of it
+    with the weights bound as constants (as a TVM user hands it over)."""
+    model: Any = case.model_path
+    if form == "relax":
+        import onnx
+        from tvm.relax.frontend.onnx import from_onnx
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                model = from_onnx(onnx.load(case.model_path), sanitize_input_names=False)
+        except Exception as e:
+            raise hgrt.BuildError(f"the ONNX frontend cannot import this model: {e}") from e
     if placement == "single":
-        res = hgrt.build(case.model_path, ["cpu:0"])
+        res = hgrt.build(model, ["cpu:0"])
     else:
-        res = hgrt.build(case.model_path, ["cpu:0", "cpu:1"], alternating(case.model_path))
-    got = run_hgrt(res, case_inputs(case))
+        res = hgrt.build(model, ["cpu:0", "cpu:1"], alternating(model))
+    inputs = case_inputs(case)
+    if form == "relax":
+        main = model["main"]
+        inputs = dict(zip([p.name for p in main.params[:int(main.attrs["num_input"])]],
+                          inputs.values(), strict=True))
+    got = run_hgrt(res, inputs)
     assert len(got) == len(case.outputs)
     for g, want in zip(got, case.outputs, strict=True):
         np.testing.assert_allclose(g, want, rtol=1e-3, atol=1e-4)
