@@ -89,12 +89,34 @@ def _kernels(args: argparse.Namespace):
     ``hgrt.build(kernels=)`` takes."""
     rules = _pairs(args.kernels_rule, "--kernels-rule")
     overrides = _pairs(args.kernels_override, "--kernels-override")
-    if not rules and not overrides and not args.no_winograd:
+    winograd = winograd_arg(args)
+    if not rules and not overrides and winograd is None:
         return args.kernels
-    from hgrt.relay_passes.claim_onednn import Kernels
+    from hgrt.relay_passes.claim_onednn import WINOGRAD_SHARE, Kernels
 
     return Kernels.of(Kernels(args.kernels, rules=rules, overrides=overrides,  # checked now
-                              winograd=not args.no_winograd))
+                              winograd=WINOGRAD_SHARE if winograd is None else winograd))
+
+
+def winograd_arg(args: argparse.Namespace) -> bool | float | None:
+    """``--winograd all|none|SHARE`` (``--no-winograd``: none) as ``Kernels(winograd=)``
+    takes it; None where neither was given."""
+    if args.no_winograd:
+        if args.winograd not in (None, "none"):
+            raise SystemExit(f"hgrt: --no-winograd and --winograd {args.winograd} contradict")
+        return False
+    if args.winograd is None:
+        return None
+    if args.winograd in ("all", "none"):
+        return args.winograd == "all"
+    try:
+        share = float(args.winograd)
+    except ValueError:
+        share = -1.0
+    if not share >= 0:
+        raise SystemExit(f"hgrt: --winograd {args.winograd!r}: all, none or a share >= 0 of "
+                         f"the model's weight bytes (0.1)")
+    return share
 
 
 def parse_targets(items: list[str] | None) -> dict[str, str] | None:
@@ -199,6 +221,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     same += [f"--kernels-rule {q(r)}" for r in args.kernels_rule or []]
     same += [f"--kernels-override {q(o)}" for o in args.kernels_override or []]
     same += ["--no-winograd"] if args.no_winograd else []
+    same += [f"--winograd {args.winograd}"] if args.winograd is not None else []
     same += [f"--input-shape {q(i)}" for i in args.input_shape or []]
     print(f"database {args.db}/ written in {time.perf_counter() - t0:.0f} s; build with "
           f"`hgrt compile {args.model} {' '.join(same)} --tuning-db {args.db} -o OUT`")
@@ -370,9 +393,12 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernels-override", action="append", metavar="NODE=PROVIDER",
                    help="who computes one convolution or matmul (by its binding name, as the "
                         "placement report lists it) (repeat)")
+    p.add_argument("--winograd", metavar="all|none|SHARE", default=None,
+                   help="which of oneDNN's 3x3 convolutions run as Winograd where it is faster "
+                        "(its weights take 4x the bytes): all, none, or those whose growth "
+                        "stays within SHARE of the model's weight bytes (default 0.1)")
     p.add_argument("--no-winograd", action="store_true",
-                   help="oneDNN's 3x3 convolutions stay direct (Winograd, where it is faster, "
-                        "holds 4x their weights' bytes)")
+                   help="oneDNN's 3x3 convolutions stay direct (--winograd none)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -72,7 +72,8 @@ def _winograd_share(graph: Graph, device: int) -> str:
     if not nbytes:
         return ""
     return (f"; {_mib(nbytes)} MiB of the weights are Winograd convolutions' (built with "
-            f"Kernels(..., winograd=False) / --no-winograd they take about a quarter of that)")
+            f"Kernels(..., winograd=False) / --winograd none they take about a quarter of "
+            f"that)")
 
 
 def _mib(nbytes: int) -> str:

@@ -75,6 +75,13 @@ def format_summary(s: dict) -> str:
             row[1].append(f"{n} with weights packed for {isa}")
     lines += [f"  of which {p}: {n}" + (f" ({', '.join(packed)})" if packed else "")
               for p, (n, packed) in by_provider.items()]
+    w = s.get("onednn_weights") or {}
+    if w.get("blobs"):
+        mib = 2**20
+        lines.append(f"oneDNN's weights: {w['packed'] / mib:.1f} MiB packed in {w['blobs']} "
+                     f"blobs for {w['plain'] / mib:.1f} MiB of plain weights and biases"
+                     + (f"; {w['winograd']} Winograd convolutions add "
+                        f"{w['winograd_growth'] / mib:.1f} MiB of it" if w["winograd"] else ""))
     if s.get("concat_views"):
         lines.append(f"concats written in place by their pieces' kernels: {s['concat_views']}")
     lines.append(f"copies: {s['num_copies']}")
@@ -281,10 +288,11 @@ def draw_memory(g: Graph, device: int, path_png: str) -> str | None:
 
 def inspect_artifacts(directory: str, out_dir: str | None = None) -> tuple[dict, list[str]]:
     """Summary of the artifacts in ``directory`` and the pictures written for it."""
-    from hgrt.artifacts import read
+    from hgrt.artifacts import GRAPH_FILE, PARAMS_FILE, iter_params, paths, read_graph_text
+    from hgrt.relay_passes.claim_onednn import blob_bytes
 
-    graph_json, _, _ = read(directory)
-    g = Graph.from_json(graph_json)
+    found = paths(directory)
+    g = Graph.from_json(read_graph_text(found[GRAPH_FILE]))
     out_dir = out_dir or os.path.join(directory, "inspect")
     os.makedirs(out_dir, exist_ok=True)
     files = []
@@ -300,4 +308,6 @@ def inspect_artifacts(directory: str, out_dir: str | None = None) -> tuple[dict,
         png = draw_memory(g, d, os.path.join(out_dir, f"memory_{d}.png"))
         if png:
             files.append(png)
-    return summary(g), files
+    s = summary(g)
+    s["onednn_weights"] = blob_bytes(iter_params(found[PARAMS_FILE]))
+    return s, files

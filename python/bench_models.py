@@ -48,6 +48,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--no-winograd", action="store_true",
                    help="oneDNN's 3x3 convolutions stay direct (hgrt compile --no-winograd): "
                         "the A/B of Winograd, in a row of its own")
+    p.add_argument("--winograd", metavar="all|none|SHARE", default=None,
+                   help="as hgrt compile --winograd (default: the build's default share)")
     add_onnxruntime_cap_option(p)
     return p.parse_args()
 
@@ -170,12 +172,15 @@ def main() -> None:
 
     target = parse_target_args(args.target)
     kernels = args.kernels
-    if args.no_winograd and args.kernels == "tvm":
-        sys.exit("--no-winograd: Winograd is oneDNN's (--kernels onednn or auto)")
-    if args.no_winograd:
+    from hgrt.cli import winograd_arg
+
+    winograd = winograd_arg(args)
+    if winograd is not None and args.kernels == "tvm":
+        sys.exit("--winograd / --no-winograd: Winograd is oneDNN's (--kernels onednn or auto)")
+    if winograd is not None:
         from hgrt.relay_passes.claim_onednn import Kernels
 
-        kernels = Kernels(args.kernels, winograd=False)
+        kernels = Kernels(args.kernels, winograd=winograd)
     ort_isa = cap_onnxruntime_isa(target, args.cap_onnxruntime)  # before it loads
     if args.kernels != "tvm":
         from hgrt.runtime import onednn
@@ -210,7 +215,8 @@ def main() -> None:
         # one block per build kind: the host build with TVM kernels, else named after it
         block = "bench_models" + ("_target" if target else "") + (
             f"_{args.kernels}" if args.kernels != "tvm" else "") + ort_block_suffix(ort_isa) + (
-            "_direct" if args.no_winograd else "")
+            "_direct" if winograd is False else "_winograd_all" if winograd is True
+            else f"_winograd_{winograd}" if winograd is not None else "")
         write_block(args.markdown, block, "python python/bench_models.py "
                     + shlex.join(sys.argv[1:]), markdown_table(table) + f"\n\n- {note}")
 

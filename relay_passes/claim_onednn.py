@@ -86,6 +86,12 @@ _said: set[str] = set()
 # adds reorders at its plain input and output (2 vCPUs, AVX-512: 16->16 3x3 on 8x8, 147k
 # multiply-adds, 6.0 us TVM vs 9.3 us oneDNN; 32->32 3x3 on 16x16, 2.4M, 28.6 vs 28.6 us)
 AUTO_MIN_MACS = 1 << 21
+# by default Winograd's larger weights (4x a convolution's) may add at most this share of the
+# model's weight bytes: the convolutions with the most output tiles first, as they save the
+# most time per byte. Over the zoo this keeps the default build's planned bytes within 1.10x
+# of a build on TVM's kernels (the direct oneDNN build plans 0.77-1.10x of it);
+# ``Kernels(winograd=True)`` takes every convolution where Winograd is faster.
+WINOGRAD_SHARE = 0.10
 
 
 @dataclass
@@ -96,9 +102,11 @@ class Kernels:
     matches (as ``Placement`` rules: ``"nn.conv2d"``, ``"matmul"``, ``"nn.*"``), else
     ``default``; each one of ``KERNELS``. ``hgrt.build(kernels="onednn")`` is
     ``Kernels("onednn")``. ``winograd``: oneDNN's 3x3 convolutions between NHWC tensors run as
-    Winograd F(4x4, 3x3) where that measured faster (``winograd_pays``); their weights then
-    take 4x the bytes (36 numbers per filter instead of 9): ``winograd=False`` keeps them
-    direct, as the build log says.
+    Winograd F(4x4, 3x3) where that measured faster (``winograd_pays``), and their weights then
+    take 4x the bytes (36 numbers per filter instead of 9). A number (default
+    ``WINOGRAD_SHARE``, 0.10) bounds the bytes Winograd adds by that share of the model's
+    weights, the convolutions with the most output tiles first; ``True`` takes every one where
+    it is faster, ``False`` none. The build log says what the choice costs.
 
     >>> Kernels("onednn", rules={"matmul": "tvm"}, overrides={"lv12": "tvm"})  # doctest: +SKIP
     """
@@ -106,7 +114,7 @@ class Kernels:
     default: str = "auto"
     rules: dict[str, str] = field(default_factory=dict)
     overrides: dict[str, str] = field(default_factory=dict)
-    winograd: bool = True
+    winograd: bool | float = WINOGRAD_SHARE
 
     @classmethod
     def of(cls, value: Any) -> Kernels:
@@ -119,8 +127,11 @@ class Kernels:
             if not isinstance(table, dict) or not all(isinstance(k, str) for k in table):
                 raise BuildError(f"Kernels {what}={table!r}: a dict from "
                                  f"{'op pattern' if what == 'rules' else 'node name'} to provider")
-        if not isinstance(kernels.winograd, bool):
-            raise BuildError(f"Kernels winograd={kernels.winograd!r}: True or False")
+        w = kernels.winograd
+        if not isinstance(w, bool) and not (isinstance(w, int | float) and w >= 0):
+            raise BuildError(f"Kernels winograd={w!r}: True (wherever it is faster), False "
+                             f"(never) or the share of the model's weight bytes it may add "
+                             f"(a number >= 0; default {WINOGRAD_SHARE})")
         for where, provider in kernels.choices():
             if provider not in KERNELS:
                 raise BuildError(f"{where}={provider!r}: choose one of {list(KERNELS)}")
@@ -481,6 +492,36 @@ def winograd_pays(h: np.ndarray, nhwc: int) -> bool:
     return (tiles >= 36 and product >= 12 * total) or (tiles >= 16 and product >= 32 * total)
 
 
+def winograd_growth(h: np.ndarray) -> int:
+    """The bytes a convolution's weights grow by as Winograd: 6x6 numbers per filter where the
+    direct convolution keeps 3x3 (the shim pads neither)."""
+    return (36 - 9) * 4 * int(h[SLOT["ic"]]) * int(h[SLOT["oc"]])
+
+
+def blob_bytes(params: Any) -> dict[str, int]:
+    """What oneDNN's packed weights among ``params`` (``(name, array)`` pairs) take against
+    plain float32 weights and biases: ``blobs``, ``packed`` bytes, ``plain`` bytes, and the
+    ``winograd`` convolutions with the bytes their weights grew by (``winograd_growth``)."""
+    out = {"blobs": 0, "packed": 0, "plain": 0, "winograd": 0, "winograd_growth": 0}
+    for _, value in params:
+        value = np.asarray(value)
+        if value.dtype != np.uint8 or value.nbytes < HEADER_INT64 * 8:
+            continue
+        h = value[:HEADER_INT64 * 8].view(np.int64)
+        if int(h[SLOT["magic"]]) != MAGIC:
+            continue
+        ic, oc = int(h[SLOT["ic"]]), int(h[SLOT["oc"]])
+        taps = int(h[SLOT["kh"]]) * int(h[SLOT["kw"]]) if h[SLOT["kind"]] == KIND["conv2d"] \
+            else 1
+        out["blobs"] += 1
+        out["packed"] += value.nbytes
+        out["plain"] += 4 * (oc * ic // max(int(h[SLOT["groups"]]), 1) * taps + oc)
+        if int(h[SLOT["algo"]]) == 1:
+            out["winograd"] += 1
+            out["winograd_growth"] += winograd_growth(h)
+    return out
+
+
 def header(chain: Chain) -> np.ndarray:
     """The blob header of ``chain`` (``make_header`` from its ops' attributes)."""
     if chain.kind == "dense":
@@ -543,9 +584,9 @@ class _Emitter:
     shape N, H, W, C. ``room``: weight bytes a budgeted device may still take (``weight_room``);
     a Winograd convolution whose larger weights would not fit stays direct."""
 
-    def __init__(self, g: _Graph, chains: list[Chain], runtime: Any, winograd: bool,
+    def __init__(self, g: _Graph, chains: list[Chain], runtime: Any, winograd: bool | float,
                  room: dict[int, int] | None = None) -> None:
-        self.g, self.runtime, self.winograd = g, runtime, winograd
+        self.g, self.runtime = g, runtime
         self.winograd_bytes: list[int] = []  # per Winograd convolution: the weights' growth
         self.room = dict(room or {})
         self.over_budget: dict[int, int] = {}  # device -> convolutions kept direct for it
@@ -558,7 +599,38 @@ class _Emitter:
         self.isa = runtime.isa()
         self.calls: dict[relax.Var, tuple[relax.Var, relax.Call]] = {}
         self.blobs: list[relax.Var] = []
+        self.plain_bytes = sum(v.nbytes for p in g.func.params[int(g.func.attrs["num_input"]):]
+                               if (v := g.value(p)) is not None)
+        self.winograd = self._choose_winograd(convs, winograd)
 
+    def _choose_winograd(self, convs: list[Chain], winograd: bool | float) -> set[int]:
+        """The convolutions (by id) to run as Winograd, of those where it is faster
+        (``winograd_pays``): all (``True``), none (``False``), or, for a share, the most output
+        tiles first while the weights' growth stays within that share of the model's weight
+        bytes."""
+        pays = []
+        for c in convs:
+            h = self.header(c)
+            if winograd_pays(h, self.nhwc):
+                tiles = int(h[SLOT["n"]]) * -(-int(h[SLOT["oh"]]) // 4) \
+                    * -(-int(h[SLOT["ow"]]) // 4)
+                pays.append((c, tiles, winograd_growth(h)))
+        self.winograd_candidates = [(c, growth) for c, _, growth in pays]
+        if winograd is True or winograd is False:
+            return {id(c) for c, _, _ in pays} if winograd else set()
+        room, chosen = float(winograd) * self.plain_bytes, set()
+        for c, _, growth in sorted(pays, key=lambda t: -t[1]):  # stable: model order on ties
+            if growth <= room:
+                chosen.add(id(c))
+                room -= growth
+        return chosen
+
+    def header(self, chain: Chain) -> np.ndarray:
+        """``chain``'s blob header with the layouts of its activations."""
+        h = header(chain)
+        for slot, v in (("src_tag", chain.x), ("res_tag", chain.residual), ("dst_tag", chain.end)):
+            h[SLOT[slot]] = self._tag(v)
+        return h
     def _weight(self, name: str, value: np.ndarray, vdevice: Any) -> relax.Var:
         var = _new_weight(self.g, name, value, vdevice, self.taken, False)
         self.blobs.append(var)
@@ -580,12 +652,9 @@ class _Emitter:
         return self.nhwc if v in self.plan.nhwc else 0
 
     def emit(self, chain: Chain) -> None:
-        h = header(chain)
-        for slot, v in (("src_tag", chain.x), ("res_tag", chain.residual), ("dst_tag", chain.end)):
-            h[SLOT[slot]] = self._tag(v)
-        # 6x6 numbers per filter where the direct convolution keeps 3x3 (the shim pads neither)
-        growth = (36 - 9) * 4 * int(h[SLOT["ic"]]) * int(h[SLOT["oc"]])
-        winograd = self.winograd and winograd_pays(h, self.nhwc) and self._fits(chain, growth)
+        h = self.header(chain)
+        growth = winograd_growth(h)
+        winograd = id(chain) in self.winograd and self._fits(chain, growth)
         h[SLOT["algo"]] = int(winograd)
         if winograd:
             self.winograd_bytes.append(growth)
@@ -638,6 +707,24 @@ def _rewrite(func: relax.Function, emitter: _Emitter, drop: set[relax.Var],
     return relax.Function(params + emitter.blobs, body, func.ret_ty, func.is_pure, func.attrs)
 
 
+def _log_winograd(ctx: BuildContext, emitter: _Emitter, winograd: bool | float) -> None:
+    """What the Winograd choice costs in bytes against the model's plain weights."""
+    every = emitter.winograd_candidates
+    if not every:
+        return
+    mib, plain = 2**20, max(emitter.plain_bytes, 1)
+    took = sum(emitter.winograd_bytes)
+    rule = ("every one (winograd=True)" if winograd is True else "none (winograd=False)"
+            if winograd is False else f"up to {float(winograd):.0%} of them (winograd="
+            f"{winograd}{', the default' if winograd == WINOGRAD_SHARE else ''})")
+    ctx.log(f"oneDNN: {len(emitter.winograd_bytes)} of {len(every)} 3x3 convolutions where "
+            f"Winograd F(4x4, 3x3) is faster run as Winograd, their weights "
+            f"{took / mib:.1f} MiB larger: {took / plain:.0%} of the model's "
+            f"{plain / mib:.1f} MiB of weights, growth allowed: {rule}; all {len(every)} would "
+            f"add {sum(g for _, g in every) / mib:.1f} MiB (Kernels(winograd=True / False / a "
+            f"share), --winograd)")
+
+
 def claim_onednn(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     """Claim what oneDNN computes (see module doc); ``mod`` untouched when nothing is claimed."""
     kernels = Kernels.of(ctx.options.kernels)
@@ -669,10 +756,7 @@ def claim_onednn(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
             row.kernels = "onednn"
     ctx.log(f"oneDNN ({emitter.isa}) claims {len(chains)} ops, {len(emitter.plan.nhwc)} "
             f"tensors NHWC: " + ", ".join(sorted({"+".join(c.label) for c in chains})))
-    if emitter.winograd_bytes:
-        ctx.log(f"oneDNN: {len(emitter.winograd_bytes)} 3x3 convolutions as Winograd F(4x4, 3x3),"
-                f" their weights {sum(emitter.winograd_bytes) / 2**20:.1f} MiB larger "
-                f"(Kernels(..., winograd=False) / --no-winograd keeps them direct)")
+    _log_winograd(ctx, emitter, kernels.winograd)
     for dev, n in emitter.over_budget.items():
         ctx.log(f"oneDNN: {n} 3x3 convolutions on {ctx.devices[dev].name} kept direct: as "
                 f"Winograd their weights would not fit its placement budget")

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from hgrt.cli import main
 from hgrt.graph import Graph
 from hgrt.inspect import inspect_artifacts
 from hgrt.lifetimes import align, live_ranges, memory_report
+from hgrt.runtime import onednn
 from hgrt.testing import GraphBuilder, N, elementwise_lib
 
 
@@ -99,3 +101,28 @@ def test_summary_counts_kernels_by_provider_and_the_isa_their_weights_were_packe
            "avx512_core)" in lines
     summary["providers"] = {"onednn": 2}  # weightless kernels only (concat, pool, affine)
     assert "  of which onednn: 2" in format_summary(summary).splitlines()
+
+
+@pytest.mark.skipif(onednn.unavailable_reason() is not None, reason="oneDNN unavailable")
+@pytest.mark.parametrize("winograd", ["all", None])
+def test_inspect_says_what_onednn_weights_take_against_plain_ones(tmp_path, capsys, winograd):
+    """The bytes of oneDNN's packed weights against the model's own: Winograd's growth said."""
+    import onnx
+
+    model = tmp_path / "sq.onnx"
+    assert main(["zoo", "squeezenet", "-o", str(model)]) == 0
+    plain = sum(np.prod(t.dims) * 4 for t in onnx.load(str(model)).graph.initializer)
+    art = tmp_path / "art"
+    args = ["compile", str(model), "--device", "cpu", "-o", str(art)]
+    assert main(args + (["--winograd", winograd] if winograd else [])) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(art)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("oneDNN's weig"))
+    packed, plain_said = (float(v) for v in re.findall(r"([\d.]+) MiB", line)[:2])
+    assert abs(plain_said - plain / 2**20) < 0.1  # every conv of squeezenet is oneDNN's
+    growth = float(re.search(r"add ([\d.]+) MiB", line)[1])
+    if winograd == "all":
+        assert "8 Winograd convolutions" in line and growth > plain / 2**20
+    else:  # the default share: at most 10 % of the weights
+        assert growth <= 0.1 * plain / 2**20 + 0.05
+    assert abs(packed - plain_said - growth) < 0.1 * plain / 2**20

@@ -31,6 +31,7 @@ from hgrt.testing import (
 REASON = onednn.unavailable_reason()
 needs_onednn = pytest.mark.skipif(REASON is not None, reason=f"oneDNN unavailable: {REASON}")
 TOL = {"rtol": 1e-4, "atol": 1e-4}
+WINOGRAD_ALL = claim.Kernels("onednn", winograd=True)  # every 3x3 where it is faster
 
 
 def conv_onnx(c=8, oc=16, hw=9, k=3, stride=1, pad=(1, 1, 1, 1), dilation=1, groups=1,
@@ -518,13 +519,13 @@ def _winograd_block_onnx(c=64, hw=24):
 def test_a_3x3_convolution_between_onednn_kernels_runs_as_winograd(caplog):
     model = _winograd_block_onnx()
     with caplog.at_level(logging.DEBUG, logger="hgrt.build"):
-        res = _check(model)
+        res = _check(model, kernels=WINOGRAD_ALL)
     middle = _onednn_nodes(res)[1]
     assert middle.attrs["onednn_op"] == "conv2d(winograd)+bias+add+relu"
     assert middle.attrs["onednn_impl"].startswith("winograd_4x4_3x3+")
     assert middle.attrs["onednn_layouts"] == "acdb, acdb, acdb"
-    assert "1 3x3 convolutions as Winograd F(4x4, 3x3), their weights 0.4 MiB larger" \
-        in caplog.text  # 64 x 64 x (36 - 9) floats
+    assert "1 of 1 3x3 convolutions where Winograd F(4x4, 3x3) is faster run as Winograd, " \
+        "their weights 0.4 MiB larger" in caplog.text  # 64 x 64 x (36 - 9) floats
     direct = _check(model, kernels=claim.Kernels("onednn", winograd=False))
     assert _onednn_nodes(direct)[1].attrs["onednn_op"] == "conv2d+bias+add+relu"
     inputs = onnx_inputs(model)
@@ -546,7 +547,8 @@ def test_winograd_stays_within_a_placement_budget(caplog):
     growth = (36 - 9) * 4 * 64 * 64
 
     def middle(budget):
-        res = _check(model, ("cpu:0",), hgrt.Placement(auto=True, budgets={"cpu:0": budget}))
+        res = _check(model, ("cpu:0",), hgrt.Placement(auto=True, budgets={"cpu:0": budget}),
+                     kernels=WINOGRAD_ALL)
         return _onednn_nodes(res)[1].attrs["onednn_op"]
 
     with caplog.at_level(logging.DEBUG, logger="hgrt.build"):
@@ -558,7 +560,7 @@ def test_winograd_stays_within_a_placement_budget(caplog):
 
 @needs_onednn
 def test_a_host_without_room_says_what_winograd_takes():
-    res = _check(_winograd_block_onnx())
+    res = _check(_winograd_block_onnx(), kernels=WINOGRAD_ALL)
     with pytest.raises(hgrt.ProvisionError, match=r"needs .* MiB on cpu:0: .*; 0.6 MiB of the "
                        r"weights are Winograd convolutions' \(built with Kernels"):
         hgrt.Host(["cpu:0"], budgets=1 << 16).add("net", res)
@@ -600,6 +602,69 @@ def test_winograd_is_chosen_where_it_measured_faster(case, pays):
     assert claim.winograd_pays(_header(**case), nhwc=NHWC) is pays
 
 
-def test_winograd_takes_a_bool():
-    with pytest.raises(hgrt.BuildError, match="winograd='no'"):
-        claim.Kernels.of(claim.Kernels("onednn", winograd="no"))
+@pytest.mark.parametrize("value", ["no", -0.1, None])
+def test_winograd_takes_a_bool_or_a_share(value):
+    with pytest.raises(hgrt.BuildError, match=f"winograd={value!r}: True .*, False .* or the "
+                       f"share"):
+        claim.Kernels.of(claim.Kernels("onednn", winograd=value))
+    assert claim.Kernels.of(claim.Kernels("onednn", winograd=0.5)).winograd == 0.5
+
+
+@needs_onednn
+def test_by_default_winograd_adds_at_most_its_share_of_the_weights(caplog):
+    """The block's 3x3 convolution would grow its weights by 3x the model's (576 KiB over
+    the 147 KiB 64 -> 64 3x3 and the small 1x1s): the default share keeps it direct and says
+    what all would cost; a share that holds the growth takes it."""
+    model = _winograd_block_onnx()
+    weights = sum(numpy_helper.to_array(t).nbytes for t in model.graph.initializer)
+    growth = (36 - 9) * 4 * 64 * 64
+    with caplog.at_level(logging.DEBUG, logger="hgrt.build"):
+        res = _check(model)
+    assert _onednn_nodes(res)[1].attrs["onednn_op"] == "conv2d+bias+add+relu"
+    assert "0 of 1 3x3 convolutions where Winograd F(4x4, 3x3) is faster run as Winograd" \
+        in caplog.text and "all 1 would add 0.4 MiB" in caplog.text
+    just = claim.Kernels("onednn", winograd=growth / weights)
+    assert _onednn_nodes(_check(model, kernels=just))[1].attrs["onednn_op"].startswith(
+        "conv2d(winograd)")
+    below = claim.Kernels("onednn", winograd=0.99 * growth / weights)
+    assert _onednn_nodes(_check(model, kernels=below))[1].attrs["onednn_op"].startswith(
+        "conv2d+")
+
+
+def _winograd_growth(res) -> int:
+    return sum((36 - 9) * 4 * h[claim.SLOT["ic"]] * h[claim.SLOT["oc"]]
+               for h in _headers(res) if h[claim.SLOT["algo"]] == 1)
+
+
+def _headers(res):
+    return [v[:claim.HEADER_INT64 * 8].view(np.int64) for v in res.params.values()
+            if v.dtype == np.uint8]
+
+
+def _planned(res) -> int:
+    return sum(d.planned_bytes for d in res.memory_report)
+
+
+@needs_onednn
+@pytest.mark.parametrize("name", ["squeezenet", "inception_v1"])
+def test_the_default_build_plans_at_most_1_1x_the_bytes_of_tvm_kernels(name):
+    """Winograd's convolutions are chosen most output tiles first within 10 % of the model's
+    weight bytes; with every one (winograd=True) the same models plan 1.47x and 1.61x."""
+    model = zoo_model(name)
+    weights = sum(numpy_helper.to_array(t).nbytes for t in model.graph.initializer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        default = hgrt.build(model, ["cpu"])
+        every = hgrt.build(model, ["cpu"], kernels=WINOGRAD_ALL)
+        tvm_kernels = hgrt.build(model, ["cpu"], kernels="tvm")
+    assert 0 < _winograd_growth(default) <= claim.WINOGRAD_SHARE * weights
+    assert _winograd_growth(every) > _winograd_growth(default)
+    assert _planned(default) <= 1.10 * _planned(tvm_kernels)
+    assert _planned(every) > 1.10 * _planned(tvm_kernels)  # what the rule is for
+    # the largest outputs (most tiles) are taken first
+    taken = sorted(int(h[claim.SLOT["oh"]]) * int(h[claim.SLOT["ow"]])
+                   for h in _headers(default) if h[claim.SLOT["algo"]] == 1)
+    assert taken and taken[-1] == max(int(h[claim.SLOT["oh"]]) * int(h[claim.SLOT["ow"]])
+                                      for h in _headers(every) if h[claim.SLOT["algo"]] == 1)
+    assert_close_to(run_hgrt(default, zoo_input(model)), reference(model, zoo_input(model)),
+                    rtol=1e-3)
