@@ -9,13 +9,14 @@ RPC server.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any
 
 import tvm
 
 from hgrt import artifacts
 from hgrt import devices as hdev
-from hgrt.errors import DeviceError, ParamError
+from hgrt.errors import DeviceError, HgrtError, ParamError
 from hgrt.graph import Graph
 from hgrt.rpc.client import create_remote
 from hgrt.runtime import executor
@@ -91,6 +92,9 @@ def create_loaded(graph: Graph, lib: Any, devices: list, params: Any) -> GraphMo
         if missing:
             raise ParamError(f"the params have no value for weights {missing}")
     except BaseException:
-        module.close()
+        try:
+            module.close()
+        except HgrtError as e:  # the error that stopped the load is the one to see
+            logging.getLogger("hgrt").warning("closing the module after a failed load: %s", e)
         raise
     return module

@@ -177,7 +177,11 @@ class Host:
         if name not in self._models:
             raise ProvisionError(f"remove: model {did_you_mean(name, list(self._models))}")
         module, reserved = self._models.pop(name)
-        module.close()
+        try:
+            module.close()
+        except BaseException:  # still alive on its server: kept, and remove() may retry
+            self._models[name] = (module, reserved)
+            raise
         for p, nbytes in reserved.items():
             self._devices[p].used -= nbytes
 

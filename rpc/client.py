@@ -10,6 +10,7 @@ its methods. Each method is fetched once, so every API call afterwards (``run``,
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import tempfile
@@ -37,6 +38,8 @@ from hgrt.runtime.module_api import (
 )
 
 __all__ = ["RemoteGraphModule", "create_remote"]
+
+log = logging.getLogger(__name__)
 
 
 def _session_of(devices: list, lib) -> tuple[tvm.rpc.RPCSession, int]:
@@ -150,6 +153,7 @@ class RemoteGraphModule(GraphModuleAPI):
         self.session = session
         self._method = method
         self._methods: dict[str, Any] = {}
+        self._unfreed: RemoteError | None = None  # why the last close() could not free it
         info = json.loads(self._call("info"))
         self._id = info["id"]
         self._device_bytes = info["device_bytes"]
@@ -177,20 +181,68 @@ class RemoteGraphModule(GraphModuleAPI):
         except Exception as e:
             raise self.session.error(e, name) from e
 
-    def _release(self) -> None:
-        """Free the module in the server now, then drop every handle of it here."""
-        close = self._methods.get("close")
-        try:
-            if self.session.lost is None:
-                (close or self._method("close"))()
-        except Exception:
+    # ---- lifetime -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Free the module in the server now; any later call is a ``ClosedError``.
+
+        Where the server does not confirm it (its ``close`` failed, or the connection broke
+        during it), a ``RemoteError`` naming the module and the server says so, and it is
+        logged: the module is closed here all the same, and ``close()`` again retries while the
+        server answers. Where the RPC session was lost before (the call that found it raised
+        then), nothing reaches the server, which drops a session's modules when the session
+        ends: ``close()`` logs that and returns."""
+        with self._stateful:  # a run, set_input or get_output in flight finishes first
+            if self.closed and self._unfreed is None:
+                return
+            self.closed = True
+            self._release()
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # an exception leaves the block: a failed free (logged) does not replace it
+            self.close()
+        except HgrtError:
             pass
+
+    def _release(self) -> None:
+        """Free the module in the server now, then drop every handle of it here (but the one
+        of ``close``, for a retry, where the server answers and did not confirm it)."""
         closed = ClosedError(f"{self!r} is closed; create or load it again")
 
         def refuse():
             raise closed
 
-        self._methods, self._method, self._run, self.lib = {}, None, refuse, None
+        self._run, self.lib = refuse, None
+        close = self._methods.get("close")
+        self._methods = {}
+        if self.session.lost is not None:
+            log.warning("%r was not freed by close(): the RPC session was lost (%s); its server "
+                        "drops a session's modules when the session ends", self,
+                        self.session.lost)
+            self._method, self._unfreed = None, None
+            return
+        try:
+            close = close or self._method("close")
+            close()
+        except Exception as e:
+            err = str(self.session.error(e, "close"))  # marks the session lost if it is gone
+            err = err.removeprefix(f"{self.session.name}: ")
+            retry = self.session.lost is None
+            self._unfreed = RemoteError(
+                f"{self.session.name}: the server did not confirm freeing remote module "
+                f"{self._id} ({self._server_repr}): {err}; " +
+                ("it may still hold the module's memory: close() again retries" if retry else
+                 "the RPC session is lost, and its server drops a session's modules when the "
+                 "session ends"))
+            log.warning("%s", self._unfreed)
+            if retry:
+                self._methods = {"close": close} if close is not None else {}
+            else:
+                self._method = None
+            raise self._unfreed from e
+        self._method, self._unfreed = None, None
 
     # ---- running --------------------------------------------------------------------------
     def run(self, parallel: bool | None = None, **inputs) -> None:
@@ -276,8 +328,8 @@ class RemoteGraphModule(GraphModuleAPI):
         return results if outs is None else outs
 
     def _store(self, idx: int, value: Any) -> None:
-        """numpy data is sent as bytes (one round trip); a tensor of this session is copied in
-        the server (nothing downloaded); a local tensor is sent as bytes."""
+        """numpy data is sent as bytes (one round trip); a tensor of this RPC session is copied
+        in the server (nothing downloaded); a local tensor is sent as bytes."""
         if isinstance(value, tvm.runtime.Tensor) and hdev.is_remote(value):
             name = self.graph.nodes[self.graph.arg_nodes[idx]].name
             self._check_same_session(value, f"input {name!r}")
@@ -295,7 +347,7 @@ class RemoteGraphModule(GraphModuleAPI):
 
     def _get(self, kind: str, idx: int, out):
         """The remote tensor (valid until the next run), or a copy in ``out`` (a tensor of this
-        session, copied in the server, or a local one, downloaded as bytes)."""
+        RPC session, copied in the server, or a local one, downloaded as bytes)."""
         with self._claim(f"get_{kind}"):
             if out is None:
                 return self._call(f"get_{kind}", idx)

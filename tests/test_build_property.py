@@ -2,7 +2,8 @@
 ``R.hint_on_device`` hints, or a module that places itself (vdevices in its global infos,
 ``R.to_vdevice`` where an operand lives elsewhere). Either the build runs and equals the Relax VM
 on one device, or it raises an HgrtError; an error that TVM raised names the pass, the binding,
-its op and device, and keeps TVM's exception as its cause."""
+its op and device, and keeps TVM's exception as its cause. A graph that the Relax VM runs must
+build: refusing it fails the test, unless the refusal is one of ``ACCEPTED_REFUSALS``."""
 
 from __future__ import annotations
 
@@ -34,6 +35,11 @@ BINARY = {"add": relax.op.add, "sub": relax.op.subtract, "mul": relax.op.multipl
 MODES = ("overrides", "hints", "vdevices")
 VDEVICES = [relax.VDevice(tvm.target.Target("llvm"), i, "global") for i in range(2)]
 LOCATED = re.compile(r"^'\w+' failed after \[.*\]: binding '\w+' \([\w.]+\) on cpu:[01]: ")
+
+# Refusals of graphs that the Relax VM runs which are right all the same, as
+# (error class, a substring of its message, why it is right). Any other refusal of such a graph
+# fails the test. None is known: hgrt builds every graph of these ops that the VM runs.
+ACCEPTED_REFUSALS: tuple[tuple[type[hgrt.HgrtError], str, str], ...] = ()
 
 
 def _operands(vals: list, i: int, j: int, op: str) -> tuple:
@@ -97,6 +103,7 @@ step = st.tuples(st.sampled_from([*UNARY, *BINARY]), st.integers(0, 7), st.integ
        outs=st.lists(st.integers(-3, 7), min_size=1, max_size=2))
 @example(steps=[("relu", 0, 0, 1), ("bad_prelu", 2, 0, 1)], n_in=1, mode="vdevices", outs=[-1])
 @example(steps=[], n_in=1, mode="vdevices", outs=[1, 0])  # no kernels: outputs are inputs
+@example(steps=[("tanh", 0, 0, 1), ("cat", 0, 2, 0)], n_in=1, mode="hints", outs=[-1, 2])
 def test_random_graph_builds_right_or_raises_hgrt_error(steps, n_in, outs, mode):
     rng = np.random.default_rng(0)
     xs = [rng.standard_normal(SHAPE).astype("float32") for _ in range(n_in)]
@@ -109,6 +116,10 @@ def test_random_graph_builds_right_or_raises_hgrt_error(steps, n_in, outs, mode)
     except hgrt.HgrtError as e:
         if not isinstance(e.__cause__, (hgrt.HgrtError, type(None))):
             assert LOCATED.match(str(e)), str(e)  # TVM failed: say where
+        accepted = any(isinstance(e, cls) and text in str(e)
+                       for cls, text, _ in ACCEPTED_REFUSALS)
+        assert want is None or accepted, \
+            f"hgrt.build refused a graph that the Relax VM runs: {type(e).__name__}: {e}"
         return
     assert want is not None, "hgrt built a graph that the Relax VM cannot run"
     got = run_hgrt(res, {f"x{k}": x for k, x in enumerate(xs)})

@@ -28,13 +28,42 @@ def aligned(shape, dtype="float32", fill=None) -> np.ndarray:
     return arr
 
 
+def mlp_weights() -> list[np.ndarray]:
+    """The MLP's weights: 8 random 256x256 matrices (seeded)."""
+    rng = np.random.default_rng(0)
+    return [(rng.standard_normal((SIZE, SIZE)) / 16).astype("float32") for _ in range(LAYERS)]
+
+
+WEIGHTS = mlp_weights()
+
+
+def reference(x: np.ndarray) -> np.ndarray:
+    """The oracle outside hgrt and TVM: numpy's relu(x @ w) layer by layer, in float64."""
+    y = np.asarray(x, "float64")
+    for w in WEIGHTS:
+        y = np.maximum(y @ w.astype("float64"), 0.0)
+    return y
+
+
+def is_reference(got: np.ndarray, x: np.ndarray) -> bool:
+    """``got`` is the MLP of ``x`` up to float32 rounding: rtol 1e-5 (and as much of the
+    largest value for the elements that relu left near zero)."""
+    want = reference(x)
+    return got.shape == want.shape and np.allclose(got, want, rtol=1e-5,
+                                                   atol=1e-5 * np.abs(want).max())
+
+
+def assert_reference(got: np.ndarray, x: np.ndarray) -> None:
+    want = reference(x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 @pytest.fixture(scope="module")
 def mlp():
-    """8 x (256x256 matmul + relu), random weights: the model the issue saw mix outputs."""
-    rng = np.random.default_rng(0)
+    """8 x (256x256 matmul + relu), random weights: a model whose outputs would show calls that
+    mix each other's activations."""
     nodes, inits, prev = [], [], "x"
-    for i in range(LAYERS):
-        w = (rng.standard_normal((SIZE, SIZE)) / 16).astype("float32")
+    for i, w in enumerate(WEIGHTS):
         inits.append(numpy_helper.from_array(w, f"w{i}"))
         nodes += [helper.make_node("MatMul", [prev, f"w{i}"], [f"m{i}"]),
                   helper.make_node("Relu", [f"m{i}"], [f"r{i}"])]
@@ -50,19 +79,23 @@ def mlp():
 
 
 def test_threads_get_their_own_outputs_bitwise(mlp):
-    """4 threads x 200 calls on one module, different inputs: every output bitwise equal to the
-    same call made alone at the same threads per call."""
+    """4 threads x 200 calls on one module, different inputs: every output is numpy's MLP of
+    the caller's own input, and bitwise equal to the same call made alone at the same threads
+    per call."""
     mlp.configure_calls(callers=4, threads_per_call=1)
     rng = np.random.default_rng(1)
     xs = [rng.standard_normal((4, SIZE)).astype("float32") for _ in range(16)]
     want = [mlp(x=x)[0] for x in xs]
+    for x, y in zip(xs, want, strict=True):
+        assert_reference(y, x)
     wrong, errors = [], []
 
     def caller(t: int) -> None:
         try:
             for k in range(200):
                 i = (t * 7 + k) % len(xs)
-                if not np.array_equal(mlp(x=xs[i])[0], want[i]):
+                got = mlp(x=xs[i])[0]
+                if not (is_reference(got, xs[i]) and np.array_equal(got, want[i])):
                     wrong.append((t, k))
         except Exception as e:
             errors.append(e)
@@ -118,11 +151,12 @@ def test_stateful_api_from_a_second_thread_is_refused(mlp):
     runner.start()
     try:
         assert entered.wait(10)
-        x = np.zeros((4, SIZE), "float32")
+        x = np.random.default_rng(4).standard_normal((4, SIZE)).astype("float32")
         for call in (mlp.run, lambda: mlp.set_input("x", x), lambda: mlp.get_output(0)):
             with pytest.raises(hgrt.ExecutionError, match="another thread is using"):
                 call()
-        assert len(mlp(x=x)) == 1  # the call API is not blocked by it
+        (y,) = mlp(x=x)  # the call API is not blocked by it, nor reads the run's frame
+        assert_reference(y, x)
     finally:
         release.set()
         runner.join()
@@ -132,6 +166,7 @@ def test_stateful_api_from_a_second_thread_is_refused(mlp):
 def test_zero_copy_input_and_output(mlp):
     x = aligned((4, SIZE), fill=np.random.default_rng(2).standard_normal((4, SIZE)))
     want = mlp(x=np.array(x))[0]  # unaligned copy: copied in
+    assert_reference(want, x)
     out = aligned((4, SIZE))
     got = mlp(x=x, out=[out])
     assert got[0] is out and np.array_equal(out, want)
@@ -172,6 +207,7 @@ def test_call_errors(mlp):
 def test_calls_read_shared_params_and_close_frees_frames(mlp):
     x = np.random.default_rng(3).standard_normal((4, SIZE)).astype("float32")
     want = mlp(x=x)[0]
+    assert_reference(want, x)
     other = hgrt.create(mlp.graph, mlp.lib, tvm.cpu(0))  # no weights of its own yet: refused
     with pytest.raises(hgrt.ParamError, match=r"call: weight .* not loaded yet \(0 of"):
         other(x=x)

@@ -16,9 +16,11 @@ import hgrt
 from hgrt.graph import Graph
 from hgrt.relay_passes.assign_streams import assign_streams
 from hgrt.relay_passes.plan_memory import plan_memory
+from hgrt.runtime.streams import step_cost
 from hgrt.testing import GraphBuilder, N, elementwise_lib
 
 DEVS = [tvm.cpu(0), tvm.cpu(1)]
+W = np.linspace(0.5, 1.5, N, dtype="float32")  # the weight ``w`` of the graphs that have one
 
 
 def branchy(depth: int = 6, even: bool = False) -> Graph:
@@ -55,6 +57,64 @@ def branchy_concat(depth: int = 6) -> Graph:
     return Graph.from_json(g.json())
 
 
+def _chains(x: np.ndarray, depth: int, even: bool) -> tuple[np.ndarray, np.ndarray]:
+    a = x + np.float32(1)
+    b = a.copy()
+    for i in range(depth):
+        a = a + np.float32(1)
+        b = b + np.float32(1) if even else (b * W if i % 2 else b + W)
+    return a, b
+
+
+def branchy_reference(x: np.ndarray, depth: int = 6, even: bool = False) -> np.ndarray:
+    """numpy's value of ``branchy``'s output (the oracle outside hgrt)."""
+    a, b = _chains(x, depth, even)
+    return (a + b) + np.float32(1)
+
+
+def branchy_concat_reference(x: np.ndarray, depth: int = 6) -> np.ndarray:
+    """numpy's value of ``branchy_concat``'s output."""
+    a, b = _chains(x, depth, even=False)
+    return np.concatenate([a + np.float32(1), b])
+
+
+def assert_reference(got: np.ndarray, want: np.ndarray) -> None:
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
+
+
+def two_chains(d0: int, d1: int) -> Graph:
+    """x -> add_one; from there ``d0`` add_ones on cpu:0 and, copied over, ``d1`` on cpu:1;
+    joined by an add and an add_one on cpu:0: x + 1 + d0 + x + 1 + d1 + 1."""
+    g = GraphBuilder()
+    a = g.op("add_one", [g.input("x", dev=0)], dev=0)
+    b = g.copy(a, dev=1)
+    for _ in range(d0):
+        a = g.op("add_one", [a], dev=0)
+    for _ in range(d1):
+        b = g.op("add_one", [b], dev=1)
+    g.output(g.op("add_one", [g.op("add", [a, g.copy(b, dev=0)], dev=0)], dev=0))
+    return Graph.from_json(g.json())
+
+
+def overlap_figure(g: Graph) -> float:
+    """Summed ``step_cost`` of the steps / (streams x the costliest chain of steps), the chain
+    following data edges and each stream's order (not the runner's events): 1 where the
+    streams' work overlaps fully, 1 / streams where nothing overlaps."""
+    finish: dict[int, float] = {}
+    last: dict[int, int] = {}
+    total = 0.0
+    for nid, s in enumerate(g.streams):
+        if s < 0:
+            continue
+        cost = step_cost(g, nid)
+        total += cost
+        before = [src for src, _, _ in g.nodes[nid].inputs if src in finish]
+        before += [last[s]] if s in last else []
+        finish[nid] = cost + max((finish[p] for p in before), default=0.0)
+        last[s] = nid
+    return total / (len(last) * max(finish.values()))
+
+
 def planned(graph: Graph, **opts) -> Graph:
     return plan_memory(assign_streams(graph, **opts))
 
@@ -62,7 +122,8 @@ def planned(graph: Graph, **opts) -> Graph:
 def module(graph: Graph, parallel: bool | None = True):
     """The graph's module; ``parallel``: its streams at once (None: the module's default)."""
     m = hgrt.create(graph.to_json(), elementwise_lib(), DEVS)
-    m.load_params({"w": np.linspace(0.5, 1.5, N, dtype="float32")})
+    if graph.params:
+        m.load_params({"w": W})
     if parallel is not None:
         m.configure_streams(parallel=parallel)
     return m
@@ -84,19 +145,24 @@ def test_single_stream_option_and_a_graph_without_streams_run_as_today(rng):
         m.run(x=x)
         outs.append(m.get_output(0).numpy())
     assert planned(branchy(), single_stream=True).streams is None
+    for out in outs:
+        assert_reference(out, branchy_reference(x))
     np.testing.assert_array_equal(outs[0], outs[1])
     np.testing.assert_array_equal(outs[0], outs[2])
 
 
-@pytest.mark.parametrize("graph", [branchy, branchy_concat])
-def test_streams_forced_to_interleave_stay_bitwise_equal(rng, graph):
+@pytest.mark.parametrize("graph, reference", [(branchy, branchy_reference),
+                                              (branchy_concat, branchy_concat_reference)])
+def test_streams_forced_to_interleave_stay_bitwise_equal(rng, graph, reference):
     """300 runs with random sleeps injected before steps: every output equals the sequential
-    run's, bit for bit (also where the branches meet in a concat their steps write in place)."""
+    run's, bit for bit, and numpy's (also where the branches meet in a concat their steps write
+    in place)."""
     m = module(planned(graph()))
     assert m._streams is not None and m.parallel
     x = rng.standard_normal(N).astype("float32")
     m.run(x=x, parallel=False)
     want = m.get_output(0).numpy().copy()
+    assert_reference(want, reference(x))
     jitter = random.Random(0)
 
     def sleepy(func):
@@ -180,25 +246,33 @@ def test_a_plain_run_uses_every_core_even_on_a_pool_started_small(rng):
 
 
 def test_cpu_streams_run_at_once_by_default_only_where_enough_overlaps(monkeypatch):
-    """Two CPU devices share the cores: a stream gets half of them. branchy(): cpu:1's chain
-    does most of the work (critical path 116 of 164 units of work: 1.41x) -> one stream by
-    default; two even chains of 60 (1.92x) -> at once. ``parallel=True`` runs either at once."""
+    """Two CPU devices share the cores: a stream gets half of them, so by default streams run
+    at once only where the graph's overlap figure (``overlap_figure``) exceeds
+    ``SHARED_CORES_SLOWDOWN``. Chains of 40 and 0..40 steps span figures of 0.5 to 0.95: the
+    default decision flips exactly where the figure crosses the constant, whatever its value.
+    ``parallel=True``, or a threads split, runs streams at once anyway."""
     from hgrt.runtime.streams import SHARED_CORES_SLOWDOWN, StreamRunner
 
     monkeypatch.delenv("HGRT_SEQUENTIAL", raising=False)
-    uneven, even = planned(branchy()), planned(branchy(depth=60, even=True))
-    assert not StreamRunner.pays_on_shared_cores(uneven)
-    assert StreamRunner.pays_on_shared_cores(even)
-    m = module(uneven, parallel=None)
+    graphs = [planned(two_chains(40, d)) for d in range(41)]
+    figures = [overlap_figure(g) for g in graphs]
+    assert [StreamRunner.pays_on_shared_cores(g) for g in graphs] == \
+        [f > SHARED_CORES_SLOWDOWN for f in figures]
+    below = [i for i, f in enumerate(figures) if f <= SHARED_CORES_SLOWDOWN]
+    above = [i for i, f in enumerate(figures) if f > SHARED_CORES_SLOWDOWN]
+    assert below and above, f"SHARED_CORES_SLOWDOWN is outside the figures {figures}"
+    near_below = max(below, key=figures.__getitem__)  # the two graphs nearest the threshold
+    near_above = min(above, key=figures.__getitem__)
+    m = module(graphs[near_below], parallel=None)
     assert m._streams is not None and not m.parallel
-    assert module(even, parallel=None).parallel
-    assert module(uneven, parallel=True).parallel
-    assert SHARED_CORES_SLOWDOWN == 0.9  # (the figures above: against 2 x 0.9)
+    assert module(graphs[near_above], parallel=None).parallel
+    assert module(graphs[near_below], parallel=True).parallel
     m.configure_streams(threads={"cpu:0": 1, "cpu:1": 1})  # a split asks for streams
     assert m.parallel and m._streams.threads == [1, 1]
     x = np.arange(N, dtype="float32")
     m.run(x=x)
     at_once = m.get_output(0).numpy().copy()
+    np.testing.assert_array_equal(at_once, 2 * x + 43 + near_below)  # x+1+40 + x+1+d + 1
     m.run(x=x, parallel=False)
     np.testing.assert_array_equal(m.get_output(0).numpy(), at_once)
 
@@ -212,6 +286,9 @@ def test_a_chain_across_devices_runs_sequentially():
     g.output(v)
     m = hgrt.create(planned(Graph.from_json(g.json())).to_json(), elementwise_lib(), DEVS)
     assert m._streams is None
+    x = np.arange(N, dtype="float32")
+    m.run(x=x)
+    np.testing.assert_array_equal(m.get_output(0).numpy(), x + 6)
 
 
 def test_profile_trace_has_a_track_per_stream(rng):
