@@ -1,6 +1,12 @@
 """Memory planned by hgrt vs the lower bound and the Relax VM, per light zoo model and device.
 
     python python/bench_memory.py [model ...]
+    python python/bench_memory.py --kernels [model ...]
+
+With ``--kernels``: per model, the planned bytes of every device (weights and activations) of
+the default build (oneDNN, Winograd within ``claim_onednn.WINOGRAD_SHARE`` of the weights), of
+the same build with every Winograd convolution (``winograd=True``) and without any, each
+against the build on TVM's kernels.
 
 hgrt's figure is its whole arena (inputs, params, intermediates, outputs). The Relax VM's is
 what it allocates for the same run: the storages StaticPlanBlockMemory plans, the tensors it
@@ -70,5 +76,29 @@ def main(models: list[str]) -> None:
         print(f"{name:14} {'Relax VM':12} {'':>3} {vm / 2**20:10.2f}")
 
 
+def kernels_table(models: list[str]) -> None:
+    from hgrt.relay_passes.claim_onednn import Kernels
+
+    def planned(res) -> int:
+        return sum(m.planned_bytes for m in res.memory_report)
+
+    print(f"{'model':14} {'tvm MiB':>8} {'default MiB':>12} {'/tvm':>6} {'all Winograd':>13} "
+          f"{'/tvm':>6} {'no Winograd':>12} {'/tvm':>6}")
+    for name in models:
+        model = light_model(name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tvm_b = planned(hgrt.build(model, ["cpu"], kernels="tvm"))
+            row = [planned(hgrt.build(model, ["cpu"], kernels=k)) for k in
+                   ("auto", Kernels("auto", winograd=True), Kernels("auto", winograd=False))]
+        print(f"{name:14} {tvm_b / 2**20:8.1f} " + " ".join(
+            f"{b / 2**20:{w}.1f} {b / tvm_b:6.2f}" for b, w in zip(row, (12, 13, 12),
+                                                                  strict=True)), flush=True)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:] or list(LIGHT_MODELS))
+    args = sys.argv[1:]
+    if args[:1] == ["--kernels"]:
+        kernels_table(args[1:] or list(LIGHT_MODELS))
+    else:
+        main(args or list(LIGHT_MODELS))
