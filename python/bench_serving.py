@@ -7,16 +7,24 @@ Printed: inferences per second, hgrt / its own single caller, hgrt / onnxruntime
 memory one more frame costs (activation pools only) against the weights.
 
     python python/bench_serving.py [--models squeezenet resnet50] [--calls 50] [--markdown F]
+    python python/bench_serving.py --threads [--models ...] [--kernels auto tvm]
+
+With ``--threads``: one caller's median latency from the main thread and from a new worker
+thread (their ratio), the hand-off to hgrt's dispatcher in microseconds, and, with an
+onnxruntime session of its default options created and run in the same process and then left
+idle, each runtime's latency against its own alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import threading
 import time
 import warnings
 
+import numpy as np
 from bench_common import light, ort_feed, ort_session, table
 
 import hgrt
@@ -46,6 +54,71 @@ def throughput(call, callers: int, calls: int) -> float:
     return callers * calls / (time.perf_counter() - t0)
 
 
+def median_ms(call, n: int = 40) -> float:
+    call()
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
+def in_thread(fn):
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    t.join()
+    return out[0]
+
+
+def handoff_us(n: int = 2000) -> float | None:
+    """Median round trip of an empty job through hgrt's dispatcher, in microseconds."""
+    try:
+        from hgrt.runtime.dispatch import dispatch
+    except ImportError:
+        return None
+    return 1e3 * median_ms(lambda: dispatch(lambda: None, 1), n)
+
+
+def thread_rows(name: str, kernels: str) -> list[str]:
+    import onnxruntime as ort
+
+    mdl = light(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = hgrt.build(mdl.model, ["cpu"], kernels=kernels)
+    m = hgrt.create(res.graph, res.lib, [hgrt.devices.runtime_device("cpu:0")])
+    m.load_params(res.params)
+    m.configure_calls(callers=1)
+
+    def call():
+        return m(mdl.inputs)
+
+    want = call()[0]
+    main1 = median_ms(call)
+    worker = in_thread(lambda: median_ms(call))
+    main2 = median_ms(call)
+    same = all(np.array_equal(in_thread(call)[0], want) for _ in range(3))
+    rows = [f"| {name} | {kernels} | main {main1:.3f} / {main2:.3f} ms | worker thread "
+            f"{worker:.3f} ms | {worker / min(main1, main2):.2f} | bitwise {same} |"]
+    print(rows[-1], flush=True)
+    # a neighbour: onnxruntime, its default options (spinning pool threads), run then idle
+    alone = median_ms(call)
+    sess = ort.InferenceSession(mdl.model.SerializeToString(), providers=["CPUExecutionProvider"])
+    feed = ort_feed(sess, mdl.model, mdl.inputs)
+    ort_alone = median_ms(lambda: sess.run(None, feed))
+    time.sleep(0.5)
+    beside = median_ms(call)
+    ort_after = median_ms(lambda: sess.run(None, feed))
+    rows.append(f"| {name} | {kernels} | alone {alone:.3f} ms | after onnxruntime ran "
+                f"{beside:.3f} ms | {beside / alone:.2f} | onnxruntime {ort_alone:.3f} -> "
+                f"{ort_after:.3f} ms ({ort_after / ort_alone:.2f}) |")
+    print(rows[-1], flush=True)
+    sess = None  # noqa: F841 - its threads go before the next model
+    return rows
+
+
 def bench(name: str, calls: int) -> list[str]:
     mdl = light(name)
     with warnings.catch_warnings():
@@ -60,6 +133,10 @@ def bench(name: str, calls: int) -> list[str]:
         threads = max(1, cores // callers)
         m.configure_calls(callers=callers, threads_per_call=threads)
         ours = throughput(lambda: m(mdl.inputs), callers, calls)
+        want = m(mdl.inputs)[0]
+        outs = []
+        throughput(lambda o=outs: o.append(m(mdl.inputs)[0]), callers, 2)
+        assert all(np.array_equal(o, want) for o in outs), "a concurrent call differs"
         base = base or ours
         sess = ort_session(mdl.model, threads)
         theirs = None
@@ -85,7 +162,21 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["squeezenet", "resnet50"])
     ap.add_argument("--calls", type=int, default=50, help="inferences per caller")
     ap.add_argument("--markdown", help="write the table into this markdown file")
+    ap.add_argument("--threads", action="store_true",
+                    help="latency from a worker thread and beside onnxruntime (module doc)")
+    ap.add_argument("--kernels", nargs="+", default=["auto", "tvm"])
     args = ap.parse_args()
+    if args.threads:
+        cmd = (f"python python/bench_serving.py --threads --models {' '.join(args.models)} "
+               f"--kernels {' '.join(args.kernels)}")
+        us = handoff_us()
+        head = [f"hand-off to a dispatcher: {us:.1f} us (median of 2000 empty jobs)"
+                if us is not None else "no dispatcher: kernels run on the calling thread", "",
+                "| model | kernels | first | second | ratio | |", "|---|---|---|---|---|---|"]
+        table(args.markdown, "bench_serving_threads", cmd, head,
+              lambda: [r for name in args.models for k in args.kernels
+                       for r in thread_rows(name, k)])
+        return
     head = ["| model | callers x threads each | hgrt inf/s | hgrt / 1 caller | "
             "onnxruntime inf/s | hgrt / onnxruntime |", "|---|---|---|---|---|---|"]
     table(args.markdown, "bench_serving", f"python python/bench_serving.py --calls {args.calls} "

@@ -30,6 +30,7 @@ from hgrt.errors import (
     did_you_mean,
 )
 from hgrt.graph import Graph
+from hgrt.runtime.dispatch import dispatch
 from hgrt.runtime.frames import (
     KDL_CPU,
     Frame,
@@ -133,10 +134,13 @@ class GraphModule(GraphModuleAPI):
             raise self._unset_error(what)
         runner = self._streams if (self.parallel if parallel is None else parallel) else None
         if runner is None:
-            restore_thread_count()
-            self._run_calls(self._calls)
+            dispatch(self._run_sequential, process_threads())
         else:
-            self._run_streams(runner)
+            dispatch(functools.partial(self._run_streams, runner), runner.threads[0])
+
+    def _run_sequential(self) -> None:
+        restore_thread_count()
+        self._run_calls(self._calls)
 
     def _run_streams(self, runner: StreamRunner, record: list | None = None) -> None:
         runner.run(record)
@@ -239,28 +243,33 @@ class GraphModule(GraphModuleAPI):
             raise self._unset_error("call")  # every user input itself
         items = self._call_inputs(inputs)
         outs = self._call_outputs(out)
-        set_thread_count(self.budget.threads)
         frames = self._frames  # the frame goes back where it came from, whatever happens
         if frames is None:  # closed meanwhile
             self._check_open()
         frame = frames.take()
         try:
-            bound = {}
-            for idx, value in items:
-                eid = self._input_eids[idx]
-                view = self._zero_copy(eid, value, inputs=True)
-                if view is None:
-                    self._copy_in(frame.storage.user_view(eid), value)
-                else:
-                    bound[eid] = view
-            for i, o in enumerate(outs or ()):
-                view = self._zero_copy(self._output_eids[i], o, inputs=False)
-                if view is not None:
-                    bound[self._output_eids[i]] = view
-            self._run_calls(frame.calls_with(bound, self._uses))
-            return self._call_results(frame, bound, outs)
+            return dispatch(functools.partial(self._infer_in, frame, items, outs),
+                            self.budget.threads)
         finally:
             frames.give(frame)
+
+    def _infer_in(self, frame: Frame, items: list, outs: list | None) -> list:
+        """One call's work in ``frame``, on a dispatcher (``infer``)."""
+        set_thread_count(self.budget.threads)
+        bound = {}
+        for idx, value in items:
+            eid = self._input_eids[idx]
+            view = self._zero_copy(eid, value, inputs=True)
+            if view is None:
+                self._copy_in(frame.storage.user_view(eid), value)
+            else:
+                bound[eid] = view
+        for i, o in enumerate(outs or ()):
+            view = self._zero_copy(self._output_eids[i], o, inputs=False)
+            if view is not None:
+                bound[self._output_eids[i]] = view
+        self._run_calls(frame.calls_with(bound, self._uses))
+        return self._call_results(frame, bound, outs)
 
     def execution_error(self, step: int, cause: Exception) -> ExecutionError:
         """The error of step ``step`` failing: names its node and the device it ran on."""
@@ -298,8 +307,9 @@ class GraphModule(GraphModuleAPI):
         with self._claim("profile"):  # its steps run on the module's storage: no run() between
             if self._unset:
                 raise self._unset_error("profile")
-            return profile(self, functools.partial(self._run_claimed, what="profile"),
-                           self._trace_streams, repeat=repeat, warmup=warmup)
+            return dispatch(functools.partial(
+                profile, self, functools.partial(self._run_claimed, what="profile"),
+                self._trace_streams, repeat=repeat, warmup=warmup), process_threads())
 
     def _zero_copy(self, eid: int, value: Any, inputs: bool):
         """``value`` bound in place of entry ``eid`` for one call, when that is safe: no view

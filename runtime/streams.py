@@ -2,14 +2,16 @@
 events, so that independent branches on two devices (or two branches of one) overlap.
 
 TVM's FFI releases the GIL while a kernel runs, so Python threads give real parallelism. The
-calling thread runs the first stream itself; the others go to persistent workers (one per
-stream, started at the first parallel run, stopped when the runner is dropped). A failing step
+dispatcher that runs the call (``runtime/dispatch.py``) runs the first stream itself; the others
+go to persistent workers of hgrt's (one per stream, the master of its own pools, started at the
+first parallel run and again in a forked child, stopped when the runner is dropped). A failing step
 stops every stream (waiters are woken) and the error names its node, device and stream.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import queue
 import threading
 import time
@@ -79,6 +81,7 @@ class StreamRunner:
         self.threads = threads
         self.stream_of = [graph.streams[step.node] for step in steps]
         self._queues: list[queue.SimpleQueue] = []
+        self._pid = os.getpid()  # whose workers the queues feed (a forked child has none)
         self._failed: tuple[int, BaseException] | None = None
         self._lock = threading.Lock()
 
@@ -103,6 +106,7 @@ class StreamRunner:
         return total > SHARED_CORES_SLOWDOWN * streams * critical
 
     def _start(self) -> None:
+        self._pid = os.getpid()
         self._queues = [queue.SimpleQueue() for _ in self.streams[1:]]
         for q in self._queues:
             threading.Thread(target=_worker, args=(q,), daemon=True,
@@ -112,8 +116,8 @@ class StreamRunner:
     def run(self, record: list | None = None) -> None:
         """Run every stream once, returning when all have stopped; the first failure is then
         ``take_failure()``'s. ``record`` gets (step, stream, t0, t1) per step."""
-        if not self._queues and len(self.streams) > 1:
-            self._start()
+        if len(self.streams) > 1 and (not self._queues or self._pid != os.getpid()):
+            self._start()  # (after fork: the parent's workers do not exist in the child)
         for ev in self.events.values():
             ev.clear()
         self._failed = None

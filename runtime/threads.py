@@ -2,8 +2,11 @@
 
 Every thread that calls a parallel TVM kernel gets its own TVM thread pool, sized by
 ``TVM_NUM_THREADS`` when the pool starts, or later by ``runtime.config_threadpool``, which sets
-the CALLING thread's pool. So N callers each running kernels on all cores oversubscribe the
-machine N times; a caller's share is ``cores // callers``.
+the CALLING thread's pool; oneDNN's kernels take as many OpenMP threads as that pool has. hgrt's
+kernels are only launched by its own threads (``runtime/dispatch.py``: a dispatcher per
+concurrent call, a worker per extra stream), so this budget is their configuration: N callers
+each running kernels on all cores would oversubscribe the machine N times; a caller's share is
+``cores // callers``, set on the dispatcher that runs its call.
 
 - ``process_threads()``: what a plain ``run()`` uses: TVM_NUM_THREADS, which ``create`` sets to
   every core this process may use unless the user chose (TVM itself starts half the hardware
@@ -38,9 +41,18 @@ from hgrt.errors import InputError
 # 300000 times after each kernel, and a TVM kernel run next got a share of the cores
 # (inception_v1's 13 max pools 0.6 -> 35 ms between oneDNN convolutions). libgomp reads
 # GOMP_SPINCOUNT when it loads, with the oneDNN kernels, after `import hgrt`.
+# libgomp spins only gomp_throttled_spin_count (100 by default, 1000 under
+# OMP_WAIT_POLICY=active, 0 under passive) wherever it manages more threads than there are
+# cores, which is so as soon as any thread but the process's first is an OpenMP master: a
+# dispatcher (``runtime/dispatch.py``) with a team of every core. With 100 spins a team's
+# workers are asleep when the next oneDNN kernel starts (a few us later) and every kernel pays
+# their wake-up: light squeezenet 6.1-6.6 ms where the first thread as master ran 3.0-3.5 ms
+# (Intel Xeon, 2 vCPUs); "active" lets them spin 1000 times (3.1-3.2 ms) and still stops them
+# within microseconds of a call's end. A GOMP_SPINCOUNT or OMP_WAIT_POLICY the user set wins.
 SPIN_COUNT = 10000
 os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", str(SPIN_COUNT))
 os.environ.setdefault("GOMP_SPINCOUNT", str(SPIN_COUNT))
+os.environ.setdefault("OMP_WAIT_POLICY", "active")
 
 _config_threadpool = tvm.get_global_func("runtime.config_threadpool")
 _num_threads = tvm.get_global_func("runtime.NumThreads")

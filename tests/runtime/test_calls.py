@@ -12,6 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import hgrt
 from hgrt.lifetimes import memory_report
+from hgrt.runtime import threads
 from hgrt.testing import GraphBuilder, N, elementwise_lib
 
 LAYERS, SIZE = 8, 256
@@ -122,17 +123,26 @@ def test_frames_share_the_weights(mlp):
 
 
 def test_call_threads_are_the_callers_share(mlp):
-    mlp.configure_calls(callers=2, threads_per_call=1)
-    seen = []
+    """A call's kernels run on one of hgrt's dispatchers, its pool set to the caller's share;
+    the calling thread's own pool is left as it was."""
+    from hgrt.runtime.dispatch import dispatch
 
-    def caller():
-        mlp(x=np.zeros((4, SIZE), "float32"))
-        seen.append(tvm.get_global_func("runtime.NumThreads")())
+    num_threads = tvm.get_global_func("runtime.NumThreads")
+    for share in (1, 2):
+        mlp.configure_calls(callers=2, threads_per_call=share)
+        mine = []
 
-    t = threading.Thread(target=caller)
-    t.start()
-    t.join()
-    assert seen == [1]
+        def caller(mine=mine):
+            before = num_threads()
+            assert_reference(mlp(x=np.ones((4, SIZE), "float32"))[0], np.ones((4, SIZE)))
+            mine.append(num_threads() == before)
+
+        t = threading.Thread(target=caller)
+        t.start()
+        t.join()
+        assert mine == [True]
+        # the dispatcher that ran it is the one a job of that share gets next
+        assert dispatch(num_threads, share) == min(share, threads.process_threads())
 
 
 def test_stateful_api_from_a_second_thread_is_refused(mlp):

@@ -222,15 +222,18 @@ def test_threads_per_device_are_set_and_checked():
         m.configure_streams(threads={"cuda:0": 1})
 
 
-def test_a_plain_run_uses_every_core_even_on_a_pool_started_small(rng):
-    """A thread whose TVM pool started with fewer threads (TVM's default, or a stream's share)
-    runs a plain run() on process_threads() all the same (it ran on one thread before)."""
+def test_a_plain_run_uses_every_core_whatever_the_calling_thread_s_pool(rng):
+    """A caller whose own TVM pool was set small (not by hgrt) gets a plain run() on
+    process_threads() all the same: the kernels run on a dispatcher of hgrt's, and the caller's
+    pool is left as the caller set it."""
     import threading
 
     from hgrt.runtime import threads
+    from hgrt.runtime.dispatch import dispatch
 
     m = module(planned(branchy(), single_stream=True))
-    m.set_input(x=rng.standard_normal(N).astype("float32"))
+    x = rng.standard_normal(N).astype("float32")
+    m.set_input(x=x)
     num_threads = tvm.get_global_func("runtime.NumThreads")
     seen = []
 
@@ -242,7 +245,9 @@ def test_a_plain_run_uses_every_core_even_on_a_pool_started_small(rng):
     t = threading.Thread(target=caller)
     t.start()
     t.join()
-    assert seen == [threads.process_threads()]
+    assert seen == [1]
+    assert dispatch(num_threads, threads.process_threads()) == threads.process_threads()
+    np.testing.assert_allclose(m.get_output(0).numpy(), branchy_reference(x), rtol=1e-6)
 
 
 def test_cpu_streams_run_at_once_by_default_only_where_enough_overlaps(monkeypatch):

@@ -1,0 +1,178 @@
+"""The threads that launch hgrt's kernels: whoever calls, a dispatcher of hgrt's runs the work.
+
+TVM's parallel loops run on a pool that belongs to the thread that launches them, and libgomp
+(oneDNN's OpenMP) keeps a team per launching thread; both spin for a while after each kernel and
+keep their state per thread. A kernel launched from a new or rarely used thread therefore finds
+cold pools and another thread's spinning workers. So no user thread launches a kernel: a call
+(``run()``, ``m(x)``, ``profile()``) hands its work to a dispatcher and waits for it.
+
+Dispatchers belong to the process, not to a module: modules share the cores, and a dispatcher
+per module would multiply the pools (and the spinning) by the modules loaded. A caller takes an
+idle dispatcher, preferably the one that last ran with the same thread count (its TVM pool and
+OpenMP team are sized and warm), else another idle one, else a new one; so one caller at a time,
+from any thread, always lands on the same dispatcher, and ``k`` concurrent callers on ``k``
+dispatchers, each the one master of its pools. An idle dispatcher sleeps on a lock (no spin).
+
+After ``fork()`` the child forgets the parent's dispatchers (their threads do not exist there)
+and starts its own on first use; at interpreter exit they are stopped, and a call made after
+that gets a ``ClosedError`` instead of waiting for a thread that will never run.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from hgrt.errors import ClosedError
+
+_local = threading.local()
+
+
+class _Job:
+    """One hand-off: ``fn`` run on a dispatcher, its result or exception kept for the caller."""
+
+    __slots__ = ("fn", "result", "error", "done")
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn, self.result, self.error = fn, None, None
+        self.done = threading.Lock()
+        self.done.acquire()  # released by the dispatcher when fn has returned or raised
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn()
+        except BaseException as e:  # noqa: B036 - every outcome goes back to the caller
+            self.error = e
+        finally:
+            self.fn = None
+            self.done.release()
+
+    def wait(self) -> Any:
+        """The result, or the exception re-raised in the caller's thread. A signal (Ctrl-C)
+        while waiting is raised only once the dispatcher has finished: the job's frame and
+        buffers must not be handed back while a kernel still writes them."""
+        interrupted = None
+        while True:
+            try:
+                self.done.acquire()
+                break
+            except BaseException as e:  # noqa: B036
+                interrupted = interrupted or e
+        if interrupted is not None:
+            raise interrupted
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+        return self.result
+
+
+class Dispatcher:
+    """A long-lived thread that runs jobs one after another; the master of its TVM pool and
+    its OpenMP team."""
+
+    def __init__(self, index: int) -> None:
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.threads: int | None = None  # kernel threads its pool was last set to
+        self.thread = threading.Thread(target=self._loop, name=f"hgrt-dispatch-{index}",
+                                       daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        _local.dispatcher = self
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            job.run()
+            job = None  # hold nothing of a call between calls
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+
+
+class _Registry:
+    """The process's dispatchers: the idle ones, and how many exist."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.idle: list[Dispatcher] = []
+        self.all: list[Dispatcher] = []
+        self.closed = False
+
+
+_registry = _Registry()
+
+
+def _acquire(threads: int) -> Dispatcher:
+    reg = _registry
+    with reg.lock:
+        if reg.closed:
+            raise ClosedError("hgrt's dispatchers have stopped: the interpreter is exiting")
+        for k in range(len(reg.idle) - 1, -1, -1):  # the last used with this thread count
+            if reg.idle[k].threads == threads:
+                return reg.idle.pop(k)
+        if reg.idle:
+            return reg.idle.pop()
+        d = Dispatcher(len(reg.all))
+        reg.all.append(d)
+        return d
+
+
+def _release(d: Dispatcher) -> None:
+    reg = _registry
+    with reg.lock:
+        if d in reg.all:  # (not a dispatcher of the parent, after a fork)
+            reg.idle.append(d)
+
+
+def on_dispatcher() -> bool:
+    """Whether the calling thread is one of hgrt's dispatchers."""
+    return getattr(_local, "dispatcher", None) is not None
+
+
+def dispatch(fn: Callable[[], Any], threads: int) -> Any:
+    """``fn()`` run on a dispatcher whose kernels take ``threads`` threads (``fn`` sets them:
+    ``threads.set_thread_count``), the caller waiting; its result, or its exception raised
+    here. On a dispatcher already (a call inside a call), ``fn()`` runs in place."""
+    if on_dispatcher():
+        return fn()
+    d = _acquire(threads)
+    job = _Job(fn)
+    try:
+        d.jobs.put(job)
+        return job.wait()
+    finally:
+        d.threads = threads
+        _release(d)
+
+
+def dispatchers() -> int:
+    """How many dispatcher threads this process has started."""
+    return len(_registry.all)
+
+
+def _forget_after_fork() -> None:
+    """In a forked child: the parent's dispatcher threads do not exist here."""
+    global _registry
+    _registry = _Registry()
+
+
+def _stop_at_exit() -> None:
+    reg = _registry
+    with reg.lock:
+        reg.closed = True
+        stopping = list(reg.all)
+        reg.idle.clear()
+    for d in stopping:
+        d.stop()
+    for d in stopping:
+        d.thread.join(timeout=1.0)  # a dispatcher still in a kernel is left to the exit
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
+atexit.register(_stop_at_exit)

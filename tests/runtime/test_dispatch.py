@@ -1,0 +1,210 @@
+"""hgrt's own threads launch every kernel: whoever calls, a dispatcher runs the work. The same
+dispatcher serves one caller at a time from any thread; concurrent callers get one each; after
+fork the child starts its own; at exit a call is refused, never a hang."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+import tvm
+
+import hgrt
+from hgrt.runtime import dispatch
+from hgrt.testing import N, add_one_chain, elementwise_lib
+
+
+@pytest.fixture
+def chain():
+    g = add_one_chain(N, 6)
+    m = hgrt.create(g.json(pools=True), elementwise_lib(), [tvm.cpu(0)])
+    yield m
+    m.close()
+
+
+def _recording(m):
+    """Record the thread each run's first step runs on."""
+    seen = []
+    calls = m._calls
+    m._calls = ((lambda: seen.append(threading.current_thread()), ()),) + calls
+    return seen
+
+
+def test_kernels_run_on_a_dispatcher_the_same_one_from_any_thread(chain):
+    seen = _recording(chain)
+    x = np.arange(N, dtype="float32")
+    chain.run(x=x)
+    t = threading.Thread(target=lambda: chain.run(x=x))
+    t.start()
+    t.join()
+    chain.run(x=x)
+    assert len(seen) == 3 and len({th.ident for th in seen}) == 1, seen
+    assert seen[0].name.startswith("hgrt-dispatch-") and seen[0] is not threading.main_thread()
+    np.testing.assert_array_equal(chain.get_output(0).numpy(), x + 6)
+
+
+def test_concurrent_callers_each_get_a_dispatcher_and_the_single_call_s_bits(chain):
+    chain.configure_calls(callers=3, threads_per_call=1)
+    x = np.random.default_rng(0).standard_normal((8, N)).astype("float32")
+    want = [chain(x=xi)[0] for xi in x]
+    got: dict[int, list] = {}
+    start = threading.Barrier(3)
+
+    def caller(k):
+        start.wait()
+        got[k] = [chain(x=x[i])[0] for i in range(k, len(x), 3) for _ in range(20)]
+
+    threads = [threading.Thread(target=caller, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for k, outs in got.items():
+        for j, out in enumerate(outs):
+            np.testing.assert_array_equal(out, want[k + 3 * (j // 20)])
+    assert dispatch.dispatchers() >= 1
+
+
+def test_a_call_inside_a_dispatcher_runs_in_place():
+    inner = []
+    outer = dispatch.dispatch(lambda: dispatch.dispatch(
+        lambda: inner.append(threading.current_thread()) or threading.current_thread(), 1), 1)
+    assert inner == [outer]
+
+
+def test_an_error_on_the_dispatcher_reaches_the_caller_naming_the_node(chain):
+    def boom():
+        raise RuntimeError("kernel failed")
+
+    chain._calls = ((boom, ()),) + chain._calls[1:]
+    with pytest.raises(hgrt.ExecutionError, match=r"node \d+ 'add_one_\d+'.*kernel failed"):
+        chain.run(x=np.zeros(N, "float32"))
+
+
+def _run_child(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+
+
+FORK_CHILD = """
+    import multiprocessing as mp
+    import numpy as np
+    import tvm
+    import hgrt
+    from hgrt.runtime import onednn
+    from hgrt.testing import conv_model, reference
+
+    model = conv_model()
+    kernels = "onednn" if onednn.unavailable_reason() is None else "tvm"
+    res = hgrt.build(model, ["cpu"], kernels=kernels)
+    m = hgrt.create(res.graph_json, res.lib, [tvm.cpu(0)])
+    m.load_params(res.params)
+    x = np.random.default_rng(0).standard_normal((1, 3, 8, 8)).astype("float32")
+    m.run(x=x)  # the parent's dispatcher, its TVM pool and OpenMP team exist now
+
+    def child(q):
+        m.run(x=x)
+        q.put(m.get_output(0).numpy())
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=child, args=(q,))
+    p.start()
+    try:
+        got = q.get(timeout=30)
+    finally:
+        p.join(timeout=5)
+        p.kill()
+    np.testing.assert_allclose(got, reference(model, {"x": x})[0], rtol=1e-4, atol=1e-4)
+    print("forked child ran", kernels, flush=True)
+"""
+
+
+def test_a_forked_child_runs_on_fresh_dispatchers():
+    """The parent ran oneDNN's kernels (an OpenMP team) and TVM's: a child that ran them on
+    the thread fork() left it (the parent's team gone) waited forever."""
+    proc = _run_child(FORK_CHILD)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "forked child ran" in proc.stdout
+
+
+EXIT_CALL = """
+    import atexit
+    import numpy as np
+
+    def late():  # registered before hgrt's own: runs after its dispatchers stopped
+        try:
+            m.run(x=np.zeros(N, "float32"))
+            print("ran at exit", flush=True)
+        except hgrt.HgrtError as e:
+            print("refused:", type(e).__name__, e, flush=True)
+
+    atexit.register(late)
+    import tvm
+    import hgrt
+    from hgrt.testing import N, add_one_chain, elementwise_lib
+
+    m = hgrt.create(add_one_chain(N, 2).json(pools=True), elementwise_lib(), [tvm.cpu(0)])
+    m.run(x=np.zeros(N, "float32"))
+"""
+
+
+def test_a_call_during_interpreter_exit_is_refused_not_hung():
+    proc = _run_child(EXIT_CALL, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "refused: ClosedError" in proc.stdout and "interpreter is exiting" in proc.stdout
+
+
+def test_idle_means_idle(chain):
+    """After a call returns, hgrt's threads sleep: the process uses next to no CPU."""
+    x = np.zeros(N, "float32")
+    for _ in range(50):
+        chain.run(x=x)
+    time.sleep(0.2)  # the pools' bounded spin (threads.SPIN_COUNT yields)
+    t0, c0 = time.perf_counter(), time.process_time()
+    time.sleep(0.5)
+    cpu = time.process_time() - c0
+    assert cpu < 0.1 * (time.perf_counter() - t0), cpu
+
+
+FORK_STREAMS = """
+    import multiprocessing as mp
+    import numpy as np
+    from test_streams import branchy, branchy_reference, module, planned
+
+    m = module(planned(branchy()))
+    m.configure_streams(parallel=True)  # the runner's stream workers exist in the parent
+    x = np.random.default_rng(0).standard_normal(16).astype("float32")
+    m.run(x=x)
+
+    def child(q):
+        m.run(x=x)
+        q.put(m.get_output(0).numpy())
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=child, args=(q,))
+    p.start()
+    try:
+        got = q.get(timeout=30)
+    finally:
+        p.join(timeout=5)
+        p.kill()
+    np.testing.assert_allclose(got, branchy_reference(x), rtol=1e-6)
+    print("forked child ran its streams", flush=True)
+"""
+
+
+def test_a_forked_child_starts_its_own_stream_workers():
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = _run_child(f"import sys; sys.path.insert(0, {here!r})\n" + textwrap.dedent(
+        FORK_STREAMS))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "forked child ran its streams" in proc.stdout
