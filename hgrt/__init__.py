@@ -30,6 +30,14 @@ __version__ = "0.1.0"
 
 def __getattr__(name):
     # The compiler pulls in TVM's Relax stack; import it only when asked for.
+    if name in ("split", "StageSpec", "pipeline", "load_pipeline", "Pipeline"):
+        import importlib
+
+        for module, names in (("hgrt.split", ("split", "StageSpec")),
+                              ("hgrt.pipeline", ("pipeline", "load_pipeline", "Pipeline"))):
+            for public in names:
+                globals()[public] = getattr(importlib.import_module(module), public)
+        return globals()[name]
     if name in ("build", "Kernels", "Placement", "BuildResult", "lower_model"):
         import importlib
 
@@ -43,6 +51,7 @@ def __getattr__(name):
 __all__ = [
     "BenchmarkResult", "BuildError", "BuildResult", "ClosedError", "DeviceError",
     "ExecutionError", "Graph", "GraphError", "GraphModule", "GraphModuleAPI", "HgrtError", "Host",
-    "InputError", "Kernels", "Node", "ParamError", "Placement", "PlanError", "ProvisionError",
-    "RemoteError", "RemoteGraphModule", "build", "create", "load", "save",
+    "InputError", "Kernels", "Node", "ParamError", "Pipeline", "Placement", "PlanError",
+    "ProvisionError", "RemoteError", "RemoteGraphModule", "StageSpec", "build", "create", "load",
+    "load_pipeline", "pipeline", "save", "split",
 ]

@@ -1,0 +1,87 @@
+"""A pipeline over two boards: two hgrt rpc-servers behind a real tracker, a stage on each.
+Outputs equal the reference and come in order; a board killed mid-stream fails the inputs in
+flight with a RemoteError naming its stage and board, within seconds, and nothing hangs."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import hgrt
+import hgrt.rpc
+from hgrt.pipeline import load_pipeline
+from hgrt.split import split
+from hgrt.testing import assert_close_to, reference, zoo_input, zoo_model
+
+pytestmark = pytest.mark.rpc
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    model = zoo_model("squeezenet")
+    res = split(model, [{"devices": ["cpu"], "key": "board-a"},
+                        {"devices": ["cpu"], "key": "board-b"}], kernels="tvm")
+    out = tmp_path_factory.mktemp("pipe") / "sq"
+    res.save(out)
+    return model, out
+
+
+def _inputs(model, n):
+    rng = np.random.default_rng(5)
+    x = zoo_input(model)
+    return [{k: rng.standard_normal(v.shape).astype(v.dtype) for k, v in x.items()}
+            for _ in range(n)]
+
+
+def test_two_boards_run_the_stages_in_order(rpc_env, saved):
+    model, out = saved
+    procs = [rpc_env.start_server(k) for k in ("board-a", "board-b")]
+    sessions = [hgrt.rpc.connect(tracker=rpc_env.tracker, key=k, timeout=30)
+                for k in ("board-a", "board-b")]
+    xs = _inputs(model, 6)
+    with load_pipeline(out, sessions) as p:
+        assert all(type(m).__name__ == "RemoteGraphModule" for m in p.modules)
+        got = list(p.map(xs))
+    for x, g in zip(xs, got, strict=True):
+        assert_close_to(g, reference(model, x))
+    del procs
+
+
+def test_a_board_lost_mid_stream_fails_fast_and_names_it(rpc_env, saved):
+    model, out = saved
+    procs = {k: rpc_env.start_server(k) for k in ("board-c", "board-d")}
+    sessions = [hgrt.rpc.connect(tracker=rpc_env.tracker, key=k, timeout=30)
+                for k in ("board-c", "board-d")]
+    x = _inputs(model, 1)[0]
+    want = reference(model, x)
+    p = load_pipeline(out, sessions)
+    futures = [p.submit(x) for _ in range(8)]
+    for f in futures:  # all through: the stream works
+        assert_close_to(f.result(timeout=60), want)
+    futures = []
+    t0 = None
+    for i in range(200):
+        if i == 20:
+            procs["board-d"].kill()
+            t0 = time.monotonic()
+        try:
+            futures.append(p.submit(x))
+        except hgrt.ClosedError as e:  # refused once the stage is known lost
+            assert "pipeline stage 1" in str(e)
+            break
+    errors, done = [], 0
+    for f in futures:
+        try:
+            assert_close_to(f.result(timeout=30), want)
+            assert not errors, "an output after a failure: out of order"
+            done += 1
+        except hgrt.RemoteError as e:
+            errors.append(e)
+    assert errors, "no input failed after the board was killed"
+    print(f"first error {errors[0]!s:.200}; {done} inputs done after the kill")
+    assert time.monotonic() - t0 < 5
+    assert "pipeline stage 1" in str(errors[0]) and "board-d" in str(errors[0]), errors[0]
+    p.close()
+    assert all(not t.is_alive() for t in p._threads)

@@ -1,0 +1,157 @@
+"""Pipelines on this machine: a model cut into stages (hgrt.split), each an ordinary build, run
+with inputs streamed through; outputs in input order, equal to onnxruntime on the file."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import hgrt
+from hgrt.pipeline import load_pipeline, pipeline
+from hgrt.split import split
+from hgrt.testing import assert_close_to, conv_model, reference, zoo_input, zoo_model
+
+
+@pytest.fixture(scope="module")
+def squeezenet():
+    model = zoo_model("squeezenet")
+    return model, zoo_input(model), split(model, [["cpu:0"], ["cpu:1"]], kernels="tvm")
+
+
+def _inputs(model, n, seed=3):
+    rng = np.random.default_rng(seed)
+    x = zoo_input(model)
+    return [{k: rng.standard_normal(v.shape).astype(v.dtype) for k, v in x.items()}
+            for _ in range(n)]
+
+
+def test_two_stages_balance_the_estimate_and_equal_the_reference(squeezenet):
+    model, x, res = squeezenet
+    a, b = res.plans
+    assert a.end == b.start and a.start == 0 and b.end > b.start
+    # the cut balances the estimated kernel time: neither stage holds most of it
+    total = a.estimated_s + b.estimated_s
+    assert max(a.estimated_s, b.estimated_s) < 0.75 * total
+    assert [t.name for t in a.inputs] == ["data_0"] and b.inputs  # what crosses, by name
+    assert sum(t.nbytes for t in b.inputs) == sum(
+        int(np.prod(t.shape)) * 4 for t in b.inputs)
+    report = res.report()
+    assert "data_0" in report and b.inputs[0].name in report
+    with pipeline(res) as p:
+        got = p(x)
+    assert_close_to(got, reference(model, x))
+
+
+def test_a_stream_of_inputs_comes_out_in_order_from_many_threads(squeezenet):
+    model, _, res = squeezenet
+    xs = _inputs(model, 12)
+    whole = hgrt.build(model, ["cpu"], kernels="tvm")
+    m = hgrt.create(whole.graph_json, whole.lib, [hgrt.devices.runtime_device("cpu:0")])
+    m.load_params(whole.params)
+    want = [m(x)[0] for x in xs]
+    with pipeline(res, depth=2) as p:
+        got = [o[0] for o in p.map(xs)]
+        futures: dict[int, object] = {}
+
+        def feeder(k):
+            for i in range(k, len(xs), 3):
+                futures[i] = p.submit(xs[i])
+
+        threads = [threading.Thread(target=feeder, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        threaded = [futures[i].result(timeout=60)[0] for i in range(len(xs))]
+    for i, (g, t, w) in enumerate(zip(got, threaded, want, strict=True)):
+        np.testing.assert_array_equal(g, t, err_msg=f"input {i}")  # same stages, same bits
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6, err_msg=f"input {i}")
+
+
+def test_named_cuts_and_a_budget_that_no_cut_meets(squeezenet):
+    model, x, res = squeezenet
+    cut = split(model, 2, cuts=["lv20"], kernels="tvm")
+    assert cut.plans[0].end == cut.plans[1].start
+    with pipeline(cut) as p:
+        assert_close_to(p(x), reference(model, x))
+    weights = sum(p.weight_bytes for p in res.plans)
+    with pytest.raises(hgrt.BuildError, match="no cut into 2 contiguous stages"):
+        split(model, [{"devices": ["cpu"], "budget": weights // 4},
+                      {"devices": ["cpu"], "budget": weights // 4}], kernels="tvm")
+    with pytest.raises(hgrt.BuildError, match="cut after 'nosuchop'.*did you mean|cut after"):
+        split(model, 2, cuts=["nosuchop"], kernels="tvm")
+
+
+def test_budgets_move_the_cut(squeezenet):
+    """The first stage may hold little weight: the cut moves early, and each stage's weights
+    stay within its budget."""
+    model, _, res = squeezenet
+    total = sum(p.weight_bytes for p in res.plans)
+    small = split(model, [{"devices": ["cpu"], "budget": total // 20},
+                          {"devices": ["cpu"], "budget": total}], kernels="tvm")
+    assert small.plans[0].weight_bytes <= total // 20
+    assert small.plans[0].end < res.plans[0].end
+
+
+def test_a_bad_input_is_refused_before_stage_0(squeezenet):
+    model, x, res = squeezenet
+    with pipeline(res) as p:
+        with pytest.raises(hgrt.InputError, match="unknown pipeline inputs.*inputs: \\['data_0'"):
+            p.submit({"nosuch": 1})
+        with pytest.raises(hgrt.InputError, match="expected float32\\[1, 3, 224, 224\\]"):
+            p.submit({"data_0": np.zeros((1, 3, 8, 8), "float32")})
+        assert_close_to(p(x), reference(model, x))  # still serves
+
+
+def test_a_failing_stage_fails_the_inputs_in_flight_and_closes(squeezenet):
+    model, x, res = squeezenet
+    p = pipeline(res)
+    real = p.modules[1]
+
+    class Broken:
+        def __call__(self, inputs):
+            time.sleep(0.05)
+            raise hgrt.ExecutionError("while executing node 3 'fused_conv' on cpu(1): boom")
+
+        def configure_calls(self, **kw):
+            pass
+
+        def close(self):
+            real.close()
+
+    p.modules[1] = Broken()
+    futures = [p.submit(x) for _ in range(4)]
+    t0 = time.monotonic()
+    for f in futures:
+        with pytest.raises(hgrt.ExecutionError, match="pipeline stage 1 on this machine"):
+            f.result(timeout=10)
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(hgrt.ClosedError, match="the pipeline stopped: pipeline stage 1"):
+        p.submit(x)
+    p.close()
+    assert all(not t.is_alive() for t in p._threads)
+
+
+def test_save_and_load_as_one_directory(squeezenet, tmp_path):
+    model, x, res = squeezenet
+    res.save(tmp_path / "pipe")
+    assert sorted(p.name for p in (tmp_path / "pipe").iterdir()) == [
+        "pipeline.json", "stage0", "stage1"]
+    with load_pipeline(tmp_path / "pipe") as p:
+        assert_close_to(p(x), reference(model, x))
+    with pytest.raises(hgrt.InputError, match="has 2 stages: give 2 sessions"):
+        load_pipeline(tmp_path / "pipe", sessions=[None])
+
+
+def test_a_value_read_two_stages_later_is_carried():
+    """conv_model's Flatten output f is read by its first Add and again by the last one: cut
+    between them, it crosses to the last stage."""
+    model = conv_model()
+    x = {"x": np.random.default_rng(0).standard_normal((1, 3, 8, 8)).astype("float32")}
+    res = split(model, 3, kernels="tvm")
+    assert len(res.plans) == 3
+    with pipeline(res) as p:
+        np.testing.assert_allclose(p(x)[0], reference(model, x)[0], rtol=1e-5, atol=1e-5)
