@@ -166,6 +166,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     import hgrt
 
     t0 = time.perf_counter()
+    if args.stages or args.cut:
+        return _compile_stages(args, t0)
     result = hgrt.build(args.model, devices=args.device, placement=_placement(args),
                         input_shapes=_input_shapes(args.input_shape) or None,
                         tuning_db=args.tuning_db, target=parse_targets(args.target),
@@ -175,6 +177,33 @@ def cmd_compile(args: argparse.Namespace) -> int:
         print(line)
     print(f"compiled {args.model} for {args.device} in {time.perf_counter() - t0:.1f} s "
           f"-> {args.output}/ (graph.json, lib.so, params.bin)")
+    return 0
+
+
+def _compile_stages(args: argparse.Namespace, t0: float) -> int:
+    """``--stages K`` (or ``--cut``): a pipeline of K stages, each on ``--device``'s devices."""
+    from hgrt.split import split
+
+    k = args.stages or len(args.cut) + 1
+    budgets = list(args.stage_budget or [])
+    keys = list(args.stage_key or [])
+    for what, given in (("--stage-budget", budgets), ("--stage-key", keys)):
+        if given and len(given) != k:
+            raise SystemExit(f"hgrt: {what} given {len(given)} times for {k} stages: give it "
+                             f"once per stage, in order")
+    if args.cut and len(args.cut) != k - 1:
+        raise SystemExit(f"hgrt: --cut given {len(args.cut)} times for {k} stages: give K - 1")
+    stages = [{"devices": list(args.device), "budget": budgets[i] if budgets else None,
+               "key": keys[i] if keys else None} for i in range(k)]
+    res = split(args.model, stages, cuts=args.cut or None, placement=_placement(args),
+                input_shapes=_input_shapes(args.input_shape) or None,
+                tuning_db=args.tuning_db, target=parse_targets(args.target),
+                kernels=_kernels(args))
+    res.save(args.output)
+    print(res.report())
+    print(f"compiled {args.model} into {k} pipeline stages for {args.device} in "
+          f"{time.perf_counter() - t0:.1f} s -> {args.output}/ (pipeline.json, "
+          f"{', '.join(f'stage{i}/' for i in range(k))})")
     return 0
 
 
@@ -230,7 +259,56 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 # ---- run ----------------------------------------------------------------------------------
 
+def _run_pipeline(args: argparse.Namespace) -> int:
+    """``hgrt run`` of a pipeline directory: stage k on the board of the k-th ``--rpc-key`` (or
+    the key saved with the stage; none: this machine)."""
+    import hgrt
+    from hgrt.pipeline import _read_doc, load_pipeline
+
+    doc = _read_doc(args.artifacts)
+    n = len(doc["stages"])
+    keys = list(args.rpc_key or []) or [s.get("key") for s in doc["stages"]]
+    if len(keys) != n:
+        raise SystemExit(f"hgrt: the pipeline has {n} stages: give --rpc-key once per stage "
+                         f"(got {len(keys)})")
+    if any(keys) and not args.rpc_tracker:
+        raise SystemExit("hgrt: the stages name tracker keys: give --rpc-tracker HOST:PORT")
+    sessions = [hgrt.rpc.connect(tracker=args.rpc_tracker, key=key) if key else None
+                for key in keys]
+    inputs = _load_inputs(args.input)
+    for t in doc["inputs"]:
+        if t["name"] not in inputs:
+            if not args.random_inputs:
+                raise InputError(f"no value for input {t['name']!r}: give --input NAME=FILE.npy "
+                                 f"(or --random-inputs); expected {t['dtype']}{t['shape']}")
+            inputs[t["name"]] = np.random.default_rng(0).standard_normal(
+                t["shape"]).astype(t["dtype"])
+    with load_pipeline(args.artifacts, sessions) as p:
+        outputs = p(inputs)
+        for i, out in enumerate(outputs):
+            print(f"output {i}: shape {out.shape} {out.dtype}  mean {float(np.mean(out)):.6g}  "
+                  f"first {np.ravel(out)[:4]}")
+        if args.repeat:
+            t0 = time.perf_counter()
+            for _ in p.map([inputs] * args.repeat):
+                pass
+            dt = time.perf_counter() - t0
+            print(f"{args.repeat} inputs streamed through {n} stages on "
+                  f"{', '.join(p.boards)}: {args.repeat / dt:.1f} inputs/s")
+    if args.save_output:
+        np.savez(args.save_output, *outputs)
+        print(f"outputs saved to {args.save_output}")
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    from hgrt.pipeline import is_pipeline
+
+    if is_pipeline(args.artifacts):
+        return _run_pipeline(args)
+    if args.rpc_key and len(args.rpc_key) > 1:
+        raise SystemExit("hgrt: --rpc-key given more than once: one module runs on one board "
+                         "(a pipeline directory takes one per stage)")
     m, devices = _module_for(args)
     m.run()
     outputs = [m.get_output(i).numpy() for i in range(m.get_num_outputs())]
@@ -253,7 +331,8 @@ def _module_for(args: argparse.Namespace):
 
     session = None
     if getattr(args, "rpc_tracker", None):
-        session = hgrt.rpc.connect(tracker=args.rpc_tracker, key=args.rpc_key)
+        key = args.rpc_key[0] if isinstance(args.rpc_key, list) else args.rpc_key
+        session = hgrt.rpc.connect(tracker=args.rpc_tracker, key=key or "")
     m = hgrt.load(args.artifacts, args.device, session=session)
     devices = m.devices
     inputs = _load_inputs(args.input)
@@ -309,6 +388,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "cpu and cuda; default: this host)")
     c.add_argument("--cc", help="the compiler that links lib.so (default: this host's, or the "
                                 "cross compiler of the target's triple, aarch64-linux-gnu-g++)")
+    c.add_argument("--stages", type=at_least(1), metavar="K",
+                   help="cut the model into K pipeline stages, each on the --device list, where "
+                        "the slowest stage is fastest (hgrt run streams inputs through them)")
+    c.add_argument("--cut", action="append", metavar="NODE",
+                   help="cut the pipeline after this op (its binding name; K - 1 of them)")
+    c.add_argument("--stage-budget", action="append", type=at_least(1), metavar="BYTES",
+                   help="weight bytes a stage may hold (once per stage, in order)")
+    c.add_argument("--stage-key", action="append", metavar="KEY",
+                   help="the tracker key of the board a stage runs on (once per stage)")
     c.add_argument("-o", "--output", required=True, help="artifact directory")
     c.set_defaults(func=cmd_compile)
 
@@ -321,7 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--repeat", type=at_least(0), default=0, help="also time run() this many times")
     r.add_argument("--save-output", help="write the outputs to this .npz")
     r.add_argument("--rpc-tracker", metavar="HOST:PORT", help="run on a remote machine")
-    r.add_argument("--rpc-key", help="device key registered with the tracker")
+    r.add_argument("--rpc-key", action="append",
+                   help="device key registered with the tracker (a pipeline: once per stage)")
     r.set_defaults(func=cmd_run)
 
     pr = sub.add_parser("profile", help="per-op times of compiled artifacts, by op and device")

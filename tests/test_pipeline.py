@@ -155,3 +155,27 @@ def test_a_value_read_two_stages_later_is_carried():
     assert len(res.plans) == 3
     with pipeline(res) as p:
         np.testing.assert_allclose(p(x)[0], reference(model, x)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_the_cli_compiles_stages_and_streams_inputs(tmp_path, capsys):
+    from hgrt.cli import main
+
+    model = tmp_path / "sq.onnx"
+    assert main(["zoo", "squeezenet", "-o", str(model), "--input", str(tmp_path / "x.npy")]) == 0
+    out = tmp_path / "pipe"
+    assert main(["compile", str(model), "--device", "cpu", "--stages", "2", "--kernels", "tvm",
+                 "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "into 2 pipeline stages" in text and "tensors in (bytes)" in text
+    assert main(["run", str(out), "--input", f"data_0={tmp_path / 'x.npy'}", "--repeat", "4",
+                 "--save-output", str(tmp_path / "y.npz")]) == 0
+    text = capsys.readouterr().out
+    assert "4 inputs streamed through 2 stages" in text
+    import onnx
+
+    want = reference(onnx.load(str(model)), {"data_0": np.load(tmp_path / "x.npy")})
+    np.testing.assert_allclose(np.load(tmp_path / "y.npz")["arr_0"], want[0], rtol=1e-4,
+                               atol=1e-6)
+    with pytest.raises(SystemExit, match="give --rpc-key once per stage"):
+        main(["run", str(out), "--random-inputs", "--rpc-tracker", "127.0.0.1:1",
+              "--rpc-key", "a"])
