@@ -27,10 +27,11 @@ from tvm import relax
 
 from hgrt.errors import BuildError, did_you_mean
 
-# bytes per second a tensor crosses between two stages at (through the client, over loopback
-# TCP or between two devices of this machine): what a cut's transfer costs in the estimate
-TRANSFER_BYTES_PER_S = 1e9
-TRANSFER_LATENCY_S = 100e-6  # one hand-over between stages
+# bytes per second a tensor crosses between two stages at: through TVM RPC to the client and on
+# to the next board (resnet50's first stage on a loopback rpc-server: 2.4 MB in and out in
+# 46 ms beside its 38 ms of kernels, Intel Xeon): what a cut's transfer costs in the estimate
+TRANSFER_BYTES_PER_S = 5e7
+TRANSFER_LATENCY_S = 300e-6  # one hand-over between stages (an RPC round trip)
 
 
 @dataclass
@@ -131,6 +132,8 @@ def _read(model: Any, params: dict | None, rates: dict) -> _Model:
     if not all(isinstance(o, relax.Var) for o in outputs):
         raise BuildError("a pipeline needs main to return variables (or a tuple of them)")
     cpu = parse_devices(["cpu"])[0]
+    if cpu.name not in rates and len(rates) == 1:  # one device's profile: the stages' rate
+        rates = {cpu.name: next(iter(rates.values()))}
     cost, weight_of, reads = np.zeros(len(bs)), [], []
     made = {v: -1 for v in inputs}
     last_read: dict[relax.Var, int] = {}
@@ -188,8 +191,10 @@ def _cut_points(m: _Model, stages: list[StageSpec]) -> list[int]:
     wbytes = [sum(m.weights[w].nbytes for w in ws) for ws in m.weight_of]
     wprefix = np.concatenate([[0], np.cumsum(wbytes)])
 
-    def enter_s(p: int) -> float:
-        return 0.0 if p == 0 else TRANSFER_LATENCY_S + cross_bytes[p] / TRANSFER_BYTES_PER_S
+    first_in = sum(_tensor(v).nbytes for v in m.inputs if _tensor(v) is not None)
+
+    def enter_s(p: int) -> float:  # what crosses into a stage starting at p (the model's input)
+        return TRANSFER_LATENCY_S + (cross_bytes[p] if p else first_in) / TRANSFER_BYTES_PER_S
 
     def fits(s: int, a: int, b: int) -> bool:
         budget = stages[s].budget
@@ -201,7 +206,7 @@ def _cut_points(m: _Model, stages: list[StageSpec]) -> list[int]:
     back = [[0] * (n + 1) for _ in range(k)]
     for b in range(1, n + 1):
         if (b == n or b in cross_bytes) and fits(0, 0, b):
-            best[0][b] = (prefix[b], 0.0)
+            best[0][b] = (prefix[b] + enter_s(0), 0.0)
     for s in range(1, k):
         for b in range(s + 1, n + 1):
             if b != n and b not in cross_bytes:
@@ -299,8 +304,7 @@ def plan_stages(m: _Model, cuts: list[int]) -> list[StagePlan]:
         plans.append(StagePlan(
             s, a, b, tin, [_tensor(v) for v in outs], weights,
             sum(m.weights[w].nbytes for w in weights), float(np.sum(m.cost[a:b])),
-            0.0 if s == 0 else TRANSFER_LATENCY_S + sum(t.nbytes for t in tin)
-            / TRANSFER_BYTES_PER_S))
+            TRANSFER_LATENCY_S + sum(t.nbytes for t in tin) / TRANSFER_BYTES_PER_S))
     return plans
 
 

@@ -1,0 +1,220 @@
+"""Pipelines over boards: one board running the whole model, K boards pipelined (a stage each),
+and K boards each running the whole model (data parallel); throughput, latency, memory per board.
+
+A board is an `hgrt rpc-server` on loopback held to one core (`taskset -c k`, TVM_NUM_THREADS=1)
+behind a real TVM tracker; this process, the client, shares the cores. Latency is one input
+alone; throughput streams ``--inputs`` inputs (the pipeline through its queues, data parallel
+with one caller thread per board). The stages' estimated and measured times are printed too.
+
+    python python/bench_pipeline.py [--models squeezenet resnet50] [--inputs 40] [--markdown F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+
+import numpy as np
+from bench_common import light, table
+
+import hgrt
+import hgrt.rpc
+from hgrt.pipeline import load_pipeline
+from hgrt.rpc.session import tracker_summary
+from hgrt.split import split
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Boards:
+    """A tracker and ``n`` rpc-servers, server k pinned to core k % cores."""
+
+    def __init__(self, n: int, log_dir: str) -> None:
+        self.procs: list[subprocess.Popen] = []
+        port = _port()
+        self.tracker = f"127.0.0.1:{port}"
+        self._spawn([sys.executable, "-m", "tvm.exec.rpc_tracker", "--host", "127.0.0.1",
+                     "--port", str(port), "--port-end", str(port + 1), "--silent"],
+                    os.path.join(log_dir, "tracker.log"), {})
+        self._wait(lambda: tracker_summary(self.tracker, timeout=1.0) is not None)
+        cores = sorted(os.sched_getaffinity(0))
+        self.keys = []
+        for k in range(n):
+            key, sport = f"board{k}", _port()
+            self._spawn(["taskset", "-c", str(cores[k % len(cores)]), sys.executable, "-m",
+                         "hgrt.cli", "rpc-server", "--tracker", self.tracker, "--key", key,
+                         "--host", "127.0.0.1", "--port", str(sport), "--port-end",
+                         str(sport + 50)], os.path.join(log_dir, f"{key}.log"),
+                        {"TVM_NUM_THREADS": "1"})
+            self.keys.append(key)
+            self._wait(lambda key=key: (tracker_summary(self.tracker, timeout=2.0)
+                                        ["queue_info"].get(key, {}).get("free", 0) > 0))
+
+    def _spawn(self, args: list[str], log: str, env: dict) -> None:
+        with open(log, "w") as f:
+            self.procs.append(subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT,
+                                               env={**os.environ, **env}))
+
+    @staticmethod
+    def _wait(cond, timeout: float = 120) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            try:
+                if cond():
+                    return
+            except Exception:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("a tracker or rpc-server did not start")
+
+    def session(self, k: int):
+        return hgrt.rpc.connect(tracker=self.tracker, key=self.keys[k], timeout=60)
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.kill()
+            p.wait()
+
+
+def _latency_ms(call, x, n: int = 10) -> float:
+    call(x)
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        call(x)
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
+def _throughput(calls: list, xs: list) -> float:
+    """Inputs per second with one caller thread per entry of ``calls`` sharing ``xs``."""
+    parts = [xs[k::len(calls)] for k in range(len(calls))]
+    start = threading.Barrier(len(calls) + 1)
+
+    def worker(call, part):
+        start.wait()
+        for x in part:
+            call(x)
+
+    threads = [threading.Thread(target=worker, args=(c, p)) for c, p in zip(calls, parts,
+                                                                            strict=True)]
+    for t in threads:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    return len(xs) / (time.perf_counter() - t0)
+
+
+def bench(name: str, boards: Boards, k: int, n_inputs: int, kernels: str, tmp: str) -> list[str]:
+    mdl = light(name)
+    x = mdl.inputs
+    xs = [x] * n_inputs
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        whole = hgrt.build(mdl.model, ["cpu"], kernels=kernels)
+    whole_dir, pipe_dir = os.path.join(tmp, f"{name}_whole"), os.path.join(tmp, f"{name}_pipe")
+    hgrt.save(whole_dir, whole)
+    rows = []
+    sessions = [boards.session(j) for j in range(k)]  # a server serves one session at a time
+    # the rates the split estimates with: this machine's profile of the whole model, per core
+    # (a board here is one core; a remote module is not profiled step by step)
+    local = hgrt.create(whole.graph_json, whole.lib, [hgrt.devices.runtime_device("cpu:0")])
+    local.load_params(whole.params)
+    local.set_input(**x)
+    cores = len(os.sched_getaffinity(0))
+    rates = {d: {k2: v / cores for k2, v in r.items()}
+             for d, r in local.profile(repeat=5).rates().items()}
+    local.close()
+    # one board, the whole model
+    one = hgrt.load(whole_dir, ["cpu"], session=sessions[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = split(mdl.model, k, kernels=kernels, rates=rates)
+    res.save(pipe_dir)
+    want = one(x)[0]
+    lat1 = _latency_ms(one, x)
+    thr1 = _throughput([one], xs)
+    # K boards each running the whole model
+    many = [one] + [hgrt.load(whole_dir, ["cpu"], session=sessions[j]) for j in range(1, k)]
+    thr_dp = _throughput(many, xs)
+    for m in many:
+        m.close()
+    # K boards pipelined
+    with load_pipeline(pipe_dir, sessions) as p:
+        got = p(x)[0]
+        lat_p = _latency_ms(p, x)
+        t0 = time.perf_counter()
+        for _ in p.map(xs):
+            pass
+        thr_p = n_inputs / (time.perf_counter() - t0)
+        stage_ms = [_latency_ms(lambda v, m=m, s=s: m({n: v[n] for n in s["inputs"]}),
+                                _stage_values(p, x, j), 5)
+                    for j, (m, s) in enumerate(zip(p.modules, p.stages, strict=True))]
+    diff = float(np.max(np.abs(got - want)))
+    weights = [f"{pl.weight_bytes / 2**20:.1f}" for pl in res.plans]
+    rows.append(f"| {name} | one board, whole model | {thr1:.1f} | 1.00 | {lat1:.2f} | "
+                f"{whole_weight_mib(whole):.1f} | |")
+    rows.append(f"| {name} | {k} boards, data parallel | {thr_dp:.1f} | {thr_dp / thr1:.2f} | "
+                f"{lat1:.2f} | {whole_weight_mib(whole):.1f} each | |")
+    est = ", ".join(f"{1e3 * pl.estimated_s:.2f}" for pl in res.plans)
+    meas = ", ".join(f"{v:.2f}" for v in stage_ms)
+    rows.append(f"| {name} | {k} boards pipelined | {thr_p:.1f} | {thr_p / thr1:.2f} | "
+                f"{lat_p:.2f} | {' + '.join(weights)} | stages est. {est} ms, measured {meas} "
+                f"ms; max abs diff to one board {diff:.2g} |")
+    for r in rows:
+        print(r, flush=True)
+    del sessions
+    return rows
+
+
+def whole_weight_mib(res) -> float:
+    return sum(v.nbytes for v in res.params.values()) / 2**20
+
+
+def _stage_values(p, x: dict, j: int) -> dict:
+    """The values entering stage ``j`` for input ``x`` (run through the stages before it)."""
+    values = dict(x)
+    for m, s in zip(p.modules[:j], p.stages[:j], strict=True):
+        outs = m({n: values[n] for n in s["inputs"]})
+        values.update(zip(s["outputs"], outs, strict=True))
+    return values
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["squeezenet", "resnet50"])
+    ap.add_argument("--boards", type=int, default=2)
+    ap.add_argument("--inputs", type=int, default=40)
+    ap.add_argument("--kernels", default="auto")
+    ap.add_argument("--markdown", help="write the table into this markdown file")
+    args = ap.parse_args()
+    head = ["| model | how | inputs/s | / one board | latency ms | weights MiB per board | |",
+            "|---|---|---|---|---|---|---|"]
+    with tempfile.TemporaryDirectory(prefix="hgrt_bench_pipeline_") as tmp:
+        boards = Boards(args.boards, tmp)
+        try:
+            table(args.markdown, "bench_pipeline",
+                  f"python python/bench_pipeline.py --models {' '.join(args.models)} --boards "
+                  f"{args.boards} --inputs {args.inputs} --kernels {args.kernels}", head,
+                  lambda: [r for name in args.models for r in
+                           bench(name, boards, args.boards, args.inputs, args.kernels, tmp)])
+        finally:
+            boards.stop()
+
+
+if __name__ == "__main__":
+    main()
