@@ -86,13 +86,15 @@ def test_named_cuts_and_a_budget_that_no_cut_meets(squeezenet):
 
 
 def test_budgets_move_the_cut(squeezenet):
-    """The first stage may hold little weight: the cut moves early, and each stage's weights
-    stay within its budget."""
+    """A first stage allowed half the weights the chosen cut gave it: the cut moves earlier,
+    and each stage's weights stay within its budget."""
     model, _, res = squeezenet
     total = sum(p.weight_bytes for p in res.plans)
-    small = split(model, [{"devices": ["cpu"], "budget": total // 20},
+    budget = res.plans[0].weight_bytes // 2
+    assert budget > 0
+    small = split(model, [{"devices": ["cpu"], "budget": budget},
                           {"devices": ["cpu"], "budget": total}], kernels="tvm")
-    assert small.plans[0].weight_bytes <= total // 20
+    assert small.plans[0].weight_bytes <= budget
     assert small.plans[0].end < res.plans[0].end
 
 
