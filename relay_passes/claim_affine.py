@@ -52,7 +52,7 @@ from hgrt.relay_passes.relax_util import (
 from hgrt.relay_passes.relax_util import float32_shape as _shape
 
 FUNC_NAME = ONEDNN_PREFIX + "affine"
-ACT = {"none": 0, "relu": 1, "clip": 2}  # runtime/onednn_shim.cc AffineAct
+ACT = {"none": 0, "relu": 1, "clip": 2}  # runtime/onednn_layout.cc AffineAct
 LINKS = frozenset({"relax.multiply", "relax.add", "relax.subtract", "relax.divide"})
 ACTIVATIONS = frozenset({"relax.nn.relu", "relax.clip"})
 

@@ -1,11 +1,13 @@
 """oneDNN kernels for hgrt: the optional ``onednn`` extra (``pip install -e '.[onednn]'``).
 
-``onednn_shim.cc`` is compiled once per machine with ``tvm_ffi.cpp`` (g++ and ninja) into
-``~/.cache/hgrt/onednn-<hash of source, flags, oneDNN paths>`` (``HGRT_CACHE_DIR`` moves the
-cache) and loaded. Loading registers global functions: ``hgrt.onednn.conv2d`` and
+The shim (``SOURCES``: ``onednn_shim.cc`` and the files ``onednn_shim.h`` lists) is compiled
+once per machine with ``tvm_ffi.cpp`` (g++ and ninja) into one library in
+``~/.cache/hgrt/onednn-<hash of sources, headers, flags, oneDNN paths>`` (``HGRT_CACHE_DIR``
+moves the cache) and loaded. Loading registers global functions: ``hgrt.onednn.conv2d`` and
 ``hgrt.onednn.dense`` are the kernels that graph nodes name (the executor falls back to
 global functions for names its library lacks, ``kernel_function``); ``hgrt.onednn.pack``
-packs weights at build (``relay_passes/claim_onednn.py`` builds the header).
+packs weights at build (``relay_passes/onednn_blob.py`` defines the header,
+``onednn_blob.h`` is generated from it).
 
 >>> from hgrt.runtime import onednn
 >>> onednn.unavailable_reason() or onednn.isa()  # doctest: +SKIP
@@ -36,15 +38,19 @@ from hgrt.errors import GraphError
 from hgrt.graph import ONEDNN_PREFIX as PREFIX
 from hgrt.runtime.threads import use_all_cores
 
-__all__ = ["FUNCTIONS", "INSTALL_HINT", "cache_root", "forget", "implementation", "isa",
-           "kernel_function", "layout_name", "load", "nhwc_tag", "pack", "unavailable_reason",
-           "version"]
+__all__ = ["FUNCTIONS", "INSTALL_HINT", "blob_format", "cache_root", "forget", "implementation",
+           "isa", "kernel_function", "layout_name", "load", "nhwc_tag", "pack",
+           "unavailable_reason", "version"]
 
 INSTALL_HINT = "pip install -e '.[onednn]'"
 # what graph nodes call
 FUNCTIONS = tuple(PREFIX + f for f in ("conv2d", "dense", "concat", "pool", "shuffle", "lrn",
                                            "affine", "to_nchw"))
-SOURCE = Path(__file__).with_name("onednn_shim.cc")
+# the shim: its sources, compiled into one library, and the headers they include (the key of
+# the cache covers them all: a changed file rebuilds)
+SOURCES = tuple(Path(__file__).with_name(f"onednn_{part}.cc")
+                for part in ("shim", "primitives", "pack", "winograd", "layout"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("onednn_shim.h", "onednn_blob.h"))
 _WHEELS = ("onednn-cpu-gomp", "onednn-devel-cpu-gomp")  # libdnnl.so + libgomp; headers
 _lock = threading.Lock()
 _module: list = []  # the loaded shim, once
@@ -100,9 +106,11 @@ def cache_root() -> Path:
 
 
 def _cache_dir(flags: list[str]) -> Path:
-    root = cache_root()
-    key = hashlib.sha256(SOURCE.read_bytes() + "\0".join(flags).encode()).hexdigest()[:16]
-    return root / f"onednn-{key}"
+    key = hashlib.sha256()
+    for path in (*SOURCES, *HEADERS):
+        key.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    key.update("\0".join(flags).encode())
+    return cache_root() / f"onednn-{key.hexdigest()[:16]}"
 
 
 def _build_and_load() -> tvm_ffi.Module:
@@ -117,9 +125,9 @@ def _build_and_load() -> tvm_ffi.Module:
             os.environ["PATH"] = f"{Path(ninja).parent}{os.pathsep}{os.environ['PATH']}"
         from tvm_ffi import cpp  # pulls in the build tooling only when something is built
 
-        cpp.build_inline("hgrt_onednn", cpp_sources=SOURCE.read_text(), extra_cflags=cflags,
-                         extra_ldflags=ldflags, extra_include_paths=[include],
-                         build_directory=str(build_dir))
+        cpp.build("hgrt_onednn", sources=[str(p) for p in SOURCES], extra_cflags=cflags,
+                  extra_ldflags=ldflags, extra_include_paths=[include],
+                  build_directory=str(build_dir))
     return tvm_ffi.load_module(str(built))
 
 
@@ -169,7 +177,7 @@ def _call(name: str, *args):
 
 def pack(header: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarray:
     """``weight`` (plain OIHW, or OI for dense) and ``bias`` packed for this machine behind
-    ``header`` (int64 slots, ``claim_onednn.HEADER_SLOTS``): the blob a kernel node reads."""
+    ``header`` (int64 slots, ``onednn_blob.HEADER_SLOTS``): the blob a kernel node reads."""
     cpu = tvm.cpu(0)
     head = tvm.runtime.tensor(np.ascontiguousarray(header, dtype="int64"), cpu)
     nbytes = int(_call("packed_bytes", head))
@@ -192,6 +200,13 @@ def layout_name(tag: int) -> str:
 def nhwc_tag() -> int:
     """oneDNN's layout tag of NHWC activations (what a header's ``src_tag`` etc. hold)."""
     return int(_call("nhwc_tag"))
+
+
+def blob_format() -> dict[str, int]:
+    """The blob header's format as the loaded shim was compiled with it, every number by name:
+    what ``relay_passes/onednn_blob.py``'s ``blob_format()`` says, when the two agree."""
+    lines = str(_call("blob_format")).splitlines()
+    return {name: int(value) for name, _, value in (line.partition("=") for line in lines)}
 
 
 def isa() -> str:

@@ -16,6 +16,7 @@ from tvm import relax
 
 import hgrt
 from hgrt.relay_passes import claim_onednn as claim
+from hgrt.relay_passes import onednn_policy
 from hgrt.runtime import onednn
 from hgrt.testing import (
     alternating,
@@ -434,7 +435,7 @@ def test_kernel_choices_name_what_exists():
 def no_onednn(monkeypatch):
     reason = f"oneDNN not installed: {onednn.INSTALL_HINT}"
     monkeypatch.setattr(onednn, "unavailable_reason", lambda: reason)
-    monkeypatch.setattr(claim, "_said", set())
+    monkeypatch.setattr(onednn_policy, "_said", set())
     return reason
 
 
