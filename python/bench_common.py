@@ -337,7 +337,8 @@ def write_block(path: str, name: str, command: str, body: str) -> None:
     """Put ``body`` (with the command and the machine line) between the ``name`` markers of the
     markdown file ``path`` (appended when the markers are not there yet)."""
     begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
-    block = "\n".join([begin, f"`{command.strip()}`", "", f"Machine: {machine()}.", "", body,
+    block = "\n".join([begin, f"`{command.strip()}`", "",
+                       f"Machine: {machine()}; measured {time.strftime('%Y-%m-%d')}.", "", body,
                        end])
     text = open(path).read() if os.path.exists(path) else ""
     if begin in text and end in text:
