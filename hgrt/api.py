@@ -12,13 +12,11 @@ import contextlib
 import logging
 from typing import Any
 
-import tvm
-
 from hgrt import artifacts
 from hgrt import devices as hdev
 from hgrt.errors import DeviceError, HgrtError, ParamError
 from hgrt.graph import Graph
-from hgrt.rpc.client import create_remote
+from hgrt.rpc.client import create_remote_on
 from hgrt.runtime import executor
 from hgrt.runtime.module_api import GraphModuleAPI
 
@@ -33,21 +31,17 @@ def create(graph_json: str | bytes | dict | Graph, lib, devices) -> GraphModuleA
     RPC session give a ``RemoteGraphModule`` whose executor runs in that server (``lib`` is then
     a module of the session, or a path to a library, uploaded and never loaded here).
     """
-    devs = executor.normalize_devices(devices)
+    devs = hdev.normalize_devices(devices)
     if any(hdev.is_remote(d) for d in devs):
-        return create_remote(graph_json, lib, devs)
-    return executor.create(graph_json, lib, devs)
+        return create_remote_on(graph_json, lib, devs)
+    return executor.create_on(graph_json, lib, devs)
 
 
 def devices_for(graph: Graph | None, devices: Any = None, session: Any = None) -> list:
     """The runtime devices for ``graph``: tvm Devices as given, names (``"cpu:1"``, or one
     string ``"cpu:0,cuda:0"``) of this machine or of ``session``; by default the devices the
     graph was built for (``cpu:0`` without a graph)."""
-    if isinstance(devices, tvm.runtime.Device):
-        devices = [devices]
-    if isinstance(devices, str):
-        devices = [d for d in devices.split(",") if d.strip()]
-    names = list(devices) if devices else (graph and graph.device_names) or ["cpu:0"]
+    names = hdev.device_list(devices) or (graph and graph.device_names) or ["cpu:0"]
     return [hdev.runtime_device(d, session) for d in names]
 
 

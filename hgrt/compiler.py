@@ -83,9 +83,9 @@ class BuildResult:
 
 
 def _context(model: Any, devices: Any, placement: Placement | None, params: Any,
-             input_shapes: Any, cuda_arch: str, verbose: bool
+             input_shapes: Any, cuda_arch: str, verbose: bool, targets: Any = None
              ) -> tuple[tvm.IRModule, BuildContext]:
-    devs = parse_devices(devices, cuda_arch)
+    devs = parse_devices(devices, cuda_arch, targets)  # the one parse of the device list
     ctx = BuildContext(devices=devs, placement=Placement.of(placement), verbose=verbose)
     for d in devs:
         ctx.log(f"device {d.name}: target {d.target}")
@@ -134,9 +134,8 @@ def build(model: Any, devices: Any, placement: Placement | None = None,
     """
     start = time.perf_counter()
     stream_options = check_stream_options(streams)
-    if target is not None:  # DeviceSpecs carrying their targets
-        devices = parse_devices(devices, cuda_arch, target)
-    mod, ctx = _context(model, devices, placement, params, input_shapes, cuda_arch, verbose)
+    mod, ctx = _context(model, devices, placement, params, input_shapes, cuda_arch, verbose,
+                        target)
     ctx.options = LoweringOptions(tuning_db, tuning_verdicts, kernels, onednn)
     ctx.streams = stream_options
     graph_json = run_passes(mod, ctx, PASSES).to_json()

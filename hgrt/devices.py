@@ -3,7 +3,8 @@
 ``"cpu"``, ``"cpu:1"``, ``"cuda:0"``; ``"llvm"`` is another name of cpu and ``"gpu"`` of cuda.
 Here a name becomes a build device (``DeviceSpec``: its TVM target and position in the device
 list), a runtime device (``tvm.cpu(1)``, or a device of an RPC session), and every question
-"is it a GPU / a CPU / remote" is answered once.
+"is it a GPU / a CPU / remote / can a tensor at a byte offset be a view" is answered once: no
+other module splits a device name or compares DLPack device types.
 
 A device built for another machine than this one carries its target: ``targets={"cpu":
 "raspberry-pi/4b-aarch64"}`` (a TVM target tag, a JSON/dict target or a ``Target``) for every
@@ -36,20 +37,28 @@ from hgrt.errors import DeviceError, did_you_mean
 
 @dataclass(frozen=True)
 class Kind:
-    """A device kind: its TVM target kind, its DLPack device type, whether it is a GPU."""
+    """A device kind: its TVM target kind, its DLPack device type, whether it is a GPU, and
+    whether its pointers allow arithmetic (a tensor at a byte offset of a buffer is a view)."""
 
     name: str
     target_kind: str
     dl_type: int
     is_gpu: bool
+    offset_views: bool
 
 
 KINDS: dict[str, Kind] = {k.name: k for k in (
-    Kind("cpu", "llvm", 1, False), Kind("cuda", "cuda", 2, True), Kind("opencl", "opencl", 4, True),
-    Kind("vulkan", "vulkan", 7, True), Kind("metal", "metal", 8, True),
-    Kind("rocm", "rocm", 10, True))}
+    Kind("cpu", "llvm", 1, False, True), Kind("cuda", "cuda", 2, True, True),
+    Kind("opencl", "opencl", 4, True, False), Kind("vulkan", "vulkan", 7, True, False),
+    Kind("metal", "metal", 8, True, False), Kind("rocm", "rocm", 10, True, True))}
 ALIASES = {"llvm": "cpu", "c": "cpu", "gpu": "cuda", "cuda_host": "cpu"}
-_BY_DL_TYPE = {k.dl_type: k for k in KINDS.values()} | {3: KINDS["cpu"]}  # 3: CUDA host memory
+# DLPack device types of memory that is no kind of its own: pinned CUDA host memory is a CPU's;
+# CUDA managed and ROCm host memory are known here only for their pointer arithmetic
+KDL_CUDA_HOST, KDL_CUDA_MANAGED, KDL_ROCM_HOST = 3, 11, 13
+_BY_DL_TYPE = {k.dl_type: k for k in KINDS.values()} | {KDL_CUDA_HOST: KINDS["cpu"]}
+_OFFSET_VIEW_DL_TYPES = frozenset(
+    {k.dl_type for k in KINDS.values() if k.offset_views}
+    | {KDL_CUDA_HOST, KDL_CUDA_MANAGED, KDL_ROCM_HOST})
 _BY_TARGET_KIND = {k.target_kind: k for k in KINDS.values()} | {"c": KINDS["cpu"]}
 DEFAULT_CUDA_ARCH = os.environ.get("HGRT_CUDA_ARCH", "sm_80")
 
@@ -64,6 +73,48 @@ def split_device(name: str) -> tuple[str, int]:
     if index and not index.isdigit():
         raise DeviceError(f"device {name!r}: index {index!r} is not a non-negative integer")
     return kind, int(index or 0)
+
+
+def format_device(kind: str, index: int) -> str:
+    """The name of device ``index`` of ``kind``: ``format_device("cuda", 1)`` -> ``"cuda:1"``."""
+    return f"{kind}:{index}"
+
+
+def canonical_name(obj: Any) -> str:
+    """``kind:id`` of a name (``"gpu:1"`` -> ``"cuda:1"``, ``"cpu"`` -> ``"cpu:0"``) or of a tvm
+    Device, local or of an RPC session (``device_name`` also says "remote")."""
+    if isinstance(obj, tvm.runtime.Device):
+        return format_device(kind_of(obj).name, obj.index)
+    return format_device(*split_device(obj))
+
+
+def device_list(devices: Any) -> list:
+    """The devices given to ``hgrt.load`` or a ``Host`` as a list: one tvm Device, a string of
+    names separated by commas (``"cpu:0,cuda:0"``), or a sequence of names and Devices; empty
+    for None or an empty string."""
+    if isinstance(devices, tvm.runtime.Device):
+        return [devices]
+    if isinstance(devices, str):
+        return [d for d in devices.split(",") if d.strip()]
+    return list(devices) if devices else []
+
+
+def normalize_devices(devices: Any) -> list:
+    """One Device or a list of them (what ``hgrt.create`` takes) -> a non-empty list of tvm
+    Devices."""
+    if isinstance(devices, tvm.runtime.Device):
+        return [devices]
+    try:
+        devs = list(devices)
+    except TypeError:
+        raise DeviceError(f"devices must be a tvm Device or a list of them, got {devices!r}") \
+            from None
+    if not devs:
+        raise DeviceError("devices is empty: give at least one device, e.g. [tvm.cpu(0)]")
+    for i, d in enumerate(devs):
+        if not isinstance(d, tvm.runtime.Device):
+            raise DeviceError(f"devices[{i}] = {d!r} is not a tvm Device (use tvm.cpu(0), ...)")
+    return devs
 
 
 def kind_of(obj: Any) -> Kind:
@@ -100,6 +151,45 @@ def is_remote(obj: Any) -> bool:
     return isinstance(dev, tvm.runtime.Device) and dev.dlpack_device_type() >= RPC_SESS_MASK
 
 
+def _device(obj: Any) -> tvm.runtime.Device:
+    return obj.device if isinstance(obj, tvm.runtime.Tensor) else obj
+
+
+def is_local_cpu(obj: Any) -> bool:
+    """Whether a Device, or a tensor, is a CPU of this process: DLPack's kDLCPU itself, not
+    pinned CUDA host memory, not a device of an RPC session."""
+    return _device(obj).dlpack_device_type() == KINDS["cpu"].dl_type
+
+
+def is_numpy_device(obj: Any) -> bool:
+    """Whether a Device, or a tensor, is where a numpy array's memory is: this process's cpu(0)
+    (what DLPack reports for host memory)."""
+    dev = _device(obj)
+    return is_local_cpu(dev) and dev.index == 0
+
+
+def takes_offset_views(obj: Any) -> bool:
+    """Whether a tensor at a byte offset of a buffer on ``obj`` (a name, a ``DeviceSpec``, a
+    Device or a tensor) can be a view of it: the device's pointers allow arithmetic (CPU, CUDA,
+    ROCm, their host and managed memory). A device of an RPC session: no (views are made where
+    the memory is); a name of no known kind raises ``DeviceError``."""
+    if isinstance(obj, (tvm.runtime.Device, tvm.runtime.Tensor)):
+        return _device(obj).dlpack_device_type() in _OFFSET_VIEW_DL_TYPES
+    return kind_of(obj).offset_views
+
+
+def dlpack_device(obj: Any) -> tuple[int, int]:
+    """(DLPack device type, device id) of a Device or a tensor, as a DLPack producer reports
+    it."""
+    dev = _device(obj)
+    return dev.dlpack_device_type(), dev.index
+
+
+def rpc_session_index(dev: tvm.runtime.Device) -> int:
+    """TVM's session table index of a device of an RPC session (its DLPack type carries it)."""
+    return dev.dlpack_device_type() // RPC_SESS_MASK - 1
+
+
 def runtime_device(name: Any, session: Any = None) -> tvm.runtime.Device:
     """A tvm Device for ``name`` (a name or a Device); with an RPC ``session``, that session's
     device of the same kind and id."""
@@ -114,7 +204,7 @@ def runtime_device(name: Any, session: Any = None) -> tvm.runtime.Device:
 
 def device_name(dev: tvm.runtime.Device) -> str:
     """``cpu:1`` for a local device; ``remote cpu:1`` for a device of an RPC session."""
-    name = f"{kind_of(dev).name}:{dev.index}"
+    name = canonical_name(dev)
     return f"remote {name}" if is_remote(dev) else name
 
 
@@ -348,7 +438,7 @@ def _target_keys(targets: Any) -> dict[str, Any]:
     keys = {}
     for key, value in targets.items():
         kind, did = split_device(key)
-        keys[f"{kind}:{did}" if ":" in str(key) else kind] = value
+        keys[format_device(kind, did) if ":" in str(key) else kind] = value
     return keys
 
 
@@ -357,7 +447,7 @@ def device_spec(name: str, target: Any = None, index: int = 0) -> DeviceSpec:
     "raspberry-pi/4b-aarch64")`` (its position is set by the device list it goes into)."""
     kind, did = split_device(name)
     t = device_target(kind, target) if target is not None else target_for(kind)
-    return DeviceSpec(f"{kind}:{did}", kind, did, t, index)
+    return DeviceSpec(format_device(kind, did), kind, did, t, index)
 
 
 def _is_target(spec: Any) -> bool:
@@ -376,7 +466,8 @@ def parse_device(spec: Any, index: int, cuda_arch: str = DEFAULT_CUDA_ARCH,
     if _is_target(spec):
         target = as_target(spec, f"device {index}")
         kind = kind_of(target)
-        return DeviceSpec(f"{kind.name}:0", kind.name, 0, device_target(kind.name, target), index)
+        return DeviceSpec(format_device(kind.name, 0), kind.name, 0,
+                          device_target(kind.name, target), index)
     if not isinstance(spec, str):
         raise DeviceError(f"device {index}: expected a name like 'cpu:1', a tvm Target or a "
                           f"target tag, got {type(spec).__name__}")
@@ -385,10 +476,10 @@ def parse_device(spec: Any, index: int, cuda_arch: str = DEFAULT_CUDA_ARCH,
         raise DeviceError(f"device {index} {spec!r}: hgrt builds for cpu and cuda devices by "
                           f"name; give a tvm Target for {kind}")
     targets = targets or {}
-    target = targets.get(f"{kind}:{did}", targets.get(kind))
+    target = targets.get(format_device(kind, did), targets.get(kind))
     if target is None:  # a GPU's host is the CPU devices' target when one is given
         target = target_for(kind, cuda_arch, targets.get("cpu"))
-    return DeviceSpec(f"{kind}:{did}", kind, did, target, index)
+    return DeviceSpec(format_device(kind, did), kind, did, target, index)
 
 
 def parse_devices(specs: Any, cuda_arch: str = DEFAULT_CUDA_ARCH,
@@ -411,9 +502,9 @@ def parse_devices(specs: Any, cuda_arch: str = DEFAULT_CUDA_ARCH,
     taken = {d.name for i, d in enumerate(devices) if i not in unnamed}
     for i in unnamed:
         d = devices[i]
-        did = next(n for n in range(len(devices) + 1) if f"{d.kind}:{n}" not in taken)
-        taken.add(f"{d.kind}:{did}")
-        devices[i] = replace(d, name=f"{d.kind}:{did}", device_id=did)
+        did = next(n for n in range(len(devices) + 1) if format_device(d.kind, n) not in taken)
+        taken.add(format_device(d.kind, did))
+        devices[i] = replace(d, name=format_device(d.kind, did), device_id=did)
     names = [d.name for d in devices]
     for d in devices:
         if names.index(d.name) != d.index:
@@ -453,7 +544,8 @@ def resolve_device(name: Any, devices: list[DeviceSpec], what: str) -> int:
     elif isinstance(name, str):
         kind, did = split_device(name)
         bare = ":" not in name  # a bare kind: any device of that kind, if it is the only one
-        fits = [d for d in devices if (d.kind == kind if bare else d.name == f"{kind}:{did}")]
+        fits = [d for d in devices
+                if (d.kind == kind if bare else d.name == format_device(kind, did))]
         label = f"device {name!r}"
     else:
         fits, label = [], f"device {name!r}"
@@ -470,7 +562,7 @@ def resolve_dl_device(dl_type: int, device_id: int, devices: list[DeviceSpec], w
     if kind is None:
         raise DeviceError(f"{what}: DLPack device type {dl_type} is not one hgrt knows; "
                           f"the devices are {[d.name for d in devices]}")
-    return resolve_device(f"{kind.name}:{int(device_id)}", devices, what)
+    return resolve_device(format_device(kind.name, int(device_id)), devices, what)
 
 
 # ---- the host CPU ----------------------------------------------------------------------------

@@ -103,11 +103,10 @@ def _budget_list(budgets: Any, devs: list) -> list[int | None]:
     if budgets is None or isinstance(budgets, (int, float)):
         return [None if budgets is None else int(budgets)] * len(devs)
     if isinstance(budgets, Mapping):
-        names = [f"{hdev.kind_of(d).name}:{d.index}" for d in devs]
+        names = [hdev.canonical_name(d) for d in devs]
         out: list[int | None] = [None] * len(devs)
         for key, nbytes in budgets.items():
-            kind, index = hdev.split_device(key)
-            name = f"{kind}:{index}"
+            name = hdev.canonical_name(key)
             if name not in names:
                 raise DeviceError(f"budget for device {did_you_mean(key, names)}")
             out[names.index(name)] = int(nbytes)

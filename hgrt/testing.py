@@ -44,6 +44,7 @@ import numpy as np
 import tvm
 
 import hgrt
+from hgrt.devices import format_device, parse_devices
 
 __all__ = [
     "LOGITS_STD", "N", "GraphBuilder", "OnnxCase", "alternating", "assert_close_to",
@@ -146,7 +147,8 @@ def alternating(model: Any, params: dict | None = None, n_devices: int = 2) -> h
 
     mod, _ = import_model(model, params)
     names = [n for n, _ in op_bindings(mod)]
-    return hgrt.Placement(overrides={n: f"cpu:{i % n_devices}" for i, n in enumerate(names)})
+    return hgrt.Placement(overrides={n: format_device("cpu", i % n_devices)
+                                     for i, n in enumerate(names)})
 
 
 def user_placed(model: Any, n_devices: int = 2) -> tuple[tvm.IRModule, dict[str, np.ndarray]]:
@@ -158,7 +160,6 @@ def user_placed(model: Any, n_devices: int = 2) -> tuple[tvm.IRModule, dict[str,
     from tvm import relax
     from tvm.relax.frontend.onnx import from_onnx
 
-    from hgrt.devices import parse_devices
     from hgrt.relay_passes.context import BuildContext, Weights
     from hgrt.relay_passes.insert_copies import insert_copies
     from hgrt.relay_passes.place_devices import op_bindings, place_devices
@@ -169,9 +170,10 @@ def user_placed(model: Any, n_devices: int = 2) -> tuple[tvm.IRModule, dict[str,
     main = mod["main"]
     weights = zip(main.params[int(main.attrs["num_input"]):], detached["main"], strict=True)
     names = [n for n, _ in op_bindings(mod)]
-    ctx = BuildContext(parse_devices([f"cpu:{i}" for i in range(n_devices)]), hgrt.Placement(
-        overrides={n: f"cpu:{i % n_devices}" for i, n in enumerate(names)}),
-        weights=Weights({p.name: v.numpy() for p, v in weights}))
+    placement = hgrt.Placement(overrides={n: format_device("cpu", i % n_devices)
+                                          for i, n in enumerate(names)})
+    ctx = BuildContext(parse_devices([format_device("cpu", i) for i in range(n_devices)]),
+                       placement, weights=Weights({p.name: v.numpy() for p, v in weights}))
     mod = insert_copies(place_devices(mod, ctx), ctx)
     w = ctx.weights
     return mod, {p: w.values[w.source[n]] for p, n in w.graph_names.items() if n in w.source}

@@ -35,6 +35,7 @@ from tvm.s_tir import meta_schedule as ms
 
 from hgrt.api import create
 from hgrt.compiler import build, lower_model
+from hgrt.devices import kind_of
 from hgrt.errors import BuildError
 from hgrt.relay_passes import tuning_db
 from hgrt.relay_passes.relax_util import CALL_DPS_PACKED, bindings, callee, op_name, prim_funcs
@@ -236,7 +237,7 @@ class _Tuner:
                      f"{built.error_msg.splitlines()[0][:160]}")
             return None
         args_info = ms.arg_info.ArgInfo.from_prim_func(func)
-        device = "cpu" if target.kind.name == "llvm" else target.kind.name
+        device = kind_of(target).name  # MetaSchedule names devices by kind too
         try:
             res = self.runner.run([ms.runner.RunnerInput(built.artifact_path, device,
                                                          args_info)])[0].result()

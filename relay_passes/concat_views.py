@@ -28,22 +28,28 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from hgrt import devices as hdev
+from hgrt.errors import DeviceError
 from hgrt.graph import CONCAT_FUNC, Graph, Node, concat_problem
 from hgrt.lifetimes import runs
 
 # a plain TVM concatenate kernel: ``concatenate``, ``concatenate3_llvm`` (a fused one,
 # ``fused_concatenate_concatenate1``, takes its inputs in another order than its bytes)
 PLAIN_CONCAT = re.compile(r"concatenate\d*(_(llvm|cuda|rocm))?")
-POINTER_DEVICES = ("cpu", "cuda", "rocm")  # views at byte offsets: pointer arithmetic
 
 
 def _on_pointer_device(g: Graph, nid: int, ctx: object) -> bool:
     dev = g.entry_device(g.entry_id(nid))
     devices = getattr(ctx, "devices", None)
     if devices is not None and dev < len(devices):
-        return devices[dev].kind in POINTER_DEVICES
+        return hdev.takes_offset_views(devices[dev])
     names = g.device_names or []
-    return dev < len(names) and names[dev].split(":")[0] in POINTER_DEVICES
+    if dev >= len(names):
+        return False
+    try:
+        return hdev.takes_offset_views(names[dev])
+    except DeviceError:  # a name of no kind hgrt knows: no views
+        return False
 
 
 def concat_views(graph: Graph, ctx: object = None) -> Graph:

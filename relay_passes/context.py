@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 from tvm import relax
 
-from hgrt.devices import DeviceSpec
+from hgrt.devices import DeviceSpec, format_device
 from hgrt.errors import BuildError
 
 _log = logging.getLogger("hgrt.build")
@@ -138,8 +138,9 @@ class BuildContext:
         kinds = [d.index for d in self.devices if d.target.kind.name == key[0]]
         if len(kinds) > 1:  # which of them is meant cannot be told
             kind = self.devices[kinds[0]].kind
+            missing = format_device(kind, key[1])
             raise BuildError(f"the module places tensors on vdevice {key[0]}:{key[1]} (in its "
-                             f"types or an R.to_vdevice), but the build has no {kind}:{key[1]} "
+                             f"types or an R.to_vdevice), but the build has no {missing} "
                              f"(its {kind} devices: {[self.devices[i].name for i in kinds]}): "
                              f"add it to the device list")
         return kinds[0] if kinds else None

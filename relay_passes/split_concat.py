@@ -38,6 +38,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from hgrt.devices import is_cpu
 from hgrt.relay_passes.context import BuildContext, PlacementRow
 from hgrt.relay_passes.relax_util import MainReader, bindings, op_name
 from hgrt.relay_passes.relax_util import float32_shape as _shape
@@ -68,7 +69,7 @@ def _match(g: MainReader, b: relax.VarBinding, ctx: BuildContext) -> _Split | No
     device = ctx.placed.op_device.get(b.var.name)
     if (not isinstance(parts, relax.Tuple) or len(parts.fields) != 2 or out is None
             or len(out) != 4 or int(b.value.attrs.axis) % 4 != 1 or device is None
-            or ctx.devices[device].kind != "cpu"
+            or not is_cpu(ctx.devices[device])
             or not all(isinstance(p, relax.Var) and _shape(p) is not None for p in parts.fields)):
         return None
     reader, pool = g.only_user(b.var), None

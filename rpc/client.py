@@ -29,7 +29,6 @@ from hgrt.rpc import session as sessions
 from hgrt.rpc.protocol import CREATE_FUNC, PING_FUNC, decode_error
 from hgrt.rpc.server import is_registered, register
 from hgrt.rpc.session import describe, upload
-from hgrt.runtime.executor import normalize_devices
 from hgrt.runtime.module_api import (
     BenchmarkResult,
     GraphModuleAPI,
@@ -410,7 +409,12 @@ def create_remote(graph_json: Any, lib, devices) -> RemoteGraphModule:
 
     >>> m = create_remote(graph_json, lib, [remote.cpu(0), remote.cpu(1)])  # doctest: +SKIP
     """
-    devs = normalize_devices(devices)
+    return create_remote_on(graph_json, lib, hdev.normalize_devices(devices))
+
+
+def create_remote_on(graph_json: Any, lib, devs: list) -> RemoteGraphModule:
+    """``create_remote`` on the list of tvm Devices that ``hgrt.devices.normalize_devices`` made
+    of its ``devices`` (``hgrt.create`` makes it once)."""
     graph = _graph(graph_json)
     sess, index = _session_of(devs, lib)
     if isinstance(sess, tvm.rpc.LocalSession) and not is_registered():
@@ -437,6 +441,4 @@ def remote_devices(remote: tvm.rpc.RPCSession, devices=None) -> list:
     """``["cpu:0", "cuda"]`` (or ``"cpu:0,cuda:0"``, or local Devices) -> devices of ``remote``."""
     if devices is None:
         return [remote.cpu(0)]
-    if isinstance(devices, str):
-        devices = [d for d in devices.split(",") if d.strip()]
-    return [hdev.runtime_device(d, remote) for d in devices]
+    return [hdev.runtime_device(d, remote) for d in hdev.device_list(devices)]

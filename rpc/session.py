@@ -17,7 +17,7 @@ import tvm
 from tvm.rpc import base as rpc_base
 
 from hgrt.artifacts import check_library_file, library_machine
-from hgrt.devices import machine_arch
+from hgrt.devices import machine_arch, rpc_session_index
 from hgrt.errors import InputError, RemoteError
 from hgrt.rpc.protocol import PLATFORM_FUNC, STATS_FUNC, parse_address
 
@@ -37,7 +37,7 @@ _UPLOADS = itertools.count()
 def session_index(obj) -> int:
     """TVM's session table index of a remote device, RPC module or RPCSession."""
     if isinstance(obj, tvm.runtime.Device):
-        return obj.dlpack_device_type() // rpc_base.RPC_SESS_MASK - 1
+        return rpc_session_index(obj)
     if isinstance(obj, tvm.rpc.RPCSession):
         return obj._tbl_index
     return tvm.rpc._ffi_api.SessTableIndex(obj)

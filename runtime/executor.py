@@ -32,7 +32,6 @@ from hgrt.errors import (
 from hgrt.graph import Graph
 from hgrt.runtime.dispatch import dispatch
 from hgrt.runtime.frames import (
-    KDL_CPU,
     Frame,
     FramePool,
     Step,
@@ -55,23 +54,6 @@ from hgrt.runtime.threads import (
     set_thread_count,
     use_all_cores,
 )
-
-
-def normalize_devices(devices: Any) -> list:
-    """One Device or a list of them -> a non-empty list of tvm Devices."""
-    if isinstance(devices, tvm.runtime.Device):
-        return [devices]
-    try:
-        devs = list(devices)
-    except TypeError:
-        raise DeviceError(f"devices must be a tvm Device or a list of them, got {devices!r}") \
-            from None
-    if not devs:
-        raise DeviceError("devices is empty: give at least one device, e.g. [tvm.cpu(0)]")
-    for i, d in enumerate(devs):
-        if not isinstance(d, tvm.runtime.Device):
-            raise DeviceError(f"devices[{i}] = {d!r} is not a tvm Device (use tvm.cpu(0), ...)")
-    return devs
 
 
 class GraphModule(GraphModuleAPI):
@@ -182,7 +164,7 @@ class GraphModule(GraphModuleAPI):
                 stream_dev[s] = g.entry_device(g.entry_id(nid))
         devs = sorted(set(stream_dev.values()))
         if parallel is None and not threads and self.parallel \
-                and all(self.devices[d].dlpack_device_type() == KDL_CPU for d in devs) \
+                and all(hdev.is_local_cpu(self.devices[d]) for d in devs) \
                 and not StreamRunner.pays_on_shared_cores(g):
             self.parallel = False  # CPU streams that would mostly wait: one stream, all cores
         names = [hdev.device_name(self.devices[d]) for d in devs]
@@ -475,7 +457,12 @@ def create(graph_json: str | bytes | dict | Graph, lib, devices) -> GraphModule:
     """A GraphModule that runs ``graph_json`` with kernels from ``lib`` (a module or a path to
     one) on local ``devices``: ``devices[i]`` holds the entries whose ``device_index`` is ``i``;
     without that column everything runs on ``devices[0]``."""
-    devs = normalize_devices(devices)
+    return create_on(graph_json, lib, hdev.normalize_devices(devices))
+
+
+def create_on(graph_json: str | bytes | dict | Graph, lib, devs: list) -> GraphModule:
+    """``create`` on the list of tvm Devices that ``hgrt.devices.normalize_devices`` made of
+    its ``devices`` (``hgrt.create`` makes it once)."""
     graph = graph_json if isinstance(graph_json, Graph) else Graph.from_json(graph_json)
     _check_devices(graph, devs)  # first: a library built for another CPU is never loaded
     if isinstance(lib, (str, os.PathLike)):

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import tvm
 
+from hgrt import devices as hdev
 from hgrt.errors import GraphError
 from hgrt.graph import COPY_FUNC, Graph
 from hgrt.lifetimes import ALIGN, runs, storage_bytes, storage_devices
@@ -25,7 +26,6 @@ from hgrt.runtime.pools import StoragePools
 from hgrt.runtime.threads import solo
 
 copy_tensor = tvm.get_global_func("runtime.TVMTensorCopyFromTo")
-KDL_CPU = 1  # DLPack's device type of a CPU
 
 
 class Step(NamedTuple):
@@ -86,7 +86,7 @@ def _solo_next_to_onednn(graph: Graph, steps: list[Step]) -> tuple[Step, ...]:
         return tuple(steps)
 
     def on_cpu(step: Step) -> bool:
-        return step.args[-1].device.dlpack_device_type() == KDL_CPU
+        return hdev.is_local_cpu(step.args[-1])
 
     def small(step: Step) -> bool:
         node = nodes[step.node]
@@ -139,7 +139,7 @@ def zero_copy_view(value: Any, device, shape, dtype: str):
     if isinstance(value, np.ndarray):
         if (value.dtype != np.dtype(dtype) or value.shape != tuple(shape)
                 or not value.flags.c_contiguous or value.ctypes.data % ALIGN
-                or (device.dlpack_device_type(), device.index) != (1, 0)):
+                or not hdev.is_numpy_device(device)):
             return None
         try:
             return tvm.runtime.from_dlpack(value)

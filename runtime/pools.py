@@ -10,6 +10,7 @@ import weakref
 
 import tvm
 
+from hgrt import devices as hdev
 from hgrt.errors import DeviceError, GraphError
 from hgrt.graph import Graph
 from hgrt.lifetimes import ALIGN, storage_bytes, storage_devices
@@ -48,7 +49,7 @@ class StoragePools:
             # libraries cache per weight address goes with the memory
             weakref.finalize(self, onednn.forget, [
                 (b.data_ptr(), b.data_ptr() + b.numel() * b.dtype.itemsize)
-                for b in self.buffers if b.device.dlpack_device_type() == 1])
+                for b in self.buffers if hdev.is_local_cpu(b)])
 
     def _allocate_arenas(self, devices: list, weights: StoragePools | None) -> None:
         """hgrt plan: per device an activation arena and a weight arena (when the plan has

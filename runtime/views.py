@@ -23,11 +23,8 @@ import threading
 import tvm
 import tvm_ffi
 
+from hgrt import devices as hdev
 from hgrt.errors import DeviceError
-
-# DLPack device types whose device pointers support arithmetic (CPU, CUDA, CUDA host, ROCm,
-# CUDA managed, ROCm host).
-POINTER_ARITHMETIC_DEVICES = {1, 2, 3, 10, 11, 13}
 
 
 class _DLDevice(ctypes.Structure):
@@ -100,10 +97,10 @@ def pointer_view(base, shape, dtype: str, byte_offset: int = 0, own_base: bool =
     if byte_offset == 0 and not own_base:
         return base._create_view(tuple(shape), dtype, 0)
     dev = base.device
-    dev_type = dev.dlpack_device_type()
-    if dev_type not in POINTER_ARITHMETIC_DEVICES:
+    dl_device = hdev.dlpack_device(dev)
+    if not hdev.takes_offset_views(dev):
         if own_base and byte_offset == 0:
-            return base  # hgrt places entries at offsets only on the devices above
+            return base  # hgrt places entries at offsets only on devices that take them
         raise DeviceError(f"{dev}: tensors at byte offsets (storage pools, concat pieces) need "
                           f"pointer arithmetic on the device; plan this graph without the "
                           f"'hgrt' pool section and without __concat views")
@@ -122,7 +119,7 @@ def pointer_view(base, shape, dtype: str, byte_offset: int = 0, own_base: bool =
         shape_arr = (ctypes.c_int64 * max(1, len(shape))).from_address(block + head)
         shape_arr[:len(shape)] = shape
     managed.dl_tensor.data = base.data_ptr() + byte_offset
-    managed.dl_tensor.device = _DLDevice(dev_type, dev.index)
+    managed.dl_tensor.device = _DLDevice(*dl_device)
     managed.dl_tensor.ndim = len(shape)
     managed.dl_tensor.dtype = _DLDataType(t.type_code, t.bits, t.lanes)
     managed.dl_tensor.shape = shape_arr
@@ -134,4 +131,4 @@ def pointer_view(base, shape, dtype: str, byte_offset: int = 0, own_base: bool =
     else:
         managed.deleter = _FREE_PTR
     capsule = _capsule_new(ctypes.addressof(managed), b"dltensor", None)
-    return tvm_ffi.from_dlpack(_Exporter(capsule, (dev_type, dev.index)))
+    return tvm_ffi.from_dlpack(_Exporter(capsule, dl_device))
