@@ -137,8 +137,20 @@ def test_a_failure_on_the_second_device_leaves_nothing(failure, art, tmp_path, v
     refs = [sys.getrefcount(allocated[i]) for i in range(len(allocated))]
     assert refs == [sys.getrefcount(control[0])] * len(allocated)
     held = psutil.Process().memory_info().rss
-    allocated.clear()  # the last reference: TVM unmaps the 64 MiB pool now (smaller chunks may
-    assert held - psutil.Process().memory_info().rss >= 64 * MIB, error  # stay in malloc's heap)
+    allocated.clear()  # the last reference: TVM frees the 64 MiB pool now
+    _return_free_memory()
+    assert held - psutil.Process().memory_info().rss >= 60 * MIB, error
+
+
+def _return_free_memory() -> None:
+    """glibc gives freed memory back to the system (malloc_trim): a pool that malloc placed in
+    its heap (reusing a block an earlier test freed) leaves RSS as it was until then."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name:
+        ctypes.CDLL(name).malloc_trim(0)
 
 
 def test_deferred_weights_stream_piecewise_and_match_eager(art, values):
