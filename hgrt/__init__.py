@@ -33,8 +33,8 @@ def __getattr__(name):
     if name in ("split", "StageSpec", "pipeline", "load_pipeline", "Pipeline"):
         import importlib
 
-        for module, names in (("hgrt.split", ("split", "StageSpec")),
-                              ("hgrt.pipeline", ("pipeline", "load_pipeline", "Pipeline"))):
+        for module, names in (("hgrt.stages", ("split", "StageSpec")),
+                              ("hgrt.pipelines", ("pipeline", "load_pipeline", "Pipeline"))):
             for public in names:
                 globals()[public] = getattr(importlib.import_module(module), public)
         return globals()[name]

@@ -182,7 +182,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 def _compile_stages(args: argparse.Namespace, t0: float) -> int:
     """``--stages K`` (or ``--cut``): a pipeline of K stages, each on ``--device``'s devices."""
-    from hgrt.split import split
+    from hgrt.stages import split
 
     k = args.stages or len(args.cut) + 1
     budgets = list(args.stage_budget or [])
@@ -263,7 +263,7 @@ def _run_pipeline(args: argparse.Namespace) -> int:
     """``hgrt run`` of a pipeline directory: stage k on the board of the k-th ``--rpc-key`` (or
     the key saved with the stage; none: this machine)."""
     import hgrt
-    from hgrt.pipeline import _read_doc, load_pipeline
+    from hgrt.pipelines import _read_doc, load_pipeline
 
     doc = _read_doc(args.artifacts)
     n = len(doc["stages"])
@@ -302,7 +302,7 @@ def _run_pipeline(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from hgrt.pipeline import is_pipeline
+    from hgrt.pipelines import is_pipeline
 
     if is_pipeline(args.artifacts):
         return _run_pipeline(args)

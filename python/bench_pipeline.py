@@ -27,9 +27,9 @@ from bench_common import light, table
 
 import hgrt
 import hgrt.rpc
-from hgrt.pipeline import load_pipeline
+from hgrt.pipelines import load_pipeline
 from hgrt.rpc.session import tracker_summary
-from hgrt.split import split
+from hgrt.stages import split
 
 
 def _port() -> int:

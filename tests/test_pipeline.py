@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import hgrt
-from hgrt.pipeline import load_pipeline, pipeline
-from hgrt.split import split
+from hgrt.pipelines import load_pipeline, pipeline
+from hgrt.stages import split
 from hgrt.testing import assert_close_to, conv_model, reference, zoo_input, zoo_model
 
 
@@ -181,3 +181,10 @@ def test_the_cli_compiles_stages_and_streams_inputs(tmp_path, capsys):
     with pytest.raises(SystemExit, match="give --rpc-key once per stage"):
         main(["run", str(out), "--random-inputs", "--rpc-tracker", "127.0.0.1:1",
               "--rpc-key", "a"])
+
+
+def test_the_public_names_stay_functions_once_their_modules_are_imported():
+    import hgrt.pipelines  # noqa: F401
+    import hgrt.stages  # noqa: F401
+
+    assert callable(hgrt.split) and callable(hgrt.pipeline) and callable(hgrt.load_pipeline)

@@ -11,8 +11,8 @@ import pytest
 
 import hgrt
 import hgrt.rpc
-from hgrt.pipeline import load_pipeline
-from hgrt.split import split
+from hgrt.pipelines import load_pipeline
+from hgrt.stages import split
 from hgrt.testing import assert_close_to, reference, zoo_input, zoo_model
 
 pytestmark = pytest.mark.rpc

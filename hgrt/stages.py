@@ -333,7 +333,7 @@ class SplitResult:
 
     def save(self, directory: str) -> None:
         """One artifact directory: ``pipeline.json`` and a ``stage<k>/`` per stage."""
-        from hgrt.pipeline import save_split
+        from hgrt.pipelines import save_split
 
         save_split(os.fspath(directory), self)
 
