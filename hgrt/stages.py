@@ -37,11 +37,14 @@ TRANSFER_LATENCY_S = 300e-6  # one hand-over between stages (an RPC round trip)
 @dataclass
 class StageSpec:
     """Where a stage runs: ``devices`` (as ``hgrt.build`` takes them), an optional ``budget`` of
-    weight bytes, and the RPC tracker ``key`` of the board it runs on (None: this machine)."""
+    weight bytes, the RPC tracker ``key`` of the board it runs on (None: this machine) and the
+    ``target`` it is built for (as ``hgrt.build(target=)`` takes it: a board of another CPU or
+    architecture; None: the build's own)."""
 
     devices: list[str] = field(default_factory=lambda: ["cpu"])
     budget: int | None = None
     key: str | None = None
+    target: Any = None
 
     @classmethod
     def of(cls, value: Any) -> StageSpec:
@@ -52,10 +55,10 @@ class StageSpec:
         elif isinstance(value, (list, tuple)):
             spec = cls(list(value))
         elif isinstance(value, dict):
-            unknown = sorted(set(value) - {"devices", "budget", "key"})
+            unknown = sorted(set(value) - {"devices", "budget", "key", "target"})
             if unknown:
                 raise BuildError(f"stage {value!r}: unknown fields {unknown} (devices, budget, "
-                                 f"key)")
+                                 f"key, target)")
             spec = cls(**value)
         else:
             raise BuildError(f"a stage is a device list, a dict (devices, budget, key) or a "
@@ -373,8 +376,11 @@ def split(model: Any, stages: int | list[Any], cuts: list[str] | None = None,
         if spec.budget is not None and plan.weight_bytes > spec.budget:
             raise BuildError(f"stage {plan.index}: its weights take {plan.weight_bytes} bytes, "
                              f"over its budget of {spec.budget}")
+        options = dict(build_options)
+        if spec.target is not None:
+            options["target"] = spec.target
         try:
-            builds.append(build(mod, spec.devices, params=weights, **build_options))
+            builds.append(build(mod, spec.devices, params=weights, **options))
         except BuildError as e:
             raise BuildError(f"stage {plan.index} ({', '.join(spec.devices)}): {e}") from e
     return SplitResult(specs, plans, builds, [_tensor(v) for v in m.inputs],

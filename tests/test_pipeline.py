@@ -188,3 +188,14 @@ def test_the_public_names_stay_functions_once_their_modules_are_imported():
     import hgrt.stages  # noqa: F401
 
     assert callable(hgrt.split) and callable(hgrt.pipeline) and callable(hgrt.load_pipeline)
+
+
+def test_a_stage_builds_for_its_own_target(squeezenet):
+    """A board of another CPU: its stage built for that target, the others for this host."""
+    model, x, _ = squeezenet
+    res = split(model, [["cpu"], {"devices": ["cpu"], "target": {"cpu": "llvm -mcpu=haswell"}}],
+                kernels="tvm")
+    assert all("haswell" in t for t in res.builds[1].targets.values())
+    assert not any("haswell" in t for t in res.builds[0].targets.values())
+    with pipeline(res) as p:
+        assert_close_to(p(x), reference(model, x))
