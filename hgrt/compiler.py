@@ -29,7 +29,7 @@ from hgrt.relay_passes.fold_batch_norm import fold_batch_norm
 from hgrt.relay_passes.graph_codegen import graph_codegen, static_shape
 from hgrt.relay_passes.insert_copies import insert_copies
 from hgrt.relay_passes.lower import assign_targets, build_library, legalize_and_fuse, schedule_gpu
-from hgrt.relay_passes.pipeline import located, run_passes
+from hgrt.relay_passes.pipeline import Pass, check_order, located, run_passes
 from hgrt.relay_passes.place_devices import Placement, place_devices
 from hgrt.relay_passes.plan_memory import plan_memory
 from hgrt.relay_passes.schedule_cpu import schedule_cpu
@@ -39,7 +39,7 @@ from hgrt.runtime import onednn
 
 __all__ = ["BuildResult", "Kernels", "Placement", "build", "lower_model"]
 
-PASSES: tuple = (
+PASSES: tuple[tuple[str, Pass], ...] = (
     ("place_devices", place_devices),
     ("insert_copies", insert_copies),
     ("split_concat", split_concat),
@@ -57,6 +57,7 @@ PASSES: tuple = (
     ("assign_streams", assign_streams),
     ("plan_memory", plan_memory),
 )
+check_order(PASSES)  # each pass's contract says which passes it needs before it
 
 
 @dataclass

@@ -33,6 +33,8 @@ import numpy as np
 from hgrt.errors import BuildError, did_you_mean
 from hgrt.graph import Graph
 from hgrt.lifetimes import Order, entry_writers, runs
+from hgrt.relay_passes.context import BuildContext
+from hgrt.relay_passes.pipeline import contract
 from hgrt.relay_passes.plan_memory import pool_bytes
 
 MEMORY_SLACK = 0.10  # extra streams may grow a device's pool by this much over sequential
@@ -76,14 +78,16 @@ STREAM_OPTIONS = {"per_device": "an integer >= 1", "single_stream": "True or Fal
                   "memory_slack": "a fraction >= 0 (or None: no memory bound)"}
 
 
-def assign_streams(graph: Graph, ctx: object = None, *, per_device: int = 1,
+# after concat_views: streams and events see each piece's writer (entry_writers)
+@contract(reads={"streams"}, after=("concat_views",))
+def assign_streams(graph: Graph, ctx: BuildContext | None = None, *, per_device: int = 1,
                    single_stream: bool = False,
                    memory_slack: float | None = MEMORY_SLACK) -> Graph:
     """``graph`` with ``streams`` (per node) and ``waits`` (per node: nodes of other streams
     it waits for). Options from ``ctx.streams`` (``{"per_device": n, "single_stream": b,
-    "memory_slack": f}``) when the build context has them; ``memory_slack=None``: open the
+    "memory_slack": f}``) when a build context is given; ``memory_slack=None``: open the
     streams whatever they cost in memory."""
-    opts = getattr(ctx, "streams", None) or {}
+    opts = (None if ctx is None else ctx.streams) or {}
     per_device = opts.get("per_device", per_device)
     single_stream = opts.get("single_stream", single_stream)
     memory_slack = opts.get("memory_slack", memory_slack)
@@ -141,7 +145,8 @@ def _several(g: Graph, streams: list[int]) -> dict[int, int]:
 
 
 def _over_budget(g: Graph, writers: list[tuple[int, ...]], streams: list[int],
-                 sequential: list[int], slack: float, ctx: object) -> dict[int, int]:
+                 sequential: list[int], slack: float, ctx: BuildContext | None
+                 ) -> dict[int, int]:
     """Devices with more than one stream whose activation pool exceeds ``1 + slack`` times
     the sequential plan's (``sequential``), each with one stream fewer than it has."""
     several = _several(g, streams)
@@ -149,7 +154,7 @@ def _over_budget(g: Graph, writers: list[tuple[int, ...]], streams: list[int],
                                                 waits=_waits(g, streams, writers)))
     over = {d: n - 1 for d, n in several.items() if concurrent[d] > (1 + slack) * sequential[d]}
     for d, n in over.items():
-        if ctx is not None and hasattr(ctx, "log"):
+        if ctx is not None:
             ctx.log(f"streams: device {d} gets {n} stream(s), not {n + 1}: {n + 1} would need "
                     f"{concurrent[d]} B of pool, {concurrent[d] / max(1, sequential[d]):.2f}x the "
                     f"sequential plan's {sequential[d]} B (memory_slack {slack})")

@@ -26,7 +26,7 @@ static shapes; the chain ends after its activation. A divisor with a zero does n
 does a constant divided by the tensor. The folded values live in a new weight ``<first
 constant's name>.affine`` (float32: activation kind, its two bounds, scale, shift); constants
 nothing else reads go. The node may write over ``x`` (``attrs.inplace``: the plan takes it
-where ``x`` dies there). Runs after ``fold_batch_norm``, before lowering.
+where ``x`` dies there).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from tvm import relax
 
 from hgrt.graph import ONEDNN_PREFIX
 from hgrt.relay_passes.context import BuildContext
+from hgrt.relay_passes.pipeline import contract
 from hgrt.relay_passes.relax_util import (
     CALL_DPS_PACKED,
     TO_VDEVICE,
@@ -197,6 +198,8 @@ def _params(c: _Chain) -> np.ndarray:
     return np.concatenate([[kind, lo, hi], c.scale, c.shift]).astype("float32")
 
 
+# after fold_batch_norm: the batch norms it leaves are the multiplies and adds claimed here
+@contract(reads={"placed", "weights"}, writes={"placed", "weights"}, after=("fold_batch_norm",))
 def claim_affine(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     """Claim the affine chains after oneDNN kernels (see module doc); ``mod`` untouched when
     there are none."""

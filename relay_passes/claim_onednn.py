@@ -4,8 +4,7 @@ The kernel provider is chosen per op at build, like a device (``hgrt.build(..., 
 provider for the whole build, or ``Kernels`` with rules by op and overrides by node): ``"tvm"``
 leaves the op to TVM; ``"onednn"`` claims it, and is a ``BuildError`` where oneDNN cannot run
 or, for a node named by an override, cannot compute it; ``"auto"`` claims where it can and
-otherwise says once why not (``onednn_policy``). Runs after insert_copies (devices known,
-weights per device) and split_concat, before legalization. A chain (``onednn_chains``)
+otherwise says once why not (``onednn_policy``). A chain (``onednn_chains``)
 
     conv2d(x, W)  [+ per-channel weight | batch_norm]*  [+ residual [+ bias]]  [relu | clip]
                   [max_pool]
@@ -29,7 +28,8 @@ report's rows of claimed ops say ``kernels: onednn``.
 
 Reads ``ctx.options.kernels`` and ``ctx.options.onednn`` (the runtime side, handed down by the
 caller: ``unavailable_reason()``, ``pack()``, ``isa()``, ``implementation()``,
-``layout_name()``), ``ctx.placed`` and ``ctx.weights``; writes new weights to ``ctx.weights``.
+``layout_name()``), ``ctx.placed``, ``ctx.placement`` (budgets) and ``ctx.weights``; writes new
+weights to ``ctx.weights`` and the report's ``kernels`` column to ``ctx.placed``.
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ from hgrt.relay_passes.onednn_policy import (
     weight_room,
     winograd_pays,
 )
+from hgrt.relay_passes.pipeline import contract
 from hgrt.relay_passes.relax_util import bindings
 
 # the blob format and the provider policy, re-exported where importers have long found them
@@ -212,6 +213,9 @@ def _rewrite(func: relax.Function, emitter: _Emitter, drop: set[relax.Var],
     return relax.Function(params + emitter.blobs, body, func.ret_ty, func.is_pure, func.attrs)
 
 
+# after insert_copies: devices known, weights per device; after split_concat: its halves claimed
+@contract(reads={"devices", "options", "placed", "placement", "weights"},
+          writes={"placed", "weights"}, after=("insert_copies", "split_concat"))
 def claim_onednn(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     """Claim what oneDNN computes (see module doc); ``mod`` untouched when nothing is claimed."""
     kernels = Kernels.of(ctx.options.kernels)

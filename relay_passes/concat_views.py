@@ -19,8 +19,6 @@ multiple of ``ALIGN`` bytes (kernels may assume aligned data): ``graph.concat_pr
 check ``Graph.from_json`` makes of every ``__concat`` too. oneDNN's NHWC concat is left alone
 (its pieces are not consecutive bytes, and oneDNN 3.2 runs a convolution writing a channel
 slice of a wider NHWC tensor in its reference code, 200x slower).
-Runs after graph_codegen, before assign_streams: streams and events see each piece's writer
-(``entry_writers``).
 """
 
 from __future__ import annotations
@@ -32,15 +30,17 @@ from hgrt import devices as hdev
 from hgrt.errors import DeviceError
 from hgrt.graph import CONCAT_FUNC, Graph, Node, concat_problem
 from hgrt.lifetimes import runs
+from hgrt.relay_passes.context import BuildContext
+from hgrt.relay_passes.pipeline import contract
 
 # a plain TVM concatenate kernel: ``concatenate``, ``concatenate3_llvm`` (a fused one,
 # ``fused_concatenate_concatenate1``, takes its inputs in another order than its bytes)
 PLAIN_CONCAT = re.compile(r"concatenate\d*(_(llvm|cuda|rocm))?")
 
 
-def _on_pointer_device(g: Graph, nid: int, ctx: object) -> bool:
+def _on_pointer_device(g: Graph, nid: int, ctx: BuildContext | None) -> bool:
     dev = g.entry_device(g.entry_id(nid))
-    devices = getattr(ctx, "devices", None)
+    devices = None if ctx is None else ctx.devices
     if devices is not None and dev < len(devices):
         return hdev.takes_offset_views(devices[dev])
     names = g.device_names or []
@@ -52,7 +52,8 @@ def _on_pointer_device(g: Graph, nid: int, ctx: object) -> bool:
         return False
 
 
-def concat_views(graph: Graph, ctx: object = None) -> Graph:
+@contract(reads={"devices"}, after=("graph_codegen",))
+def concat_views(graph: Graph, ctx: BuildContext | None = None) -> Graph:
     """``graph`` with every concatenation that can be one (see the module doc) as a
     ``__concat`` view of pieces written in place."""
     nodes = list(graph.nodes)
@@ -74,7 +75,7 @@ def concat_views(graph: Graph, ctx: object = None) -> Graph:
             "flatten_data": "0"})
         done += 1
     g = dataclasses.replace(graph, nodes=nodes)  # (the views of the graph as it now is)
-    if total and ctx is not None and hasattr(ctx, "log"):
+    if total and ctx is not None:
         ctx.log(f"concat_views: {done} of {total} concatenations written in place by the "
                 f"kernels of their pieces")
     return g

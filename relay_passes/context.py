@@ -7,9 +7,11 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import numpy as np
+import tvm
 from tvm import relax
 
 from hgrt.devices import DeviceSpec, format_device
@@ -56,7 +58,8 @@ class Weights:
             pname += "_"
         return pname
 
-    def new_param(self, pname: str, value: np.ndarray, vdevice: Any, taken: set[str],
+    def new_param(self, pname: str, value: np.ndarray, vdevice: relax.VDevice | None,
+                  taken: set[str],
                   origin: str) -> relax.Var:
         """A new parameter of ``main`` holding ``value``, made by a pass (``origin``), under
         the graph name ``pname`` (a weight of that name is replaced: its value is no longer
@@ -100,18 +103,20 @@ class LoweringOptions:
 
     tuning_db: str | None = None  # MetaSchedule database applied before the default schedules
     tuning_verdicts: bool = True  # honour `hgrt tune`'s "default faster in the model"
-    # kernel provider, read by claim_onednn: "auto" | "tvm" | "onednn", or a claim_onednn.Kernels
+    # kernel provider, read by claim_onednn: "auto" | "tvm" | "onednn", or an
+    # onednn_policy.Kernels (that module imports this one)
     kernels: Any = "tvm"
-    onednn: Any = None  # the oneDNN runtime (hgrt.runtime.onednn), handed down by the caller
+    onednn: ModuleType | None = None  # the oneDNN runtime (hgrt.runtime.onednn), from the caller
 
 
 @dataclass
 class Lowered:
-    """Written by apply_tuning (ApplyReport), schedule_cpu (ScheduleReport), build_library."""
+    """Written by apply_tuning, schedule_cpu, build_library. (The reports' classes live in the
+    modules of those passes, which import this one.)"""
 
-    tuning: Any = None
-    cpu_schedule: Any = None
-    lib: Any = None
+    tuning: Any = None  # tuning_db.ApplyReport
+    cpu_schedule: Any = None  # schedule_cpu.ScheduleReport
+    lib: tvm.runtime.Module | None = None
 
 
 @dataclass
@@ -119,13 +124,13 @@ class BuildContext:
     """The build's devices and placement, and the groups above that passes hand each other."""
 
     devices: list[DeviceSpec]
-    placement: Any = None  # hgrt Placement, read by place_devices
+    placement: Any = None  # place_devices.Placement (that module imports this one)
     verbose: bool = False
     placed: Placed = field(default_factory=Placed)
     weights: Weights = field(default_factory=Weights)
     options: LoweringOptions = field(default_factory=LoweringOptions)
     lowered: Lowered = field(default_factory=Lowered)
-    streams: dict = field(default_factory=dict)  # options of assign_streams (caller)
+    streams: dict[str, Any] = field(default_factory=dict)  # assign_streams' options (caller)
 
     def device_of_vdevice(self, vdev: relax.VDevice | None) -> int | None:
         if vdev is None:

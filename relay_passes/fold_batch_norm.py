@@ -10,9 +10,8 @@ the ReLU after it. Measured on densenet121 (2 threads, AVX-512, ``GraphModule.pr
 with TVM kernels only, its 58 lone batch norms 2.3 -> 1.5 ms and the 59 convolutions each
 fused with one 18.2 -> 17.3 ms.
 
-Runs after ``claim_onednn`` (which folds the batch norms after its convolutions into their
-weights, and keeps the others, NHWC between its kernels) and before lowering, so placement
-rules that name ``nn.batch_norm`` still see it. A batch norm is left as it is when a statistic
+A pass of the build rather than a rewrite of the frontend's, so that placement rules that name
+``nn.batch_norm`` still see it. A batch norm is left as it is when a statistic
 is neither a weight nor a constant, when something other than batch norms reads a statistic, or
 when anything reads more of its result than item 0 (the normalized tensor). Folded statistics
 are fixed at build: the model's weights of those names are gone (``load_params`` of them is an
@@ -26,6 +25,7 @@ import tvm
 from tvm import relax
 
 from hgrt.relay_passes.context import BuildContext
+from hgrt.relay_passes.pipeline import contract
 from hgrt.relay_passes.relax_util import MainReader, bindings, op_name, reads_only_item0
 
 
@@ -43,6 +43,9 @@ def _affine(call: relax.Call, values: list[np.ndarray | None], channels: int
     return scale, shift
 
 
+# after claim_onednn: it folds the batch norms after its convolutions into their weights, and
+# keeps the others (NHWC between its kernels)
+@contract(reads={"weights"}, writes={"weights"}, after=("claim_onednn",))
 def fold_batch_norm(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     """Fold ``main``'s foldable batch norms (see module doc); ``mod`` untouched if none."""
     func = mod["main"]

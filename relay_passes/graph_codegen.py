@@ -21,7 +21,7 @@ from hgrt.errors import BuildError
 from hgrt.graph import COPY_FUNC, NOP_FUNC, Graph, Node
 from hgrt.relay_passes.context import BuildContext
 from hgrt.relay_passes.lower import VIEW_OPS, binding_devices
-from hgrt.relay_passes.pipeline import located
+from hgrt.relay_passes.pipeline import contract, located
 from hgrt.relay_passes.relax_util import (
     CALL_DPS_PACKED,
     CALL_TIR,
@@ -111,6 +111,8 @@ class _GraphBuilder:
         raise BuildError(f"{where}: {str(expr)[:60]!r} is not a tensor")
 
 
+# the last pass on Relax: the graph's kernels are the library's functions
+@contract(reads={"devices", "weights"}, writes={"weights"}, after=("build_library",))
 def graph_codegen(mod: tvm.IRModule, ctx: BuildContext) -> Graph:
     """Translate the lowered ``main`` of ``mod`` into a Graph (storage ids not yet planned)."""
     func = mod["main"]

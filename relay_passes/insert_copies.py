@@ -13,8 +13,8 @@
 Params are renamed to C identifiers (TVM names kernel arguments after them); the names the
 graph shows go to ``ctx.weights.graph_names``.
 
-Reads ``ctx.placed`` (from place_devices) and ``ctx.weights.values``; fills
-``ctx.weights.source`` and ``ctx.weights.graph_names``.
+Reads ``ctx.placed`` and ``ctx.weights.values``; fills ``ctx.weights.source`` and
+``ctx.weights.graph_names``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from tvm import relax
 
 from hgrt.errors import BuildError
 from hgrt.relay_passes.context import BuildContext, param_identifier
-from hgrt.relay_passes.pipeline import located
+from hgrt.relay_passes.pipeline import contract, located
 from hgrt.relay_passes.relax_util import bindings, called, moved_to, site, static_dims
 
 # calls that have no graph form, and why
@@ -154,6 +154,7 @@ def _param_devices(func: relax.Function, ctx: BuildContext) -> dict[str, list[in
     return uses
 
 
+@contract(reads={"devices", "placed", "weights"}, writes={"weights"}, after=("place_devices",))
 def insert_copies(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     """Rebuild ``main`` with params on their devices and ``R.to_vdevice`` on crossing edges."""
     func = mod["main"]

@@ -22,7 +22,7 @@ from tvm import relax
 from hgrt.errors import BuildError
 from hgrt.graph import ELEMWISE_MAX, OPAQUE
 from hgrt.relay_passes.context import BuildContext
-from hgrt.relay_passes.pipeline import located
+from hgrt.relay_passes.pipeline import contract, located
 from hgrt.relay_passes.relax_util import (
     CALL_TIR,
     TO_VDEVICE,
@@ -174,9 +174,13 @@ def keep_device_joins_apart(mod: tvm.IRModule, _ctx=None) -> tvm.IRModule:
     return out
 
 
+# after the passes that rewrite Relax ops (they match the ops lowering replaces) and after
+# insert_copies, whose R.to_vdevice on every crossing edge keeps fusion within a device
+@contract(reads={"devices"}, after=("insert_copies", "split_concat", "claim_onednn",
+                                     "fold_batch_norm", "claim_affine"))
 def legalize_and_fuse(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     """``lowering_passes`` under the first device's target; a failure names the op it fails
-    on. Reads ``ctx.devices``."""
+    on."""
     with located(lambda: _failing_op(mod, ctx)):
         return _lowered(mod, ctx)
 
@@ -256,10 +260,9 @@ def _rebuild_main(func: relax.Function, rename: dict[tuple[str, int], tvm.ir.Glo
                           func.is_pure, func.attrs)
 
 
+@contract(reads={"devices"}, after=("legalize_and_fuse",))  # FuseTIR drops the target attr
 def assign_targets(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
-    """Give every PrimFunc the target of the devices that call it (cloned per target).
-
-    Reads ``ctx.devices``."""
+    """Give every PrimFunc the target of the devices that call it (cloned per target)."""
     main = mod["main"]
     dev = binding_devices(main, ctx)
     callers: dict[str, list[int]] = {}
@@ -289,10 +292,11 @@ def assign_targets(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     return new
 
 
+# GPU functions are known by their target; the tuned ones are scheduled already
+@contract(after=("assign_targets", "apply_tuning"))
 def schedule_gpu(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     """dlight-schedule every GPU PrimFunc not scheduled yet; refuse one that stays unscheduled.
-
-    Reads nothing of ``ctx`` but its log."""
+    Uses nothing of ``ctx`` but its log."""
     import tvm.s_tir.dlight as dl
 
     gpu = {name: f for name, f in prim_funcs(mod).items()
@@ -319,10 +323,11 @@ def schedule_gpu(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     return new
 
 
+@contract(reads={"devices"}, writes={"lowered"}, after=("schedule_cpu", "schedule_gpu"))
 def build_library(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
-    """One ``tvm.tirx.build`` over every PrimFunc, each for its own target → one module.
-
-    Writes ``ctx.lowered.lib``; the IR goes on untouched (to graph_codegen)."""
+    """One ``tvm.tirx.build`` over every PrimFunc, each for its own target → one module, in
+    ``ctx.lowered.lib``; the IR goes on untouched (to graph_codegen). ``ctx.devices``: the
+    host target of a library without kernels."""
     funcs = {name: f.with_attr("global_symbol", name) for name, f in prim_funcs(mod).items()}
     # no kernels (outputs are inputs or weights, rearranged): an empty host library
     host = None if funcs else _host_target(ctx)

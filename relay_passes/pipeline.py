@@ -4,22 +4,93 @@ inside a pass, ``located`` adds the binding, its op and device to a failure of T
 
 With ``HGRT_VERIFY_IR=1`` (or ``verify=True``) the Relax IR is checked for well-formedness after
 every pass, so a pass that produces bad IR is named instead of the pass that trips over it.
+
+Every pass declares its ``Contract``: the ``BuildContext`` fields it reads and writes, and the
+passes that must run before it::
+
+    @contract(reads={"devices", "placed", "weights"}, writes={"weights"},
+              after=("place_devices",))
+    def insert_copies(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule: ...
+
+``check_order`` (run by ``run_passes``, and where ``hgrt.compiler.PASSES`` is defined) refuses a
+list that runs a pass too early: "'insert_copies' needs 'place_devices' to run before it, but it
+runs after [] (it reads ctx.placed, which 'place_devices' writes)".
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import tvm
 from tvm import relax
 
-from hgrt.errors import BuildError, HgrtError
+from hgrt.errors import BuildError, HgrtError, did_you_mean
+from hgrt.relay_passes.context import BuildContext
 
 Pass = Callable[[Any, Any], Any]
+P = TypeVar("P", bound=Pass)
+
+CONTEXT_FIELDS = tuple(f.name for f in dataclasses.fields(BuildContext))
+
+
+@dataclasses.dataclass(frozen=True)
+class Contract:
+    """What a pass does with the build context: the ``BuildContext`` fields it ``reads`` and
+    ``writes`` (a field changed in place is written: ``ctx.weights.new_param(...)`` writes
+    ``weights``), and the passes that must have run before it (``after``)."""
+
+    reads: frozenset[str] = frozenset()
+    writes: frozenset[str] = frozenset()
+    after: tuple[str, ...] = ()
+
+
+def contract(*, reads: Iterable[str] = (), writes: Iterable[str] = (),
+             after: Sequence[str] = ()) -> Callable[[P], P]:
+    """Declare a pass's ``Contract``; the pass is returned as it is, the contract its
+    ``contract`` attribute. A name that is no ``BuildContext`` field is refused at once."""
+    declared = Contract(frozenset(reads), frozenset(writes), tuple(after))
+    for name in sorted(declared.reads | declared.writes):
+        if name not in CONTEXT_FIELDS:
+            raise TypeError(f"contract: BuildContext field {did_you_mean(name, CONTEXT_FIELDS)}")
+
+    def attach(fn: P) -> P:
+        fn.contract = declared  # type: ignore[attr-defined]
+        return fn
+    return attach
+
+
+def contract_of(name: str, fn: Pass) -> Contract:
+    """``fn``'s declared contract; a pass without one is refused."""
+    declared = getattr(fn, "contract", None)
+    if not isinstance(declared, Contract):
+        raise BuildError(f"pass {name!r} declares no contract (@contract(reads=..., "
+                         f"writes=..., after=...) in hgrt.relay_passes.pipeline)")
+    return declared
+
+
+def check_order(passes: Sequence[tuple[str, Pass]]) -> None:
+    """Refuse ``passes`` unless each runs after every pass its contract names in ``after``: a
+    BuildError names the first pass that runs too early, what it needs and why."""
+    contracts = {name: contract_of(name, fn) for name, fn in passes}
+    done: list[str] = []
+    for name, _ in passes:
+        for need in contracts[name].after:
+            if need in done:
+                continue
+            if need not in contracts:
+                raise BuildError(f"'{name}' needs '{need}' to run before it, but the passes hold "
+                                 f"no '{need}': {did_you_mean(need, list(contracts))}")
+            shared = sorted(contracts[name].reads & contracts[need].writes)
+            why = (f" (it reads {', '.join(f'ctx.{f}' for f in shared)}, which '{need}' writes)"
+                   if shared else "")
+            raise BuildError(f"'{name}' needs '{need}' to run before it, but it runs after "
+                             f"{done}{why}")
+        done.append(name)
 
 
 def _text(e: BaseException) -> str:
@@ -51,7 +122,9 @@ def _check_ir(mod: Any, name: str) -> None:
 
 def run_passes(ir: Any, ctx: Any, passes: Sequence[tuple[str, Pass]],
                verify: bool | None = None) -> Any:
-    """Apply ``passes`` (name, fn(ir, ctx) -> ir) in order; errors name the pass and its history."""
+    """Apply ``passes`` (name, fn(ir, ctx) -> ir) in order; errors name the pass and its history.
+    The order is checked first (``check_order``)."""
+    check_order(passes)
     verify = os.environ.get("HGRT_VERIFY_IR", "") not in ("", "0") if verify is None else verify
     done: list[str] = []
     for name, fn in passes:

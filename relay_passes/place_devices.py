@@ -31,6 +31,7 @@ from hgrt.devices import DeviceSpec, resolve_device
 from hgrt.errors import BuildError, did_you_mean
 from hgrt.relay_passes.auto_place import auto_place, read_rates
 from hgrt.relay_passes.context import BuildContext, PlacementRow
+from hgrt.relay_passes.pipeline import contract
 from hgrt.relay_passes.relax_util import (
     HINT_ON_DEVICE,
     TO_VDEVICE,
@@ -146,6 +147,7 @@ def _check_rules(rules: dict[str, int], model_ops: list[str]) -> None:
                          f"{ops_here[:30]}")
 
 
+@contract(reads={"devices", "placement", "weights"}, writes={"placed"})  # weights: auto's sizes
 def place_devices(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     """Fill ``ctx.placed``; return ``mod`` with the vdevice list attached."""
     p = ctx.placement

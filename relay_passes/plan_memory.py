@@ -30,6 +30,8 @@ from hgrt.lifetimes import (
     merged_ranges,
     storage_devices,
 )
+from hgrt.relay_passes.context import BuildContext
+from hgrt.relay_passes.pipeline import contract
 
 
 def _assign_storage(g: Graph, pairs: dict[int, int]) -> list[int]:
@@ -104,13 +106,14 @@ def _layout(g: Graph, n_dev: int, pairs: dict[int, int]
     return offsets, pools, weight_pools
 
 
-def _with_storage(graph: Graph, ctx: object = None) -> tuple[Graph, int, dict[int, int]]:
+def _with_storage(graph: Graph, ctx: BuildContext | None = None
+                  ) -> tuple[Graph, int, dict[int, int]]:
     """``graph`` with its storage ids, its device count and its in-place pairs (which do not
     depend on storage: found once, for the ids and the layout)."""
     pairs = inplace_pairs(graph)
     g = dataclasses.replace(graph, storage_ids=_assign_storage(graph, pairs))
     n_dev = max(storage_devices(g, PlanError).values(), default=0) + 1
-    if g.device_index is not None and ctx is not None and hasattr(ctx, "devices"):
+    if g.device_index is not None and ctx is not None:
         n_dev = max(n_dev, len(ctx.devices))
     return g, n_dev, pairs
 
@@ -121,7 +124,9 @@ def pool_bytes(graph: Graph) -> list[int]:
     return _layout(*_with_storage(graph))[1]
 
 
-def plan_memory(graph: Graph, ctx: object = None) -> Graph:
+# under the happens-before order of the streams assign_streams gave
+@contract(reads={"devices"}, after=("assign_streams",))
+def plan_memory(graph: Graph, ctx: BuildContext | None = None) -> Graph:
     """Return ``graph`` with storage ids, per-device pool sizes and offsets; verified.
 
     Per device two pools: the weights (parameters, live always, one after another) and the
@@ -132,7 +137,7 @@ def plan_memory(graph: Graph, ctx: object = None) -> Graph:
     g = dataclasses.replace(g, pool_bytes=pools, storage_offset=offsets,
                             weight_pool_bytes=weight_pools)
     verify_memory(g)
-    if ctx is not None and hasattr(ctx, "log"):
+    if ctx is not None:
         for m in memory_report(g):
             ctx.log(f"memory on device {m.device}: {m.planned_bytes} B planned ({m.weight_bytes} "
                     f"B weights), lower bound {m.lower_bound} B, {m.no_reuse_bytes} B without "

@@ -39,6 +39,7 @@ from tvm.sym.pattern import detect_linear_equation
 
 from hgrt.devices import VectorISA, vector_isa
 from hgrt.relay_passes.context import BuildContext
+from hgrt.relay_passes.pipeline import contract
 from hgrt.relay_passes.prepack_weights import prepack, weight_params
 from hgrt.relay_passes.relax_util import SCHEDULED_ATTR, func_target, is_scheduled, prim_funcs
 
@@ -878,9 +879,13 @@ def schedule_cpu_functions(mod: tvm.IRModule, target: tvm.target.Target | str | 
     return (mod if new is None else new), report
 
 
+# CPU kernels are known by their target; the tuned ones are scheduled already
+@contract(reads={"weights"}, writes={"lowered", "weights"},
+          after=("assign_targets", "apply_tuning"))
 def schedule_cpu(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     """The default schedule for every CPU kernel not scheduled yet (none with
-    ``HGRT_DEFAULT_SCHEDULE=0``). Writes ``ctx.lowered.cpu_schedule``."""
+    ``HGRT_DEFAULT_SCHEDULE=0``), its report in ``ctx.lowered.cpu_schedule``; the weights it
+    reads in another layout are prepacked (new weights)."""
     if os.environ.get("HGRT_DEFAULT_SCHEDULE", "1") == "0":
         return mod
     mod, report = schedule_cpu_functions(mod, weights=weight_params(mod, ctx))

@@ -25,9 +25,8 @@ squeeze convolution's 16-64 channels from 128-512, yes; squeezenet's classifier,
 shapes, the convolution's weight known at build, no per-channel scale after it (a batch norm or
 a multiply, which oneDNN folds into one convolution's weights, not into a sum's). The weight's
 halves are new weights (``<name>.split0``, ``.split1``); the original goes when nothing else
-reads it.
-Runs after insert_copies (devices known) and before claim_onednn; the new bindings join
-``ctx.placed`` (device, report rows), the concat's and the pool's leave it.
+reads it. The new bindings join ``ctx.placed`` (device, report rows), the concat's and the
+pool's leave it.
 """
 
 from __future__ import annotations
@@ -40,6 +39,7 @@ from tvm import relax
 
 from hgrt.devices import is_cpu
 from hgrt.relay_passes.context import BuildContext, PlacementRow
+from hgrt.relay_passes.pipeline import contract
 from hgrt.relay_passes.relax_util import MainReader, bindings, op_name
 from hgrt.relay_passes.relax_util import float32_shape as _shape
 
@@ -114,6 +114,8 @@ class _Names:
         return name
 
 
+@contract(reads={"devices", "placed", "weights"}, writes={"placed", "weights"},
+          after=("insert_copies",))  # devices known, weights per device
 def split_concat(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     """Split ``main``'s convolutions of two-part concats (see module doc); ``mod`` untouched
     if there are none."""

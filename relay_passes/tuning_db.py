@@ -21,6 +21,7 @@ from tvm import relax, tirx
 from hgrt.devices import kind_of
 from hgrt.errors import BuildError
 from hgrt.relay_passes.context import BuildContext
+from hgrt.relay_passes.pipeline import contract
 from hgrt.relay_passes.relax_util import func_target, is_scheduled, prim_funcs
 from hgrt.relay_passes.schedule_cpu import PEEL_HINT, peel_ragged_tiles
 
@@ -287,10 +288,11 @@ def apply_database(mod: tvm.IRModule, db_dir: str, *, log: Callable[[str], None]
     return (new if report.tuned else mod), report
 
 
+# records match by structural hash and target: the kernels as fused, with their targets
+@contract(reads={"options"}, writes={"lowered"}, after=("assign_targets",))
 def apply_tuning(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
-    """The tuned schedules of ``ctx.options.tuning_db`` (none given: ``mod`` untouched).
-
-    Reads ``ctx.options``; writes ``ctx.lowered.tuning`` (the ``ApplyReport``)."""
+    """The tuned schedules of ``ctx.options.tuning_db`` (none given: ``mod`` untouched);
+    ``ctx.lowered.tuning`` says which (the ``ApplyReport``)."""
     if not ctx.options.tuning_db:
         return mod
     mod, ctx.lowered.tuning = apply_database(mod, ctx.options.tuning_db, log=ctx.log,
