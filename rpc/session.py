@@ -54,7 +54,8 @@ def find_session(index: int) -> tvm.rpc.RPCSession | None:
 
 
 def describe(session_or_index) -> str:
-    """'rpc session 0 (tracker 127.0.0.1:9190, key 'jetson', server 127.0.0.1:9091)'."""
+    """An RPC session's name in messages: "rpc session", its index in this process, then the
+    tracker's address, the key and the server's address it was given."""
     index = session_or_index if isinstance(session_or_index, int) else \
         session_index(session_or_index)
     rec = _SESSIONS.get(index)

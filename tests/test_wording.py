@@ -1,14 +1,15 @@
 """The project speaks of the product only: no words from how its development was organised.
 
-"session 17", "issue-17", "an earlier session's figure", "found in review" mean nothing to a
-reader of the code or of BENCHMARKS.md; a figure names its machine, ISA, date and command, a
-test says what it checks. Every text file of the repository is scanned (git's tracked and
+A numbered session or issue of the work, a session of it ("an earlier one", "the next one") or a
+review of it means nothing to a reader of the code or of BENCHMARKS.md; a figure names its
+machine, ISA, date and command, a test says what it checks. Every text file of the repository is scanned (git's tracked and
 untracked-but-not-ignored files, or the tree when git is absent), this file excepted.
 
 The product has sessions of its own (RPC sessions, onnxruntime's InferenceSession, the
-server's session process), so the patterns stay narrow: a number after "session" counts unless
-it is the ``rpc session 0`` of ``hgrt.rpc.describe``; a bare "this/next/earlier... session" counts,
-so product text that means an RPC or server session says so ("this RPC session").
+server's session process), so the patterns stay narrow: a number after the word counts unless
+"rpc" comes before it (``hgrt.rpc.describe``'s name for an RPC session); a session qualified by
+this/next/earlier... counts, so product text that means an RPC or server session says so ("this
+RPC session"). The examples below are written with placeholders for the same reason.
 """
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ BINARY = (".png", ".jpg", ".jpeg", ".gif", ".pdf", ".so", ".o", ".a", ".onnx", "
 
 # Between two words: spaces, or a line break and the next line's comment marker.
 SEP = r"\s+(?:(?:#+|//+|\*|>)\s+)?"
-# A number right after the word, as in "session 22", "session-19", "issues #12", "(session\n23)".
+# A number right after the word: after spaces, a dash, a "#", or a line break and a comment mark.
 NUMBER = r"(?:-|" + SEP + r")#?\d+"
 
 PATTERNS = [
-    # "session 17", "(session 23)", "session-19 bullet"; not "rpc session 0" (describe()'s
-    # words for an RPC session) and not "--max-session 5" / "max_session=3".
+    # the word and a number, in parentheses or with a dash too; not after "rpc " (describe()'s
+    # words for an RPC session) and not a flag or keyword ("--max-session", "max_session=").
     ("a numbered session", r"(?<![\w-])(?<!rpc )sessions?" + NUMBER),
     ("a numbered issue", r"(?<![\w-])issues?" + NUMBER),
     # a session of the development work; the product's say which: "this RPC session".
@@ -108,22 +109,21 @@ def scan() -> list[str]:
 
 
 def test_the_patterns_tell_the_work_from_the_product():
-    work = ["measured in session 17", "(session 23)", "the session-19 bullet", "Session 20's rule",
-            "the issue-17 check", "Serving (issue 19)", "issues #12", "an earlier session's figure",
-            "in two other runs this session", "the table of the previous session",
-            "for the next session", "found in review", "review (session 22)",
-            "after the review mends", "unlike the Xeon of earlier\nsessions",
-            "an earlier\n    # session", "over the sessions since", "in the session of x",
-            "in a reviewer's test", "the issue's target", "runs of the last two sessions",
-            "the CPU varies from session to session"]
-    product = ["'rpc session 0 (tracker 127.0.0.1:9190)'", 'f"rpc session {index}"',
-               "RPC session", "this RPC session", "a tensor of this RPC session",
-               "the server's session process", "ort.InferenceSession(model)",
-               "an onnxruntime session", "--max-session 5", "max_session=3.0",
-               "from hgrt.rpc import session as sessions", "rpc/session.py",
-               "a second module in the same session", "end any session after this long",
-               "in ONE session", "sessions are served one at a time", "issues a call",
-               r'match=r"rpc session \d+ \(tracker"']
+    work = [w.format(s="session", S="Session", i="issue") for w in [
+        "measured in {s} 17", "({s} 23)", "the {s}-19 bullet", "{S} 20's rule",
+        "the {i}-17 check", "Serving ({i} 19)", "{i}s #12", "an earlier {s}'s figure",
+        "in two other runs this {s}", "the table of the previous {s}", "for the next {s}",
+        "found in review", "review ({s} 22)", "after the review mends",
+        "unlike the Xeon of earlier\n{s}s", "an earlier\n    # {s}", "over the {s}s since",
+        "in the {s} of x", "in a reviewer's test", "the {i}'s target",
+        "runs of the last two {s}s", "the CPU varies from {s} to {s}"]]
+    product = [w.format(s="session") for w in [
+        "'rpc {s} 0 (tracker 127.0.0.1:9190)'", 'f"rpc {s} {{index}}"', "RPC {s}",
+        "this RPC {s}", "a tensor of this RPC {s}", "the server's {s} process",
+        "ort.InferenceSession(model)", "an onnxruntime {s}", "--max-{s} 5", "max_{s}=3.0",
+        "from hgrt.rpc import {s} as {s}s", "rpc/{s}.py", "a second module in the same {s}",
+        "end any {s} after this long", "in ONE {s}", "{s}s are served one at a time",
+        "issues a call", r'match=r"rpc {s} \d+ \(tracker"']]
     assert [w for w in work if not hits(w)] == []
     assert [(p, hits(p)) for p in product if hits(p)] == []
 
