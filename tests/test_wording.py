@@ -2,8 +2,9 @@
 
 A numbered session or issue of the work, a session of it ("an earlier one", "the next one") or a
 review of it means nothing to a reader of the code or of BENCHMARKS.md; a figure names its
-machine, ISA, date and command, a test says what it checks. Every text file of the repository is scanned (git's tracked and
-untracked-but-not-ignored files, or the tree when git is absent), this file excepted.
+machine, ISA, date and command, a test says what it checks. Every text file of the repository
+is scanned (git's tracked and untracked-but-not-ignored files, or the tree when git is absent),
+this file excepted.
 
 The product has sessions of its own (RPC sessions, onnxruntime's InferenceSession, the
 server's session process), so the patterns stay narrow: a number after the word counts unless
