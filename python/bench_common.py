@@ -89,6 +89,26 @@ def median_time(fn: Callable[[], object], repeat: int, warmup: int = 1) -> float
     return statistics.median(times)
 
 
+def run_threads(jobs: list[Callable[[], object]]) -> float:
+    """Seconds for ``jobs`` run at once, a thread each, timed from a common start."""
+    import threading
+
+    start = threading.Barrier(len(jobs) + 1)
+
+    def worker(job):
+        start.wait()
+        job()
+
+    threads = [threading.Thread(target=worker, args=(j,)) for j in jobs]
+    for t in threads:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
 def timed_interleaved(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
     """Median seconds per call of each function, called in turn, so that the machine's slow
     and fast moments fall on each alike. Only for functions sharing TVM's thread pool: time

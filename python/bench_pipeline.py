@@ -14,16 +14,14 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import warnings
 
 import numpy as np
-from bench_common import light, table
+from bench_common import light, median_time, run_threads, table
 
 import hgrt
 import hgrt.rpc
@@ -89,34 +87,14 @@ class Boards:
 
 
 def _latency_ms(call, x, n: int = 10) -> float:
-    call(x)
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        call(x)
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
+    return 1e3 * median_time(lambda: call(x), n)
 
 
 def _throughput(calls: list, xs: list) -> float:
     """Inputs per second with one caller thread per entry of ``calls`` sharing ``xs``."""
     parts = [xs[k::len(calls)] for k in range(len(calls))]
-    start = threading.Barrier(len(calls) + 1)
-
-    def worker(call, part):
-        start.wait()
-        for x in part:
-            call(x)
-
-    threads = [threading.Thread(target=worker, args=(c, p)) for c, p in zip(calls, parts,
-                                                                            strict=True)]
-    for t in threads:
-        t.start()
-    start.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
-    return len(xs) / (time.perf_counter() - t0)
+    jobs = [lambda c=c, p=p: [c(x) for x in p] for c, p in zip(calls, parts, strict=True)]
+    return len(xs) / run_threads(jobs)
 
 
 def bench(name: str, boards: Boards, k: int, n_inputs: int, kernels: str, tmp: str) -> list[str]:

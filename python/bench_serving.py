@@ -25,7 +25,7 @@ import time
 import warnings
 
 import numpy as np
-from bench_common import light, ort_feed, ort_session, table
+from bench_common import light, median_time, ort_feed, ort_session, run_threads, table
 
 import hgrt
 from hgrt.devices import usable_cores
@@ -37,31 +37,16 @@ CALLERS = (1, 2, 4)
 def throughput(call, callers: int, calls: int) -> float:
     """Inferences per second with ``callers`` threads each making ``calls`` calls."""
     call()  # warm: frames, thread pools
-    start = threading.Barrier(callers + 1)
 
-    def worker():
-        start.wait()
+    def job():
         for _ in range(calls):
             call()
 
-    threads = [threading.Thread(target=worker) for _ in range(callers)]
-    for t in threads:
-        t.start()
-    start.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
-    return callers * calls / (time.perf_counter() - t0)
+    return callers * calls / run_threads([job] * callers)
 
 
 def median_ms(call, n: int = 40) -> float:
-    call()
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
+    return 1e3 * median_time(call, n)
 
 
 def in_thread(fn):

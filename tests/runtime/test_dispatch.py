@@ -103,6 +103,24 @@ def _run_child(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
 
 
+# what both fork scripts do once the parent ran ``m`` on ``x``: the same run in a forked child,
+# its output as ``got`` (the child killed after 30 s rather than waited for)
+IN_A_FORKED_CHILD = """
+    def child(q):
+        m.run(x=x)
+        q.put(m.get_output(0).numpy())
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=child, args=(q,))
+    p.start()
+    try:
+        got = q.get(timeout=30)
+    finally:
+        p.join(timeout=5)
+        p.kill()
+"""
+
 FORK_CHILD = """
     import multiprocessing as mp
     import numpy as np
@@ -119,19 +137,7 @@ FORK_CHILD = """
     x = np.random.default_rng(0).standard_normal((1, 3, 8, 8)).astype("float32")
     m.run(x=x)  # the parent's dispatcher, its TVM pool and OpenMP team exist now
 
-    def child(q):
-        m.run(x=x)
-        q.put(m.get_output(0).numpy())
-
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    p = ctx.Process(target=child, args=(q,))
-    p.start()
-    try:
-        got = q.get(timeout=30)
-    finally:
-        p.join(timeout=5)
-        p.kill()
+""" + IN_A_FORKED_CHILD + """
     np.testing.assert_allclose(got, reference(model, {"x": x})[0], rtol=1e-4, atol=1e-4)
     print("forked child ran", kernels, flush=True)
 """
@@ -194,19 +200,7 @@ FORK_STREAMS = """
     x = np.random.default_rng(0).standard_normal(16).astype("float32")
     m.run(x=x)
 
-    def child(q):
-        m.run(x=x)
-        q.put(m.get_output(0).numpy())
-
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    p = ctx.Process(target=child, args=(q,))
-    p.start()
-    try:
-        got = q.get(timeout=30)
-    finally:
-        p.join(timeout=5)
-        p.kill()
+""" + IN_A_FORKED_CHILD + """
     np.testing.assert_allclose(got, branchy_reference(x), rtol=1e-6)
     print("forked child ran its streams", flush=True)
 """
