@@ -38,6 +38,10 @@ def add_rpc_server_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-session", type=float, default=0.0, metavar="SECONDS",
                    help="end any session after this long, whatever its client asked (default: "
                         "no cap; sessions are served one at a time)")
+    p.add_argument("--session-start", choices=["auto", "fork", "spawn"], default="auto",
+                   help="how each session's process starts (default auto: fork, or a fresh "
+                        "interpreter where a CUDA driver is present, since a process forked "
+                        "after TVM's import cannot use the GPU)")
     p.add_argument("--silent", action="store_true",
                    help="no per-session log lines (refused clients are still logged)")
     p.set_defaults(func=run_rpc_server)
@@ -58,7 +62,7 @@ def run_rpc_server(args: argparse.Namespace) -> int:
         port_end = args.port_end + 1 if args.port_end is not None else min(args.port + 100, 65536)
         server = serve(host, args.port, port_end, tracker=args.tracker, key=args.key,
                        custom_addr=args.custom_addr, silent=args.silent, allow=args.allow,
-                       max_session=args.max_session)
+                       max_session=args.max_session, session_start=args.session_start)
     except HgrtError as e:
         print(f"hgrt rpc-server: error: {e}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ Sessions are served one at a time, as in TVM.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import errno
 import ipaddress
@@ -58,6 +59,7 @@ _SESSIONS = itertools.count()  # names the sessions' work directories
 GONE_GRACE = 2.0  # a session whose client hung up ends itself within this, else it is killed
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+SESSION_STARTS = ("auto", "fork", "spawn")
 
 
 def parse_allow(specs: Sequence[str]) -> tuple[Network, ...]:
@@ -107,6 +109,7 @@ class ListenConfig:
     session_summary: Callable[[], str] | None = None  # its return ends the session's log line
     max_session: float = 0.0  # seconds a session may last whatever its client asks (0: no cap)
     work_root: str | None = None  # the sessions' work directories go here (the server's own)
+    session_start: str = "auto"  # how a session process starts: "fork", "spawn" or "auto"
 
     def __post_init__(self) -> None:
         for name in ("port", "port_end"):
@@ -116,6 +119,8 @@ class ListenConfig:
         if not (isinstance(self.max_session, (int, float)) and 0 <= self.max_session < math.inf):
             raise InputError(f"max_session must be seconds >= 0 (0: no cap), got "
                              f"{self.max_session!r}")
+        if self.session_start not in SESSION_STARTS:
+            raise InputError(f"session_start {self.session_start!r}: one of {SESSION_STARTS}")
         if not 1 <= self.port <= 65535:
             raise InputError(f"port {self.port} is not a TCP port (1-65535)")
         if not self.port < self.port_end <= 65536:
@@ -243,6 +248,21 @@ def _session_main(conn: socket.socket, peer: str, cfg: ListenConfig, work) -> No
     logger.info("session from %s ended%s", peer, summary)
 
 
+def session_start_method(choice: str = "auto") -> str:
+    """How session processes start. A fork is fastest (the child has TVM and hgrt imported), but
+    importing TVM on a machine with a CUDA driver initialises CUDA in the importing process, and a
+    child forked from it cannot use the GPU (``cudaErrorInitializationError``). So "auto" forks
+    only where no CUDA driver loads; elsewhere each session is a fresh interpreter (spawn), which
+    costs its start the imports (about a second)."""
+    if choice != "auto":
+        return choice
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return "fork"
+    return "spawn"
+
+
 def _client_gone(conn: socket.socket) -> bool:
     """Whether the client closed its end (killed, or its process ended): the session process
     may be busy in a long call and would not read the socket until it returns."""
@@ -278,7 +298,8 @@ def _serve_session(conn: socket.socket, addr, opts: dict, cfg: ListenConfig) -> 
     work = utils.tempdir(os.path.join(cfg.work_root, f"session-{next(_SESSIONS)}")
                          if cfg.work_root else None)
     logger.info("session from %s in %s", peer, work.path)
-    proc = multiprocessing.Process(target=_session_main, args=(conn, peer, cfg, work))
+    context = multiprocessing.get_context(session_start_method(cfg.session_start))
+    proc = context.Process(target=_session_main, args=(conn, peer, cfg, work))
     proc.start()
     limits = [t for t in (opts.get("timeout"), cfg.max_session) if t]
     why = _wait_session(proc, conn, min(limits) if limits else None)

@@ -314,7 +314,7 @@ def serve(host: str = "127.0.0.1", port: int = 9090, port_end: int = 9199,
           tracker: str | tuple[str, int] | None = None, key: str = "", *,
           custom_addr: str | None = None, silent: bool = False,
           load_library: str | None = None, allow: Sequence[str] = (),
-          max_session: float = 0.0) -> RPCServer:
+          max_session: float = 0.0, session_start: str = "auto") -> RPCServer:
     """Start a TVM RPC server that also serves hgrt; returns it (``.port``, ``.terminate()``,
     ``.join()``). Each session runs in its own process, which exits with the session and logs
     how many hgrt modules the client left alive there.
@@ -331,6 +331,9 @@ def serve(host: str = "127.0.0.1", port: int = 9090, port_end: int = 9199,
     ``max_session`` seconds (0: only the client's own ``session_timeout`` bounds it): a client
     that never closes would hold the server for good.
 
+    ``session_start``: "fork", "spawn", or "auto" (fork unless a CUDA driver is present: a
+    process forked after TVM's import cannot use the GPU; see ``session_start_method``).
+
     >>> server = serve("10.0.0.7", 9090, tracker="10.0.0.1:9190", key="jetson",
     ...                allow=["10.0.0.0/24"])                                   # doctest: +SKIP
     >>> server.join()                                                           # doctest: +SKIP
@@ -342,4 +345,4 @@ def serve(host: str = "127.0.0.1", port: int = 9090, port_end: int = 9199,
         host, port, port_end, key=key, tracker=tracker_addr, custom_addr=custom_addr,
         allow=parse_allow(allow), load_library=load_library, silent=silent,
         session_init=_server_init, session_summary=_session_summary,
-        max_session=float(max_session)))
+        max_session=float(max_session), session_start=session_start))

@@ -82,3 +82,19 @@ def test_assert_close_to_sees_a_wrong_number():
     with pytest.raises(AssertionError):
         assert_close_to(got, want)
     assert_close_to(want, want)
+
+
+def test_an_ir_version_onnxruntime_refuses_falls_back_to_the_reference_evaluator():
+    """An onnx package newer than the installed onnxruntime writes models of an IR version
+    onnxruntime refuses: the oracle then runs ONNX's reference evaluator, never fails."""
+    from onnx import TensorProto, helper
+
+    pytest.importorskip("onnxruntime")
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 99
+    out = onnx_reference(model, {"x": np.array([-1.0, 0.5, 2.0], "float32")})
+    np.testing.assert_array_equal(out[0], [0.0, 0.5, 2.0])

@@ -12,7 +12,7 @@ from hgrt.compiler import lower_model
 from hgrt.errors import BuildError
 from hgrt.graph import COPY_FUNC
 from hgrt.relay_passes import BuildContext, Placement, parse_devices, place_devices
-from hgrt.testing import load_case, run_hgrt
+from hgrt.testing import case_inputs, load_case, run_hgrt
 
 CONV = "pytorch-converted/test_Conv2d"
 
@@ -54,7 +54,7 @@ def test_cuda_build_imports_a_cuda_module_and_copies_at_boundaries():
     assert any(n.func_name == COPY_FUNC for n in g.nodes)
     if not tvm.cuda(0).exist:
         pytest.skip("no GPU: CUDA execution not checked")
-    got = run_hgrt(res, {"input_0": case.inputs[0]}, [tvm.cpu(0), tvm.cuda(0)])
+    got = run_hgrt(res, case_inputs(case), [tvm.cpu(0), tvm.cuda(0)])
     np.testing.assert_allclose(got[0], case.outputs[0], rtol=1e-3, atol=1e-4)
 
 

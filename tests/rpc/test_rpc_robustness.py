@@ -138,3 +138,23 @@ def test_a_server_caps_its_sessions_and_removes_their_files_when_it_stops(lib_pa
     finally:
         server.terminate()
     assert not os.path.exists(root)  # a session's work directory stayed after a stop
+
+
+def test_sessions_started_as_fresh_interpreters_serve_hgrt(lib_path):
+    """Where a CUDA driver is present, sessions are not forked (a process forked after TVM's
+    import cannot use the GPU): a spawned session process registers hgrt's functions itself and
+    serves a module as a forked one does."""
+    from hgrt.rpc.listen import session_start_method
+
+    assert session_start_method("spawn") == "spawn"
+    with pytest.raises(InputError, match="session_start 'thread'"):
+        serve("127.0.0.1", 9300, 9399, key="spawned", session_start="thread")
+    server = serve("127.0.0.1", 9300, 9399, key="spawned", session_start="spawn")
+    try:
+        remote = hgrt.rpc.connect(server=f"127.0.0.1:{server.port}", key="spawned")
+        with hgrt.create(add_one_chain(N, 2).json(), lib_path, [remote.cpu(0)]) as m:
+            m.run(x=np.zeros(N, "float32"))
+            np.testing.assert_array_equal(m.get_output(0).numpy(), 2)
+            assert hgrt.rpc.stats(remote)["modules"] == 1
+    finally:
+        server.terminate()
