@@ -714,8 +714,8 @@ def _check_pools(g: Graph) -> None:
 def node_work(g: Graph, nid: int) -> tuple[float, float]:
     """FLOPs and bytes (read and written) of node ``nid``'s kernel or copy: the node's ``flops``
     attr where the compiler knew them (a oneDNN kernel, whose weights are a packed blob), else
-    from its entries' shapes: a convolution's output x its weight's per-channel size, a matmul's
-    output x its reduction length, x2; 0 FLOPs else."""
+    from its entries' shapes: a convolution's output x its weight's size per output channel, a
+    matmul's output x its reduction length, x2; 0 FLOPs else."""
     node = g.nodes[nid]
     out = g.entry_id(nid)
     ins = [g.entry_id(i, k) for i, k, _ in node.inputs]
@@ -725,7 +725,9 @@ def node_work(g: Graph, nid: int) -> tuple[float, float]:
         return float(node.attrs["flops"]), nbytes
     label = op_label(node.func_name or "")
     if "conv" in label and len(ins) > 1 and len(g.shapes[ins[1]]) > 2:  # (not a packed blob)
-        return 2 * elems * float(np.prod(g.shapes[ins[1]][1:], dtype=np.float64)), nbytes
+        w = g.shapes[ins[1]]  # OIHW, or blocked by output channels (OIHW16o: O/16, I, H, W, 16)
+        c_out = w[0] * (w[-1] if len(w) > 4 else 1)
+        return 2 * elems * float(np.prod(w, dtype=np.float64)) / c_out, nbytes
     if ("matmul" in label or "dense" in label) and ins and g.shapes[ins[0]]:
         return 2 * elems * g.shapes[ins[0]][-1], nbytes
     return 0.0, nbytes

@@ -27,10 +27,15 @@ from tvm import relax
 
 from hgrt.errors import BuildError, did_you_mean
 
-# bytes per second a tensor crosses between two stages at: through TVM RPC to the client and on
-# to the next board (resnet50's first stage on a loopback rpc-server: 2.4 MB in and out in
-# 46 ms beside its 38 ms of kernels, Intel Xeon): what a cut's transfer costs in the estimate
-TRANSFER_BYTES_PER_S = 5e7
+# bytes per second a tensor crosses between two stages at, unless split(link_bytes_per_s=)
+# says otherwise: board to board through the boards' inboxes over Gigabit Ethernet (about 110
+# MB/s of payload). On loopback an inbox took 2.4 MiB in 1.5 ms (about 1.7e9 B/s, Intel Xeon);
+# through TVM RPC and the client the same bytes took 46 ms (5e7 B/s)
+TRANSFER_BYTES_PER_S = 1.1e8
+# elementwise ops that TVM fuses into the kernel of the op just before them: no time of their own
+FUSED_AFTER = frozenset(f"relax.{n}" for n in (
+    "add", "subtract", "multiply", "divide", "nn.relu", "clip", "sigmoid", "tanh", "nn.gelu",
+    "nn.silu", "maximum", "minimum"))
 TRANSFER_LATENCY_S = 300e-6  # one hand-over between stages (an RPC round trip)
 
 
@@ -148,7 +153,9 @@ def _read(model: Any, params: dict | None, rates: dict) -> _Model:
         for v in free:
             if v not in weight_vars:
                 last_read[v] = i
-        if isinstance(b.value, relax.Call) and op_name(b.value):
+        name = op_name(b.value) if isinstance(b.value, relax.Call) else None
+        if name and not (name in FUSED_AFTER and i and b.value.args
+                         and b.value.args[0].same_as(bs[i - 1].var)):
             cost[i] = _seconds(op_cost(b.value, b.var.ty, weights), cpu, rates)
     for o in outputs:
         last_read[o] = len(bs)
@@ -179,7 +186,8 @@ def _stage_weights(m: _Model, start: int, end: int) -> list[str]:
     return sorted({w for i in range(start, end) for w in m.weight_of[i]})
 
 
-def _cut_points(m: _Model, stages: list[StageSpec]) -> list[int]:
+def _cut_points(m: _Model, stages: list[StageSpec],
+                link: float = TRANSFER_BYTES_PER_S) -> list[int]:
     """K - 1 cut positions: the slowest stage (kernels + what enters it) as fast as can be,
     each stage's weights within its budget, fewer crossing bytes among equals."""
     n, k = len(m.bindings), len(stages)
@@ -197,7 +205,7 @@ def _cut_points(m: _Model, stages: list[StageSpec]) -> list[int]:
     first_in = sum(_tensor(v).nbytes for v in m.inputs if _tensor(v) is not None)
 
     def enter_s(p: int) -> float:  # what crosses into a stage starting at p (the model's input)
-        return TRANSFER_LATENCY_S + (cross_bytes[p] if p else first_in) / TRANSFER_BYTES_PER_S
+        return TRANSFER_LATENCY_S + (cross_bytes[p] if p else first_in) / link
 
     def fits(s: int, a: int, b: int) -> bool:
         budget = stages[s].budget
@@ -292,7 +300,8 @@ def _stage_module(m: _Model, plan: StagePlan) -> tuple[tvm.IRModule, dict[str, n
     return bb.get(), {w: m.weights[w] for w in plan.weights}
 
 
-def plan_stages(m: _Model, cuts: list[int]) -> list[StagePlan]:
+def plan_stages(m: _Model, cuts: list[int],
+                link: float = TRANSFER_BYTES_PER_S) -> list[StagePlan]:
     bounds = [0, *cuts, len(m.bindings)]
     plans = []
     for s in range(len(bounds) - 1):
@@ -307,7 +316,7 @@ def plan_stages(m: _Model, cuts: list[int]) -> list[StagePlan]:
         plans.append(StagePlan(
             s, a, b, tin, [_tensor(v) for v in outs], weights,
             sum(m.weights[w].nbytes for w in weights), float(np.sum(m.cost[a:b])),
-            TRANSFER_LATENCY_S + sum(t.nbytes for t in tin) / TRANSFER_BYTES_PER_S))
+            TRANSFER_LATENCY_S + sum(t.nbytes for t in tin) / link))
     return plans
 
 
@@ -343,13 +352,15 @@ class SplitResult:
 
 def split(model: Any, stages: int | list[Any], cuts: list[str] | None = None,
           params: dict | None = None, rates: str | dict | None = None,
-          **build_options: Any) -> SplitResult:
+          link_bytes_per_s: float = TRANSFER_BYTES_PER_S, **build_options: Any) -> SplitResult:
     """``model`` cut into pipeline stages and each built (``hgrt.build(**build_options)``).
 
     ``stages``: a count (each stage on ``["cpu"]``) or one entry per stage: a device list, a
     dict ``{"devices": [...], "budget": bytes, "key": tracker_key}`` or a ``StageSpec``.
     ``cuts``: the binding names after which to cut (K - 1 of them), else chosen by cost.
     ``rates``: ``hgrt profile --json`` output (a path or its ``rates`` dict) for the estimate.
+    ``link_bytes_per_s``: how fast a tensor goes from one stage's board to the next (default:
+    Gigabit Ethernet); a cut's bytes cost the stage they enter that much time.
     """
     from hgrt.compiler import build
     from hgrt.relay_passes.auto_place import read_rates
@@ -360,6 +371,8 @@ def split(model: Any, stages: int | list[Any], cuts: list[str] | None = None,
         else [StageSpec.of(s) for s in stages]
     if len(specs) < 1:
         raise BuildError("a pipeline needs at least one stage")
+    if not isinstance(link_bytes_per_s, int | float) or not link_bytes_per_s > 0:
+        raise BuildError(f"link_bytes_per_s={link_bytes_per_s!r}: bytes per second > 0")
     measured = rates if isinstance(rates, dict) else read_rates(rates)
     m = _read(model, params, measured)
     if cuts is not None:
@@ -368,8 +381,8 @@ def split(model: Any, stages: int | list[Any], cuts: list[str] | None = None,
                              f"{len(cuts)}")
         positions = _named_cuts(m, list(cuts))
     else:
-        positions = _cut_points(m, specs)
-    plans = plan_stages(m, positions)
+        positions = _cut_points(m, specs, link_bytes_per_s)
+    plans = plan_stages(m, positions, link_bytes_per_s)
     builds = []
     for spec, plan in zip(specs, plans, strict=True):
         mod, weights = _stage_module(m, plan)

@@ -105,23 +105,23 @@ def bench(name: str, boards: Boards, k: int, n_inputs: int, kernels: str, tmp: s
         warnings.simplefilter("ignore")
         whole = hgrt.build(mdl.model, ["cpu"], kernels=kernels)
     whole_dir, pipe_dir = os.path.join(tmp, f"{name}_whole"), os.path.join(tmp, f"{name}_pipe")
+    one_dir = os.path.join(tmp, f"{name}_one")
     hgrt.save(whole_dir, whole)
     rows = []
     sessions = [boards.session(j) for j in range(k)]  # a server serves one session at a time
-    # the rates the split estimates with: this machine's profile of the whole model, per core
-    # (a board here is one core; a remote module is not profiled step by step)
-    local = hgrt.create(whole.graph_json, whole.lib, [hgrt.devices.runtime_device("cpu:0")])
-    local.load_params(whole.params)
-    local.set_input(**x)
-    cores = len(os.sched_getaffinity(0))
-    rates = {d: {k2: v / cores for k2, v in r.items()}
-             for d, r in local.profile(repeat=5).rates().items()}
-    local.close()
+    # the rates the split estimates with: `hgrt profile --json` of the whole model as a board
+    # runs it (one core, one thread)
+    rates = os.path.join(tmp, f"{name}_rates.json")
+    cores = sorted(os.sched_getaffinity(0))
+    subprocess.run(["taskset", "-c", str(cores[-1]), sys.executable, "-m", "hgrt.cli", "profile",
+                    whole_dir, "--random-inputs", "--repeat", "5", "--json", rates],
+                   check=True, stdout=subprocess.DEVNULL, env={**os.environ,
+                                                               "TVM_NUM_THREADS": "1"})
     # one board, the whole model
     one = hgrt.load(whole_dir, ["cpu"], session=sessions[0])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        res = split(mdl.model, k, kernels=kernels, rates=rates)
+        res = split(mdl.model, k, kernels=kernels, rates=rates, link_bytes_per_s=LINK[0])
     res.save(pipe_dir)
     want = one(x)[0]
     lat1 = _latency_ms(one, x)
@@ -131,7 +131,24 @@ def bench(name: str, boards: Boards, k: int, n_inputs: int, kernels: str, tmp: s
     thr_dp = _throughput(many, xs)
     for m in many:
         m.close()
-    # K boards pipelined
+    # the same, each board's input through its inbox (a one-stage pipeline per board)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        split(mdl.model, 1, kernels=kernels).save(one_dir)
+    ones = [load_pipeline(one_dir, [sessions[j]]) for j in range(k)]
+    lat1_in = _latency_ms(ones[0], x)
+    thr1_in = _throughput(ones[:1], xs)
+    thr_dp_in = _throughput(ones, xs)
+    for p in ones:
+        p.close()
+    # K boards pipelined, tensors through the client
+    with load_pipeline(pipe_dir, sessions, transfer="client") as p:
+        lat_pc = _latency_ms(p, x)
+        t0 = time.perf_counter()
+        for _ in p.map(xs):
+            pass
+        thr_pc = n_inputs / (time.perf_counter() - t0)
+    # K boards pipelined, board to board
     with load_pipeline(pipe_dir, sessions) as p:
         got = p(x)[0]
         lat_p = _latency_ms(p, x)
@@ -139,20 +156,26 @@ def bench(name: str, boards: Boards, k: int, n_inputs: int, kernels: str, tmp: s
         for _ in p.map(xs):
             pass
         thr_p = n_inputs / (time.perf_counter() - t0)
-        stage_ms = [_latency_ms(lambda v, m=m, s=s: m({n: v[n] for n in s["inputs"]}),
-                                _stage_values(p, x, j), 5)
-                    for j, (m, s) in enumerate(zip(p.modules, p.stages, strict=True))]
+        stage_ms = p.stage_ms()  # each board's own time per input, from the stream
     diff = float(np.max(np.abs(got - want)))
     weights = [f"{pl.weight_bytes / 2**20:.1f}" for pl in res.plans]
-    rows.append(f"| {name} | one board, whole model | {thr1:.1f} | 1.00 | {lat1:.2f} | "
-                f"{whole_weight_mib(whole):.1f} | |")
-    rows.append(f"| {name} | {k} boards, data parallel | {thr_dp:.1f} | {thr_dp / thr1:.2f} | "
-                f"{lat1:.2f} | {whole_weight_mib(whole):.1f} each | |")
+    w = whole_weight_mib(whole)
+    base = max(thr1, thr1_in)  # the better of the two ways to feed one board
+    rows += [f"| {name} | one board, whole model (inputs through RPC) | {thr1:.1f} | "
+             f"{thr1 / base:.2f} | {lat1:.2f} | {w:.1f} | |",
+             f"| {name} | one board, whole model (inputs through its inbox) | {thr1_in:.1f} | "
+             f"{thr1_in / base:.2f} | {lat1_in:.2f} | {w:.1f} | |",
+             f"| {name} | {k} boards, data parallel (through RPC) | {thr_dp:.1f} | "
+             f"{thr_dp / base:.2f} | {lat1:.2f} | {w:.1f} each | |",
+             f"| {name} | {k} boards, data parallel (through inboxes) | {thr_dp_in:.1f} | "
+             f"{thr_dp_in / base:.2f} | {lat1_in:.2f} | {w:.1f} each | |",
+             f"| {name} | {k} boards pipelined, through the client | {thr_pc:.1f} | "
+             f"{thr_pc / base:.2f} | {lat_pc:.2f} | {' + '.join(weights)} | |"]
     est = ", ".join(f"{1e3 * pl.estimated_s:.2f}" for pl in res.plans)
     meas = ", ".join(f"{v:.2f}" for v in stage_ms)
-    rows.append(f"| {name} | {k} boards pipelined | {thr_p:.1f} | {thr_p / thr1:.2f} | "
-                f"{lat_p:.2f} | {' + '.join(weights)} | stages est. {est} ms, measured {meas} "
-                f"ms; max abs diff to one board {diff:.2g} |")
+    rows.append(f"| {name} | {k} boards pipelined, board to board | {thr_p:.1f} | "
+                f"{thr_p / base:.2f} | {lat_p:.2f} | {' + '.join(weights)} | stages est. {est} "
+                f"ms, measured {meas} ms; max abs diff to one board {diff:.2g} |")
     for r in rows:
         print(r, flush=True)
     del sessions
@@ -163,13 +186,23 @@ def whole_weight_mib(res) -> float:
     return sum(v.nbytes for v in res.params.values()) / 2**20
 
 
-def _stage_values(p, x: dict, j: int) -> dict:
-    """The values entering stage ``j`` for input ``x`` (run through the stages before it)."""
-    values = dict(x)
-    for m, s in zip(p.modules[:j], p.stages[:j], strict=True):
-        outs = m({n: values[n] for n in s["inputs"]})
-        values.update(zip(s["outputs"], outs, strict=True))
-    return values
+def link_bytes_per_s(mib: float = 2.4, n: int = 20) -> float:
+    """How fast an inbox takes tensors on this machine (loopback): the split's link speed."""
+    from hgrt.rpc.channel import Inbox, Outbox
+
+    inbox = Inbox()
+    box = Outbox("127.0.0.1", inbox.port, inbox.token)
+    x = np.ones(int(mib * 2**20) // 4, "float32")
+    t0 = time.perf_counter()
+    run_threads([lambda: [box.send(i, "x", x) for i in range(n)],
+                 lambda: [inbox.take(i, ["x"]) for i in range(n)]])
+    seconds = time.perf_counter() - t0
+    box.close()
+    inbox.close()
+    return n * x.nbytes / seconds
+
+
+LINK = [0.0]
 
 
 def main() -> None:
@@ -180,8 +213,10 @@ def main() -> None:
     ap.add_argument("--kernels", default="auto")
     ap.add_argument("--markdown", help="write the table into this markdown file")
     args = ap.parse_args()
-    head = ["| model | how | inputs/s | / one board | latency ms | weights MiB per board | |",
+    head = ["| model | how | inputs/s | / best one board | latency ms | weights MiB per board | |",
             "|---|---|---|---|---|---|---|"]
+    LINK[0] = link_bytes_per_s()
+    print(f"inbox link on loopback: {LINK[0] / 1e6:.0f} MB/s (the split's link_bytes_per_s)")
     with tempfile.TemporaryDirectory(prefix="hgrt_bench_pipeline_") as tmp:
         boards = Boards(args.boards, tmp)
         try:

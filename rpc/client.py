@@ -326,6 +326,14 @@ class RemoteGraphModule(GraphModuleAPI):
                 outs[i].copyfrom(arr)
         return results if outs is None else outs
 
+    def run_stage(self, seq: int, spec: dict) -> tuple[float, bytes]:
+        """One input through this module as a pipeline stage, its tensors to and from the
+        session's inbox (``hgrt.rpc.server.RemoteModuleServer.run_stage``): the seconds the
+        server spent on it once its tensors were there, and the bytes the spec returns."""
+        with self.session.lock:
+            data = bytes(self._call("run_stage", int(seq), json.dumps(spec)))
+        return float(np.frombuffer(data[:8], np.float64)[0]), data[8:]
+
     def _store(self, idx: int, value: Any) -> None:
         """numpy data is sent as bytes (one round trip); a tensor of this RPC session is copied
         in the server (nothing downloaded); a local tensor is sent as bytes."""

@@ -42,6 +42,7 @@ from tvm.support import utils
 from tvm.support.popen_pool import PopenWorker
 
 from hgrt.errors import InputError
+from hgrt.rpc import channel
 
 logger = logging.getLogger("hgrt.rpc.server")
 _handler = logging.StreamHandler()
@@ -241,6 +242,7 @@ def _session_main(conn: socket.socket, peer: str, cfg: ListenConfig, work) -> No
     # The session process: hgrt's functions, then TVM's session loop until the client leaves.
     _set_log_level(cfg.silent)
     os.chdir(work.path)  # uploads of two sessions never meet
+    channel.SESSION_ADDRESS = conn.getsockname()[0]  # a peer reaches its inbox where we were
     if cfg.session_init is not None:
         cfg.session_init()
     _serve_loop(conn, cfg.load_library, work)

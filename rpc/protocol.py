@@ -21,10 +21,13 @@ CREATE_FUNC = "hgrt.remote.create"  # (graph_json, lib, *devices) -> method(name
 PLATFORM_FUNC = "hgrt.remote.platform"  # () -> JSON {"machine", "system", "tvm", "hgrt"}
 PING_FUNC = "hgrt.remote.ping"  # () -> 0: one bare round trip
 STATS_FUNC = "hgrt.remote.stats"  # () -> JSON {"modules", "module_bytes", "rss_bytes"}
+INBOX_FUNC = "hgrt.remote.inbox"  # () -> JSON {"address", "port", "token"}: the session's inbox
+OUTBOX_FUNC = "hgrt.remote.outbox"  # (host, port, token_hex) -> id: a link to another inbox
+OUTBOX_CLOSE_FUNC = "hgrt.remote.outbox_close"  # (id) -> 0
 # The methods of a remote module, fetched once each by the client.
 METHODS = ("info", "run", "set_input_bytes", "set_input_tensor", "get_input", "get_input_bytes",
            "get_input_into", "get_output", "get_output_bytes", "get_output_into", "load_params",
-           "share_params", "benchmark", "close", "run_mode", "infer", "invoke")
+           "share_params", "benchmark", "close", "run_mode", "infer", "invoke", "run_stage")
 
 ERROR_TAG = "[hgrt:"
 _TAGGED = re.compile(re.escape(ERROR_TAG) + r"(\w+)\] (.*)", re.DOTALL)

@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from functools import partialmethod
@@ -27,10 +28,14 @@ import tvm
 import tvm_ffi
 
 from hgrt.errors import ClosedError, GraphError, HgrtError, InputError, ParamError, did_you_mean
+from hgrt.rpc import channel
 from hgrt.rpc.listen import ListenConfig, RPCServer, parse_allow
 from hgrt.rpc.protocol import (
     CREATE_FUNC,
+    INBOX_FUNC,
     METHODS,
+    OUTBOX_CLOSE_FUNC,
+    OUTBOX_FUNC,
     PING_FUNC,
     PLATFORM_FUNC,
     STATS_FUNC,
@@ -130,6 +135,33 @@ class RemoteModuleServer:
             raise InputError(f"call: {len(data)} inputs sent for indices {str(indices)[:80]}")
         inputs = {i: self._input_array(i, d) for i, d in zip(indices, data, strict=True)}
         return b"".join(np.ascontiguousarray(out).tobytes() for out in m.infer(inputs))
+
+    def run_stage(self, seq: int, spec_json: str) -> bytes:
+        """One input through this module as a pipeline stage: its tensors ``take``n from the
+        session's inbox (``inputs`` maps their names to input indices), run in a frame of the
+        call's own, the tensors ``send`` (the module's ``outputs`` by name, or ones taken) sent
+        to the inbox of ``outbox``; the seconds from the tensors' arrival to the last send
+        (float64), then the bytes of the tensors ``return``, one after another."""
+        spec = _stage_spec(spec_json)
+        m = self.live
+        got = _inbox().take(int(seq), spec["take"], float(spec.get("timeout",
+                                                                   channel.TAKE_TIMEOUT)))
+        t0 = time.perf_counter()
+        outs = m.infer({int(i): got[n] for n, i in spec["inputs"].items()})
+        values = {**got, **dict(zip(spec["outputs"], outs, strict=True))}
+        unknown = [n for n in spec["send"] + spec["return"] if n not in values]
+        if unknown:
+            raise InputError(f"run_stage: {unknown} are neither taken nor outputs "
+                             f"({sorted(values)})")
+        if spec["send"]:
+            box = _OUTBOXES.get(int(spec["outbox"]))
+            if box is None:
+                raise InputError(f"run_stage: no outbox {spec['outbox']} in this RPC session")
+            for n in spec["send"]:
+                box.send(int(seq), n, values[n])
+        served = np.float64(time.perf_counter() - t0).tobytes()
+        return served + b"".join(np.ascontiguousarray(values[n]).tobytes()
+                                 for n in spec["return"])
 
     def invoke(self, name: str, args_json: str) -> str:
         """The rest of the module API that crosses as JSON: ``state`` (missing params, unset
@@ -241,6 +273,59 @@ def remote_create(graph_json: str, lib, *devices) -> Any:
     return tvm_ffi.convert(_remote_call(server.method))
 
 
+def _stage_spec(spec_json: str) -> dict:
+    try:
+        spec = json.loads(str(spec_json))
+        for key in ("take", "outputs", "send", "return"):
+            if not isinstance(spec[key], list) or not all(isinstance(n, str) for n in spec[key]):
+                raise TypeError(f"{key} is not a list of names")
+        if not isinstance(spec["inputs"], dict) or not set(spec["inputs"]) <= set(spec["take"]):
+            raise TypeError("inputs is not a map of taken names to input indices")
+    except (ValueError, KeyError, TypeError) as e:
+        raise InputError(f"run_stage: a bad stage description ({e})") from None
+    return spec
+
+
+_INBOX: list[channel.Inbox] = []  # this RPC session's inbox, made when asked for
+_OUTBOXES: dict[int, channel.Outbox] = {}
+_CHANNEL_LOCK = threading.Lock()
+
+
+def _inbox() -> channel.Inbox:
+    with _CHANNEL_LOCK:
+        if not _INBOX:
+            _INBOX.append(channel.Inbox(channel.SESSION_ADDRESS))
+        return _INBOX[0]
+
+
+def remote_inbox() -> str:
+    """``hgrt.remote.inbox``: where this RPC session takes tensors from peers (address, port, and
+    the token a sender must give first), as JSON."""
+    return _inbox().describe()
+
+
+def remote_outbox(host: str, port: int, token_hex: str) -> int:
+    """``hgrt.remote.outbox``: connect this RPC session to another one's inbox; its id."""
+    try:
+        token = bytes.fromhex(str(token_hex))
+    except ValueError:
+        raise InputError("outbox: the token is not hex") from None
+    box = channel.Outbox(str(host), int(port), token)
+    with _CHANNEL_LOCK:
+        key = max(_OUTBOXES, default=0) + 1
+        _OUTBOXES[key] = box
+    return key
+
+
+def remote_outbox_close(key: int) -> int:
+    """``hgrt.remote.outbox_close``: drop the link ``key`` (unknown ids are ignored)."""
+    with _CHANNEL_LOCK:
+        box = _OUTBOXES.pop(int(key), None)
+    if box is not None:
+        box.close()
+    return 0
+
+
 def remote_platform() -> str:
     """``hgrt.remote.platform``: what the server runs on, as JSON (checked before uploads)."""
     return json.dumps({"machine": platform.machine(), "system": platform.system(),
@@ -289,6 +374,9 @@ def register(override: bool = True) -> None:
                                      override=override)
         tvm_ffi.register_global_func(PING_FUNC, remote_ping, override=override)
         tvm_ffi.register_global_func(STATS_FUNC, _remote_call(remote_stats), override=override)
+        for name, func in ((INBOX_FUNC, remote_inbox), (OUTBOX_FUNC, remote_outbox),
+                           (OUTBOX_CLOSE_FUNC, remote_outbox_close)):
+            tvm_ffi.register_global_func(name, _remote_call(func), override=override)
 
 
 def is_registered() -> bool:

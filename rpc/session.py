@@ -26,6 +26,7 @@ from hgrt.rpc.protocol import PLATFORM_FUNC, STATS_FUNC, parse_address
 class _SessionRecord:
     session: weakref.ref
     description: str
+    host: str | None = None  # the server's address as this client reached it
 
 
 # Sessions opened through hgrt.rpc.connect, by TVM's session table index, for error messages
@@ -43,9 +44,17 @@ def session_index(obj) -> int:
     return tvm.rpc._ffi_api.SessTableIndex(obj)
 
 
-def remember(session: tvm.rpc.RPCSession, description: str) -> tvm.rpc.RPCSession:
-    _SESSIONS[session._tbl_index] = _SessionRecord(weakref.ref(session), description)
+def remember(session: tvm.rpc.RPCSession, description: str,
+             host: str | None = None) -> tvm.rpc.RPCSession:
+    _SESSIONS[session._tbl_index] = _SessionRecord(weakref.ref(session), description, host)
     return session
+
+
+def server_host(session: tvm.rpc.RPCSession) -> str | None:
+    """The address this client reached ``session``'s server at (None: not opened by
+    ``connect``)."""
+    rec = _SESSIONS.get(session_index(session))
+    return rec.host if rec is not None and rec.session() is session else None
 
 
 def find_session(index: int) -> tvm.rpc.RPCSession | None:
@@ -86,7 +95,7 @@ def connect(tracker: str | None = None, key: str = "", *, server: str | None = N
         where = f"server {host}:{port}"
         return remember(_open(host, port, key, session_timeout,
                               f"cannot open an RPC session with {where}"
-                              f"{f' (key {key!r})' if key else ''}"), where)
+                              f"{f' (key {key!r})' if key else ''}"), where, host)
     if not key:
         raise InputError("connect: a tracker request needs key=... (the server's --key)")
     addr = parse_address(tracker, "tracker")
@@ -94,7 +103,7 @@ def connect(tracker: str | None = None, key: str = "", *, server: str | None = N
     sess = _open(host, port, matchkey, session_timeout,
                  f"tracker {tracker} gave server {host}:{port} for key {key!r}, but the "
                  f"session could not be opened")
-    return remember(sess, f"tracker {tracker}, key {key!r}, server {host}:{port}")
+    return remember(sess, f"tracker {tracker}, key {key!r}, server {host}:{port}", host)
 
 
 def _open(host: str, port: int, key: str, session_timeout: float, failure: str):

@@ -199,3 +199,27 @@ def test_a_stage_builds_for_its_own_target(squeezenet):
     assert not any("haswell" in t for t in res.builds[0].targets.values())
     with pipeline(res) as p:
         assert_close_to(p(x), reference(model, x))
+
+
+def test_a_slow_link_moves_the_cut():
+    """A tensor entering a stage costs its bytes at the link's speed: over a slow link the model
+    input's transfer fills most of stage 0's share, so stage 0 gets fewer kernels."""
+    model = zoo_model("squeezenet")
+    fast = split(model, 2, kernels="tvm", link_bytes_per_s=1e10)
+    slow = split(model, 2, kernels="tvm", link_bytes_per_s=1e7)
+    assert slow.plans[0].end < fast.plans[0].end
+    assert slow.plans[0].estimated_s < 0.5 * fast.plans[0].estimated_s
+    nbytes = sum(t.nbytes for t in slow.plans[0].inputs)
+    assert slow.plans[0].transfer_s == pytest.approx(300e-6 + nbytes / 1e7)
+    with pytest.raises(hgrt.BuildError, match="link_bytes_per_s=0"):
+        split(model, 2, link_bytes_per_s=0)
+
+
+def test_stage_times_are_measured_per_stage(squeezenet):
+    model, x, res = squeezenet
+    with pipeline(res) as p:
+        assert p.stage_ms() == [None, None]
+        list(p.map(_inputs(model, 3)))
+        times = p.stage_ms()
+    assert len(times) == 2 and all(t is not None and t > 0 for t in times)
+    assert p.transfer == "client"  # stages on this machine pass their tensors through it

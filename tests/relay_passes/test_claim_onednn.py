@@ -669,3 +669,16 @@ def test_the_default_build_plans_at_most_1_1x_the_bytes_of_tvm_kernels(name):
                                       for h in _headers(every) if h[claim.SLOT["algo"]] == 1)
     assert_close_to(run_hgrt(default, zoo_input(model)), reference(model, zoo_input(model)),
                     rtol=1e-3)
+
+
+def test_the_profiler_counts_a_tvm_convolutions_flops_whatever_its_weight_layout():
+    """TVM's CPU schedule blocks a convolution's weight by output channels (OIHW16o: O/16, I,
+    H, W, 16): its FLOPs are the output x the weight's size per output channel, not x 16."""
+    from hgrt.graph import node_work, op_label
+
+    res = hgrt.build(conv_onnx(c=8, oc=32, hw=9, k=3, bias=True, relu=True), ["cpu"],
+                     kernels="tvm")
+    g = res.graph
+    (nid,) = [i for i, n in enumerate(g.nodes)
+              if n.op == "tvm_op" and "conv" in op_label(n.func_name)]
+    assert node_work(g, nid)[0] == 2 * (32 * 9 * 9) * (8 * 3 * 3)

@@ -4,6 +4,7 @@ flight with a RemoteError naming its stage and board, within seconds, and nothin
 
 from __future__ import annotations
 
+import gc
 import time
 
 import numpy as np
@@ -84,4 +85,55 @@ def test_a_board_lost_mid_stream_fails_fast_and_names_it(rpc_env, saved):
     assert time.monotonic() - t0 < 5
     assert "pipeline stage 1" in str(errors[0]) and "board-d" in str(errors[0]), errors[0]
     p.close()
+    assert all(not t.is_alive() for t in p._threads)
+
+
+def test_direct_and_through_the_client_give_the_same_bits(rpc_env, saved):
+    """Board to board (the default over boards) and through the client: equal outputs."""
+    model, out = saved
+    procs = [rpc_env.start_server(k) for k in ("board-e", "board-f")]
+    xs = _inputs(model, 3)
+    got = {}
+    for transfer in ("direct", "client"):
+        sessions = [hgrt.rpc.connect(tracker=rpc_env.tracker, key=k, timeout=30)
+                    for k in ("board-e", "board-f")]
+        with load_pipeline(out, sessions, transfer=transfer) as p:
+            assert p.transfer == transfer
+            got[transfer] = list(p.map(xs))
+        del p, sessions  # the servers serve one session at a time: free them for the next
+        gc.collect()
+    for a, b in zip(got["direct"], got["client"], strict=True):
+        np.testing.assert_array_equal(a[0], b[0])
+    del procs
+
+
+def test_the_first_board_lost_wakes_the_next_one(rpc_env, saved):
+    """Board a killed while board b waits for its tensors: the error names stage 0 within
+    seconds (board b is woken through its inbox, not left waiting), and close() returns."""
+    model, out = saved
+    procs = {k: rpc_env.start_server(k) for k in ("board-g", "board-h")}
+    sessions = [hgrt.rpc.connect(tracker=rpc_env.tracker, key=k, timeout=30)
+                for k in ("board-g", "board-h")]
+    x = _inputs(model, 1)[0]
+    p = load_pipeline(out, sessions)
+    p(x)
+    futures = [p.submit(x) for _ in range(4)]
+    procs["board-g"].kill()
+    t0 = time.monotonic()
+    errors = []
+    for _ in range(50):
+        try:
+            futures.append(p.submit(x))
+        except hgrt.ClosedError:
+            break
+    for f in futures:
+        try:
+            f.result(timeout=30)
+        except hgrt.RemoteError as e:
+            errors.append(e)
+    assert errors and time.monotonic() - t0 < 5
+    assert "pipeline stage 0" in str(errors[0]) and "board-g" in str(errors[0]), errors[0]
+    t1 = time.monotonic()
+    p.close()
+    assert time.monotonic() - t1 < 5
     assert all(not t.is_alive() for t in p._threads)
