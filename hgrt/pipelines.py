@@ -419,11 +419,12 @@ class Pipeline:
 
     def _stage_error(self, k: int, e: BaseException) -> HgrtError:
         where = f"pipeline stage {k} on {self.boards[k]}"
+        why = str(e).removeprefix(f"{self.boards[k]}: ")  # the board is named once
         if isinstance(e, RemoteError | ClosedError) or self.stages[k].get("key") \
                 or "rpc" in type(self.modules[k]).__name__.lower():
-            err: HgrtError = RemoteError(f"{where}: {e}")
+            err: HgrtError = RemoteError(f"{where}: {why}")
         else:
-            err = ExecutionError(f"{where}: {e}")
+            err = ExecutionError(f"{where}: {why}")
         err.__cause__ = e
         return err
 

@@ -143,3 +143,32 @@ def test_cli_compile_for_the_board_and_run_there(board_env, squeezenet, x86_outp
     assert run.returncode == 0, run.stderr
     assert "output 0: shape (1, 1000, 1, 1)" in run.stdout, run.stdout
     np.testing.assert_array_equal(np.load(y_file)["arr_0"], x86_output)
+
+
+def test_the_board_runs_a_pipeline_stage(board_env, squeezenet):
+    """The aarch64 board as the second stage of a pipeline whose first stage is an x86 board
+    (a loopback hgrt rpc-server): each stage built for its own CPU, tensors board to board, the
+    outputs right against the ONNX file."""
+    from hgrt.stages import split
+    from hgrt.testing import assert_close_to, reference
+
+    model, inputs = squeezenet
+    board_env.start_server("x86-board")
+    res = split(model, [{"devices": ["cpu"], "key": "x86-board"},
+                        {"devices": ["cpu"], "key": KEY, "target": {"cpu": TAG}}], kernels="tvm")
+    assert library_machine_of(res.builds[1]) == "aarch64"
+    sessions = [hgrt.rpc.connect(tracker=board_env.tracker, key=k, timeout=60)
+                for k in ("x86-board", KEY)]
+    want = reference(model, inputs)
+    with hgrt.pipeline(res, sessions) as p:
+        assert p.transfer == "direct"
+        for got in p.map([inputs] * 3):
+            assert_close_to(got, want)
+        print(f"x86 stage + aarch64 stage: {p.stage_ms()} ms per input")
+
+
+def library_machine_of(build) -> str:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return library_machine(os.path.join(hgrt.save(tmp, build), "lib.so"))

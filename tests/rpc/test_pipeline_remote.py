@@ -50,11 +50,13 @@ def test_two_boards_run_the_stages_in_order(rpc_env, saved):
     del procs
 
 
-def test_a_board_lost_mid_stream_fails_fast_and_names_it(rpc_env, saved):
+def _kill_mid_stream(rpc_env, saved, keys: tuple[str, str], n: int, at: int) -> None:
+    """Stream ``n`` inputs and kill the second board at input ``at``: the inputs before come out
+    right and in order, the rest fail with a RemoteError naming stage 1 and its board within
+    5 s, new inputs are refused, and close() ends every thread."""
     model, out = saved
-    procs = {k: rpc_env.start_server(k) for k in ("board-c", "board-d")}
-    sessions = [hgrt.rpc.connect(tracker=rpc_env.tracker, key=k, timeout=30)
-                for k in ("board-c", "board-d")]
+    procs = {k: rpc_env.start_server(k) for k in keys}
+    sessions = [hgrt.rpc.connect(tracker=rpc_env.tracker, key=k, timeout=30) for k in keys]
     x = _inputs(model, 1)[0]
     want = reference(model, x)
     p = load_pipeline(out, sessions)
@@ -63,9 +65,9 @@ def test_a_board_lost_mid_stream_fails_fast_and_names_it(rpc_env, saved):
         assert_close_to(f.result(timeout=60), want)
     futures = []
     t0 = None
-    for i in range(200):
-        if i == 20:
-            procs["board-d"].kill()
+    for i in range(n):
+        if i == at:
+            procs[keys[1]].kill()
             t0 = time.monotonic()
         try:
             futures.append(p.submit(x))
@@ -81,11 +83,20 @@ def test_a_board_lost_mid_stream_fails_fast_and_names_it(rpc_env, saved):
         except hgrt.RemoteError as e:
             errors.append(e)
     assert errors, "no input failed after the board was killed"
-    print(f"first error {errors[0]!s:.200}; {done} inputs done after the kill")
+    print(f"first error {errors[0]!s:.200}; {done} inputs done in all")
     assert time.monotonic() - t0 < 5
-    assert "pipeline stage 1" in str(errors[0]) and "board-d" in str(errors[0]), errors[0]
+    assert "pipeline stage 1" in str(errors[0]) and keys[1] in str(errors[0]), errors[0]
     p.close()
     assert all(not t.is_alive() for t in p._threads)
+
+
+def test_a_board_lost_mid_stream_fails_fast_and_names_it(rpc_env, saved):
+    _kill_mid_stream(rpc_env, saved, ("board-c", "board-d"), 200, 20)
+
+
+@pytest.mark.slow
+def test_a_thousand_inputs_with_a_board_killed_at_the_500th(rpc_env, saved):
+    _kill_mid_stream(rpc_env, saved, ("board-i", "board-j"), 1000, 500)
 
 
 def test_direct_and_through_the_client_give_the_same_bits(rpc_env, saved):
