@@ -37,6 +37,7 @@ FUSED_AFTER = frozenset(f"relax.{n}" for n in (
     "add", "subtract", "multiply", "divide", "nn.relu", "clip", "sigmoid", "tanh", "nn.gelu",
     "nn.silu", "maximum", "minimum"))
 TRANSFER_LATENCY_S = 300e-6  # one hand-over between stages (an RPC round trip)
+MAX_WEIGHT_SPLITS = 4  # matmul weights cut in two, one after another, before a budget is refused
 
 
 @dataclass
@@ -234,7 +235,7 @@ def _cut_points(m: _Model, stages: list[StageSpec],
         need = [f"{s.budget}" for s in stages]
         raise BuildError(f"no cut into {k} contiguous stages keeps each stage's weights within "
                          f"its budget (budgets {need} bytes; the model's weights "
-                         f"{int(wprefix[-1])} bytes; hgrt does not split a tensor)")
+                         f"{int(wprefix[-1])} bytes)")
     cuts, b = [], n
     for s in range(k - 1, 0, -1):
         b = back[s][b]
@@ -300,6 +301,56 @@ def _stage_module(m: _Model, plan: StagePlan) -> tuple[tvm.IRModule, dict[str, n
     return bb.get(), {w: m.weights[w] for w in plan.weights}
 
 
+def _split_widest(m: _Model, parts: int = 2) -> tuple[tvm.IRModule, dict, str] | None:
+    """``main`` with its heaviest matmul by a weight split by output columns into ``parts``
+    matmuls (each reading a block of the weight's columns) joined by a concat, so that a cut may
+    fall between them; None when there is no such matmul. What a weight larger than any stage's
+    share of the budget needs (vgg19's 392 MiB fc6)."""
+    from hgrt.relay_passes.relax_util import op_name
+
+    n_in = len(m.inputs)
+    weight_params = {p.name: p for p in m.mod["main"].params[n_in:]}
+    found = None
+    for i, b in enumerate(m.bindings):
+        v = b.value
+        if isinstance(v, relax.Call) and op_name(v) == "relax.matmul" \
+                and isinstance(v.args[1], relax.Var) and v.args[1].name in m.weights \
+                and m.weights[v.args[1].name].ndim == 2 \
+                and m.weights[v.args[1].name].shape[1] >= parts:
+            if found is None or m.weights[v.args[1].name].nbytes > found[1]:
+                found = (i, m.weights[v.args[1].name].nbytes, v.args[1].name)
+    if found is None:
+        return None
+    at, _, name = found
+    blocks = [np.ascontiguousarray(c) for c in np.array_split(m.weights[name], parts, axis=1)]
+    weights = {k: w for k, w in m.weights.items() if k != name}
+    mapping: dict = {}
+    params = list(m.inputs)
+    for k, p in weight_params.items():
+        if k != name:
+            params.append(mapping.setdefault(p, relax.Var(k, p.ty)))
+    block_vars = []
+    for j, c in enumerate(blocks):
+        weights[f"{name}.part{j}"] = c
+        block_vars.append(relax.Var(f"{name}.part{j}", relax.TensorType(c.shape, str(c.dtype))))
+    params += block_vars
+    bb = relax.BlockBuilder()
+    with bb.function("main", params, attrs={"num_input": n_in}):
+        with bb.dataflow():
+            for i, b in enumerate(m.bindings):
+                value = _Renamed(mapping).visit_expr(b.value)
+                if i == at:
+                    pieces = [bb.emit(relax.op.matmul(value.args[0], w),
+                                      name_hint=f"{b.var.name}_part{j}")
+                              for j, w in enumerate(block_vars)]
+                    value = relax.op.concat(pieces, axis=-1)
+                mapping[b.var] = bb.emit(value, name_hint=b.var.name)
+            outs = [mapping[o] for o in m.outputs]
+            result = bb.emit_output(relax.Tuple(outs) if len(outs) > 1 else outs[0])
+        bb.emit_func_output(result)
+    return bb.get(), weights, name
+
+
 def plan_stages(m: _Model, cuts: list[int],
                 link: float = TRANSFER_BYTES_PER_S) -> list[StagePlan]:
     bounds = [0, *cuts, len(m.bindings)]
@@ -330,6 +381,7 @@ class SplitResult:
     builds: list[Any]
     inputs: list[Tensor]
     outputs: list[Tensor]
+    split_weights: list[str] = field(default_factory=list)  # cut by columns to fit, in order
 
     def report(self) -> str:
         """Per stage: ops, estimated ms (kernels; entering tensors), weight bytes, the tensors
@@ -341,6 +393,9 @@ class SplitResult:
             lines.append(f"{p.index:>5} {','.join(spec.devices):<16} {p.end - p.start:>5} "
                          f"{1e3 * p.estimated_s:>8.2f} {1e3 * p.transfer_s:>7.3f} "
                          f"{p.weight_bytes / 2**20:>11.2f}  {crossing}")
+        for name in self.split_weights:
+            lines.append(f"weight {name} cut in two by columns, its matmul into two and a "
+                         f"concat: no cut kept every stage within its budget")
         return "\n".join(lines)
 
     def save(self, directory: str) -> None:
@@ -375,13 +430,25 @@ def split(model: Any, stages: int | list[Any], cuts: list[str] | None = None,
         raise BuildError(f"link_bytes_per_s={link_bytes_per_s!r}: bytes per second > 0")
     measured = rates if isinstance(rates, dict) else read_rates(rates)
     m = _read(model, params, measured)
+    split_weights: list[str] = []  # weights cut by columns so that the stages fit
     if cuts is not None:
         if len(cuts) != len(specs) - 1:
             raise BuildError(f"{len(specs)} stages need {len(specs) - 1} cut points, got "
                              f"{len(cuts)}")
         positions = _named_cuts(m, list(cuts))
     else:
-        positions = _cut_points(m, specs, link_bytes_per_s)
+        while True:
+            try:
+                positions = _cut_points(m, specs, link_bytes_per_s)
+                break
+            except BuildError as e:
+                widest = _split_widest(m) if len(split_weights) < MAX_WEIGHT_SPLITS else None
+                if widest is None:
+                    raise BuildError(f"{e}; " + (f"even with the weights {split_weights} cut "
+                                                 f"by columns" if split_weights else
+                                                 "no matmul weight to cut by columns")) from None
+                m = _read(widest[0], widest[1], measured)
+                split_weights.append(widest[2])
     plans = plan_stages(m, positions, link_bytes_per_s)
     builds = []
     for spec, plan in zip(specs, plans, strict=True):
@@ -397,4 +464,4 @@ def split(model: Any, stages: int | list[Any], cuts: list[str] | None = None,
         except BuildError as e:
             raise BuildError(f"stage {plan.index} ({', '.join(spec.devices)}): {e}") from e
     return SplitResult(specs, plans, builds, [_tensor(v) for v in m.inputs],
-                       [_tensor(v) for v in m.outputs])
+                       [_tensor(v) for v in m.outputs], split_weights)

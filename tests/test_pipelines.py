@@ -223,3 +223,52 @@ def test_stage_times_are_measured_per_stage(squeezenet):
         times = p.stage_ms()
     assert len(times) == 2 and all(t is not None and t > 0 for t in times)
     assert p.transfer == "client"  # stages on this machine pass their tensors through it
+
+
+def _wide_mlp(seed=0):
+    """x -> matmul by a 256x512 weight -> relu -> matmul by a 512x10 one: the first weight is
+    most of the model's bytes, so no contiguous cut keeps two stages within 70 % each."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    w1 = (rng.standard_normal((256, 512)) / 16).astype("float32")
+    w2 = (rng.standard_normal((512, 10)) / 8).astype("float32")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
+         helper.make_node("MatMul", ["r", "w2"], ["y"])], "wide",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 256])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 10])],
+        [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    return model, {"x": rng.standard_normal((4, 256)).astype("float32")}, w1.nbytes + w2.nbytes
+
+
+def test_a_weight_too_big_for_any_stage_is_cut_by_columns():
+    model, x, total = _wide_mlp()
+    budget = int(0.7 * total)
+    res = split(model, [{"devices": ["cpu"], "budget": budget},
+                        {"devices": ["cpu"], "budget": budget}], kernels="tvm")
+    assert res.split_weights == ["w1"] and "w1 cut in two by columns" in res.report()
+    assert all(p.weight_bytes <= budget for p in res.plans)
+    assert sum(p.weight_bytes for p in res.plans) == total  # each block held once
+    with pipeline(res) as p:
+        assert_close_to(p(x), reference(model, x))
+    with pytest.raises(hgrt.BuildError, match="even with the weights .*w1.* cut by columns"):
+        split(model, [{"devices": ["cpu"], "budget": total // 10}] * 2, kernels="tvm")
+
+
+def test_vgg19_over_two_stages_of_80_percent_of_its_weights():
+    """vgg19's fc6 weight is 392 of its 548 MiB: no contiguous cut keeps two stages within 80 %
+    of the weights each; with fc6 cut by columns both fit, and the pipeline is right against
+    onnxruntime on the file."""
+    import onnx
+
+    model = zoo_model("vgg19")
+    x = zoo_input(model)
+    total = sum(onnx.numpy_helper.to_array(t).nbytes for t in model.graph.initializer)
+    budget = int(0.8 * total)
+    res = split(model, [{"devices": ["cpu"], "budget": budget}] * 2, kernels="tvm")
+    assert len(res.split_weights) == 1
+    assert all(p.weight_bytes <= budget for p in res.plans), [p.weight_bytes for p in res.plans]
+    with pipeline(res) as p:
+        assert_close_to(p(x), reference(model, x))
