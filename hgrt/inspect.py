@@ -289,7 +289,7 @@ def draw_memory(g: Graph, device: int, path_png: str) -> str | None:
 def inspect_artifacts(directory: str, out_dir: str | None = None) -> tuple[dict, list[str]]:
     """Summary of the artifacts in ``directory`` and the pictures written for it."""
     from hgrt.artifacts import GRAPH_FILE, PARAMS_FILE, iter_params, paths, read_graph_text
-    from hgrt.relay_passes.onednn_blob import blob_bytes
+    from hgrt.relay_passes.util.onednn_blob import blob_bytes
 
     found = paths(directory)
     g = Graph.from_json(read_graph_text(found[GRAPH_FILE]))

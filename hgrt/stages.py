@@ -119,8 +119,8 @@ class _Model:
 def _read(model: Any, params: dict | None, rates: dict) -> _Model:
     from hgrt.devices import parse_devices
     from hgrt.frontend import import_model
-    from hgrt.relay_passes.auto_place import _seconds, op_cost
-    from hgrt.relay_passes.relax_util import bindings, op_name
+    from hgrt.relay_passes.inner.auto_place import _seconds, op_cost
+    from hgrt.relay_passes.util.relax_util import bindings, op_name
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -352,7 +352,7 @@ def split(model: Any, stages: int | list[Any], cuts: list[str] | None = None,
     ``rates``: ``hgrt profile --json`` output (a path or its ``rates`` dict) for the estimate.
     """
     from hgrt.compiler import build
-    from hgrt.relay_passes.auto_place import read_rates
+    from hgrt.relay_passes.inner.auto_place import read_rates
 
     if isinstance(stages, bool) or not isinstance(stages, int | list | tuple):
         raise BuildError(f"stages={stages!r}: a count or a list of stage specs")

@@ -160,9 +160,9 @@ def user_placed(model: Any, n_devices: int = 2) -> tuple[tvm.IRModule, dict[str,
     from tvm import relax
     from tvm.relax.frontend.onnx import from_onnx
 
-    from hgrt.relay_passes.context import BuildContext, Weights
     from hgrt.relay_passes.insert_copies import insert_copies
     from hgrt.relay_passes.place_devices import op_bindings, place_devices
+    from hgrt.relay_passes.util.context import BuildContext, Weights
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

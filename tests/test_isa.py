@@ -204,7 +204,7 @@ def haswell_db(tmp_path_factory):
     search, the records only need their target)."""
     from tvm.s_tir import meta_schedule as ms
 
-    from hgrt.relay_passes.tuning_db import bare_func, functions_for, open_database
+    from hgrt.relay_passes.inner.tuning_db import bare_func, functions_for, open_database
     from hgrt.tune import fuse_for_tuning
 
     db_dir = str(tmp_path_factory.mktemp("haswell_db"))
@@ -230,7 +230,7 @@ def test_a_named_database_of_another_cpu_is_an_error(haswell_db):
 
 
 def test_apply_database_without_explicit_still_warns(haswell_db):
-    from hgrt.relay_passes.tuning_db import apply_database
+    from hgrt.relay_passes.inner.tuning_db import apply_database
     from hgrt.tune import fuse_for_tuning
 
     mod = fuse_for_tuning(MatmulRelu, [as_target("llvm -mcpu=znver3")])

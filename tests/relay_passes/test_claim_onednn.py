@@ -16,7 +16,7 @@ from tvm import relax
 
 import hgrt
 from hgrt.relay_passes import claim_onednn as claim
-from hgrt.relay_passes import onednn_policy
+from hgrt.relay_passes.util import onednn_policy
 from hgrt.runtime import onednn
 from hgrt.testing import (
     alternating,
@@ -166,7 +166,7 @@ def test_a_residual_add_writes_over_its_residual_where_it_dies():
     import dataclasses
 
     from hgrt.graph import Graph
-    from hgrt.relay_passes.plan_memory import plan_memory
+    from hgrt.relay_passes.graph.plan_memory import plan_memory
 
     res = _check(_bottleneck_onnx())
     g = res.graph
