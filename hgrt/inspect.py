@@ -10,8 +10,9 @@ import shutil
 import subprocess
 from collections import Counter
 
-from hgrt.graph import CONCAT_FUNC, COPY_FUNC, NOP_FUNC, Graph, op_label
+from hgrt.graph import CONCAT_FUNC, COPY_FUNC, NOP_FUNC, Graph
 from hgrt.lifetimes import VIEW_FUNCS, group_bytes, memory_report, merged_ranges
+from hgrt.runtime.profiler import op_label
 
 # One colour per device position (Graphviz / matplotlib names).
 PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#b07aa1", "#76b7b2"]
