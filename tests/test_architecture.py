@@ -90,6 +90,16 @@ def test_the_scan_sees_every_layer():
     assert "hgrt.relay_passes.util.context" in graph  # and modules of sub-packages
 
 
+def test_pyproject_installs_every_package():
+    """``packages`` is a list in pyproject.toml: a sub-package missing from it would be left out
+    of a wheel (an editable install would not show it), and package-dir maps each one so that
+    tools reading package-dir alone see its modules."""
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        setuptools = tomllib.load(f)["tool"]["setuptools"]
+    packages = {m for m, path in product_modules().items() if path.endswith("__init__.py")}
+    assert packages == set(setuptools["packages"]) == set(setuptools["package-dir"])
+
+
 def test_imports_only_point_down():
     up = [f"{src} ({layer_of(src)}) imports {dst} ({layer_of(dst)})"
           for src, dsts in import_graph().items() for dst in sorted(dsts)

@@ -87,7 +87,7 @@ def leaks_in_source(source: str, path: str = "<source>",
             leak(node, "splits a device string")
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) \
                 and node in tree.body and node.name in vocabulary:
-            leak(node, f"defines {node.name}, a function of hgrt/devices.py, again")
+            leak(node, f"defines {node.name}, a function of hgrt/devices/, again")
     return found
 
 

@@ -16,11 +16,7 @@ from hgrt.testing.oracle import onnx_proto, onnx_reference
 # multiple of the last weighted layer's output
 _HOMOGENEOUS = {"Relu", "GlobalAveragePool", "AveragePool", "MaxPool", "GlobalMaxPool",
                 "Flatten", "Reshape", "Squeeze", "Unsqueeze", "Dropout", "Identity", "Transpose"}
-
-
 _SOFTMAX = {"Softmax", "LogSoftmax"}
-
-
 LOGITS_STD = 3.0
 
 

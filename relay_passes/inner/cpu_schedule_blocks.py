@@ -22,14 +22,8 @@ from hgrt.devices import VectorISA
 
 # a kernel with fewer output elements than this runs serial: a parallel launch costs µs
 MIN_PARALLEL_WORK = 4096
-
-
 MAX_TILE_ROWS = 8  # rows of the register tile (× one or more vectors of lanes)
-
-
 _get_realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
-
-
 # a primitive that does not apply raises ScheduleError (a RuntimeError); TVM's own checks too
 SCHEDULE_ERRORS = (RuntimeError, ValueError)
 

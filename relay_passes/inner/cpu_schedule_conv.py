@@ -28,25 +28,15 @@ from hgrt.relay_passes.inner.cpu_schedule_blocks import (
 # a convolution reads input planes of this many bytes or more through staged rows: 28x28
 # float32 planes and up (_staging_pays)
 MIN_STAGED_PLANE = 3072
-
-
 STAGED = "hgrt_staged_rows"  # block annotation of a staged copy
-
-
 # a 1x1 convolution over a plane that fills no whole vectors takes the pointwise tile
 # (_ragged_pointwise) over this many vectors of pixels or more, when it reads this many input
 # channels or fewer, or has output channels the channel-vector tile cannot take
 MIN_RAGGED_VECTORS = 8
-
-
 MAX_RAGGED_CHANNELS = 128
-
-
 # a loop annotation that makes TVM's LoopPartition peel the iterations where a condition
 # inside changes (peel_ragged_tiles)
 PEEL_HINT = "pragma_loop_partition_hint"
-
-
 # a pointwise convolution whose weight has this many bytes or more, and twice its input
 # plane's, runs its groups of output channels in parallel, each over every tile of pixels (the
 # plane staged once): with tiles of pixels in parallel, every tile read the whole weight from
@@ -54,8 +44,6 @@ PEEL_HINT = "pragma_loop_partition_hint"
 # (2 MB over 13x13, 5.9x) 690 -> 530 us, 4 MB over 14x14 (5x) 1.51 -> 1.28 ms, 2.8x 8 %
 # faster, 2.1x equal, 1.25x 5-10 % slower; squeezenet's 4-256 KB ones 1.0-4x slower
 MIN_CHANNELS_OUTER_BYTES = 1 << 20
-
-
 # input channels per group below which a grouped 1x1 convolution keeps the generic schedule:
 # ShuffleNet's first (6 per group, 3136 pixels) ran 88 vs 66 us in the model as a matrix
 # product (27 vs 62 us alone, caches warm)

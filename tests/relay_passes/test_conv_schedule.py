@@ -384,9 +384,9 @@ def test_a_pointwise_conv_that_writes_the_result_flattens_a_copy(target, width):
     assert trace is not None and "pad_einsum" in str(trace) if width == 27 else True
     replay = s_tir.Schedule(func)
     trace.apply_to_schedule(replay, remove_postproc=False)
-    schedule_cpu = importlib.import_module("hgrt.relay_passes.inner.cpu_schedule")
+    cpu_schedule = importlib.import_module("hgrt.relay_passes.inner.cpu_schedule")
     tgt = tvm.target.Target(target)
-    direct, _, _ = schedule_cpu._default_schedule(func, vector_isa(tgt), schedule_cpu._cores(tgt))
+    direct, _, _ = cpu_schedule._default_schedule(func, vector_isa(tgt), cpu_schedule._cores(tgt))
     tvm.ir.assert_structural_equal(replay.mod, direct.mod)
 
 
