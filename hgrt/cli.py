@@ -377,7 +377,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hgrt", description="heterogeneous graph runtime for TVM")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True)
+    _add_compile_command(sub)
+    _add_run_command(sub)
+    _add_profile_command(sub)
+    _add_inspect_command(sub)
+    _add_tune_command(sub)
+    _add_zoo_command(sub)
 
+    from hgrt.rpc.cli import register as register_rpc
+
+    register_rpc(sub)
+    return p
+
+
+def _add_compile_command(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser("compile", help="compile an ONNX model into graph.json + lib.so + params")
     _model_args(c)
     c.add_argument("--tuning-db", help="a MetaSchedule database written by `hgrt tune`")
@@ -400,6 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-o", "--output", required=True, help="artifact directory")
     c.set_defaults(func=cmd_compile)
 
+
+def _add_run_command(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser("run", help="run compiled artifacts")
     r.add_argument("artifacts", help="directory written by `hgrt compile`")
     r.add_argument("--input", action="append", metavar="NAME=FILE.npy")
@@ -413,6 +428,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="device key registered with the tracker (a pipeline: once per stage)")
     r.set_defaults(func=cmd_run)
 
+
+def _add_profile_command(sub: argparse._SubParsersAction) -> None:
     pr = sub.add_parser("profile", help="per-op times of compiled artifacts, by op and device")
     pr.add_argument("artifacts")
     pr.add_argument("--input", action="append", metavar="NAME=FILE.npy")
@@ -425,11 +442,15 @@ def build_parser() -> argparse.ArgumentParser:
                                    "hgrt.Placement(auto=True, profile=...))")
     pr.set_defaults(func=cmd_profile)
 
+
+def _add_inspect_command(sub: argparse._SubParsersAction) -> None:
     ins = sub.add_parser("inspect", help="nodes per device, copies, memory plan, pictures")
     ins.add_argument("artifacts")
     ins.add_argument("--out", help="where to write the pictures (default ARTIFACTS/inspect)")
     ins.set_defaults(func=cmd_inspect)
 
+
+def _add_tune_command(sub: argparse._SubParsersAction) -> None:
     t = sub.add_parser("tune", help="MetaSchedule-tune the kernels of a placed model into a "
                                     "database that `compile --tuning-db` applies")
     _model_args(t)
@@ -443,6 +464,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "schedule (then every tuned kernel is applied)")
     t.set_defaults(func=cmd_tune)
 
+
+def _add_zoo_command(sub: argparse._SubParsersAction) -> None:
     z = sub.add_parser("zoo", help="write a light zoo model of the onnx wheel with random "
                                    "weights (squeezenet, resnet50, ...) to try hgrt on")
     from hgrt.zoo import LIGHT_MODELS
@@ -452,11 +475,6 @@ def build_parser() -> argparse.ArgumentParser:
     z.add_argument("--input", help="also write a random input to this .npy")
     z.add_argument("--seed", type=at_least(0), default=0)
     z.set_defaults(func=cmd_zoo)
-
-    from hgrt.rpc.cli import register as register_rpc
-
-    register_rpc(sub)
-    return p
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:

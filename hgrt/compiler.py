@@ -20,21 +20,25 @@ from hgrt.devices import DEFAULT_CUDA_ARCH, parse_devices
 from hgrt.frontend import import_model
 from hgrt.graph import Graph
 from hgrt.lifetimes import DeviceMemory, memory_report
-from hgrt.relay_passes.assign_streams import assign_streams, check_stream_options
+from hgrt.relay_passes.apply_tuning import apply_tuning
+from hgrt.relay_passes.assign_targets import assign_targets
+from hgrt.relay_passes.build_library import build_library
 from hgrt.relay_passes.claim_affine import claim_affine
 from hgrt.relay_passes.claim_onednn import Kernels, claim_onednn
-from hgrt.relay_passes.concat_views import concat_views
-from hgrt.relay_passes.context import BuildContext, LoweringOptions, PlacementRow, Weights
 from hgrt.relay_passes.fold_batch_norm import fold_batch_norm
+from hgrt.relay_passes.graph.assign_streams import assign_streams, check_stream_options
+from hgrt.relay_passes.graph.concat_views import concat_views
+from hgrt.relay_passes.graph.plan_memory import plan_memory
 from hgrt.relay_passes.graph_codegen import graph_codegen, static_shape
+from hgrt.relay_passes.inner.tuning_db import ApplyReport
 from hgrt.relay_passes.insert_copies import insert_copies
-from hgrt.relay_passes.lower import assign_targets, build_library, legalize_and_fuse, schedule_gpu
-from hgrt.relay_passes.pipeline import Pass, check_order, located, run_passes
+from hgrt.relay_passes.legalize_and_fuse import legalize_and_fuse
 from hgrt.relay_passes.place_devices import Placement, place_devices
-from hgrt.relay_passes.plan_memory import plan_memory
 from hgrt.relay_passes.schedule_cpu import schedule_cpu
+from hgrt.relay_passes.schedule_gpu import schedule_gpu
 from hgrt.relay_passes.split_concat import split_concat
-from hgrt.relay_passes.tuning_db import ApplyReport, apply_tuning
+from hgrt.relay_passes.util.context import BuildContext, LoweringOptions, PlacementRow, Weights
+from hgrt.relay_passes.util.pipeline import Pass, check_order, located, run_passes
 from hgrt.runtime import onednn
 
 __all__ = ["BuildResult", "Kernels", "Placement", "build", "lower_model"]

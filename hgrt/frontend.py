@@ -1,6 +1,6 @@
 """Model import: ONNX (ModelProto or path) or a Relax IRModule → (IRModule, params), with the
 stacked reductions of TVM's ONNX import made pairwise and computations on weights alone done
-once, here (``relay_passes/simplify.py``).
+once, here (``relay_passes/inner/simplify.py``).
 
 Params are always detached: ``main`` takes the user inputs first (``num_input`` of them), then
 the weights, which come back as numpy arrays keyed by param name, so no weight is baked into
@@ -25,13 +25,13 @@ import tvm
 from tvm import relax
 
 from hgrt.errors import BuildError, did_you_mean
-from hgrt.relay_passes.relax_util import static_dims
-from hgrt.relay_passes.simplify import (
+from hgrt.relay_passes.inner.simplify import (
     elementwise_through_concats,
     fold_weight_transforms,
     inference_dropouts,
     pairwise_reductions,
 )
+from hgrt.relay_passes.util.relax_util import static_dims
 
 # what TVM's ONNX import says about every model hgrt gives it: the checker sees the weights that
 # _from_onnx took out of the graph inputs

@@ -15,6 +15,10 @@ Layout (see DESIGN.md, "The graph JSON")::
 
 ``device_index`` is a position in the device list given to ``hgrt.create``; entry ids are
 ``node_row_ptr[nid] + output_index`` and index every ``attrs`` column.
+
+Here: the model (``Node``, ``Graph``), its JSON written (``Graph.to_json``) and read, each field
+in its form (``Graph.from_json``); what the fields must agree on is checked by
+``hgrt.graph_checks``.
 """
 
 from __future__ import annotations
@@ -27,17 +31,28 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from hgrt import lifetimes
 from hgrt.errors import GraphError
+from hgrt.graph_checks import (
+    COPY_FUNC,
+    FORMAT_VERSION,
+    FORMAT_VERSIONS,
+    check_edges,
+    check_pools,
+    check_special_ops,
+    check_streams,
+    check_weight_storages,
+    concat_axis,
+    concat_problem,
+    read_section,
+)
 
-# the 'hgrt' section's format: 2 where a graph has __concat views (an older hgrt, which would
-# look for a kernel of that name, refuses the version instead); 1 else, as before
-FORMAT_VERSION = 2
-FORMAT_VERSIONS = (1, 2)
+__all__ = ["CONCAT_FUNC", "COPY_FUNC", "ELEMWISE_MAX", "FORMAT_VERSION", "FORMAT_VERSIONS",
+           "INJECTIVE", "INPLACE_PROVIDERS", "MAX_ENTRY_BYTES", "NODE_ATTRS", "NOP_FUNC",
+           "ONEDNN_PREFIX", "OPAQUE", "Graph", "Node", "concat_axis", "concat_problem",
+           "dtype_bytes"]
+
 MAX_ENTRY_BYTES = 1 << 48  # one tensor's bytes at most (256 TiB): shapes beyond are refused
-COPY_FUNC = "__copy"
 ONEDNN_PREFIX = "hgrt.onednn."  # the functions oneDNN kernels' nodes name (runtime/onednn.py)
 NOP_FUNC = lifetimes.NOP_FUNC
 CONCAT_FUNC = lifetimes.CONCAT_FUNC
@@ -277,7 +292,7 @@ def dtype_bytes(dtype: str) -> int:
         raise GraphError(f"unknown dtype {dtype!r}") from e
 
 
-# ---- parsing and validation ---------------------------------------------------------------
+# ---- reading the JSON: every field's form (graph_checks: what the fields must agree on) ----
 
 def _require(doc: dict, key: str, kind: type, where: str) -> Any:
     if key not in doc:
@@ -322,7 +337,7 @@ def _parse(doc: Any) -> Graph:
         raise GraphError(f"graph JSON must be an object, got {type(doc).__name__}")
     nodes = [_parse_node(nid, raw) for nid, raw in enumerate(_require(doc, "nodes", list, "graph"))]
     row_ptr = [_int(a, "node_row_ptr") for a in _require(doc, "node_row_ptr", list, "graph")]
-    _check_edges(nodes, row_ptr)
+    check_edges(nodes, row_ptr)
     arg_nodes = _parse_arg_nodes(nodes, _require(doc, "arg_nodes", list, "graph"))
     heads = []
     for h in _require(doc, "heads", list, "graph"):
@@ -332,12 +347,12 @@ def _parse(doc: Any) -> Graph:
         heads.append((nid, idx, ver))
     g = Graph(nodes, arg_nodes, row_ptr, heads,
               **_parse_columns(_require(doc, "attrs", dict, "graph"), row_ptr[-1]))
-    _parse_section(doc.get("hgrt"), g)
-    _check_special_ops(g)
-    _check_streams(g)
+    read_section(doc.get("hgrt"), g)
+    check_special_ops(g)
+    check_streams(g)
     lifetimes.storage_devices(g, GraphError)
-    _check_weight_storages(g)
-    _check_pools(g)
+    check_weight_storages(g)
+    check_pools(g)
     lifetimes.check_lifetimes(g, GraphError)
     return g
 
@@ -379,31 +394,6 @@ def _parse_node(nid: int, raw: Any) -> Node:
                          f"{attrs.get('provider', 'tvm')!r}: only {list(INPLACE_PROVIDERS)} "
                          f"kernels read each element of the input before writing it")
     return Node(op, name, inputs, attrs)
-
-
-def _check_edges(nodes: list[Node], row_ptr: list[int]) -> None:
-    """node_row_ptr fits the nodes' outputs; inputs name earlier nodes' existing outputs."""
-    n_nodes = len(nodes)
-    if len(row_ptr) != n_nodes + 1:
-        raise GraphError(f"node_row_ptr has {len(row_ptr)} values, expected {n_nodes + 1} "
-                         f"(number of nodes + 1)")
-    if row_ptr[0] != 0:
-        raise GraphError(f"node_row_ptr[0] must be 0, got {row_ptr[0]}")
-    for nid, node in enumerate(nodes):
-        where = f"node {nid} '{node.name}'"
-        if row_ptr[nid + 1] - row_ptr[nid] != node.num_outputs:
-            raise GraphError(f"{where}: node_row_ptr gives it {row_ptr[nid + 1] - row_ptr[nid]}"
-                             f" outputs but it declares {node.num_outputs}")
-        for nid_in, idx, _ in node.inputs:
-            if not 0 <= nid_in < n_nodes:
-                raise GraphError(f"{where}: input refers to node {nid_in}, which does not exist "
-                                 f"({n_nodes} nodes)")
-            if nid_in >= nid:
-                raise GraphError(f"{where}: input refers to node {nid_in}, which comes later "
-                                 f"(nodes must be topologically sorted)")
-            if not 0 <= idx < nodes[nid_in].num_outputs:
-                raise GraphError(f"{where}: input refers to output {idx} of node {nid_in} "
-                                 f"'{nodes[nid_in].name}', which has {nodes[nid_in].num_outputs}")
 
 
 def _parse_arg_nodes(nodes: list[Node], raw: list) -> list[int]:
@@ -469,279 +459,3 @@ def _parse_columns(attrs: dict, n: int) -> dict[str, Any]:
     # other unknown columns are ignored, as TVM's executor did
     return {"shapes": shapes, "dtypes": dtypes, "storage_ids": _int_column(attrs, "storage_id", n),
             "device_index": _int_column(attrs, "device_index", n), "extra_columns": extra}
-
-
-def _check_special_ops(g: Graph) -> None:
-    """``__copy`` moves one tensor to another device unchanged; ``__nop`` views its input's
-    bytes on the same device; ``__concat`` is its pieces laid one after another."""
-    for nid, node in enumerate(g.nodes):
-        if node.func_name == CONCAT_FUNC:
-            _check_concat(g, nid)
-            continue
-        if node.func_name not in (COPY_FUNC, NOP_FUNC):
-            continue
-        what = g.describe_node(nid)
-        if len(node.inputs) != 1 or node.num_outputs != 1:
-            raise GraphError(f"{what}: {node.func_name} takes one input, one output")
-        src, dst = g.entry_id(node.inputs[0][0], node.inputs[0][1]), g.entry_id(nid)
-        if node.func_name == COPY_FUNC and (g.shapes[src], g.dtypes[src]) != (g.shapes[dst],
-                                                                              g.dtypes[dst]):
-            raise GraphError(f"{what}: __copy from {g.shapes[src]} {g.dtypes[src]} to "
-                             f"{g.shapes[dst]} {g.dtypes[dst]}: shape and dtype must match")
-        if node.func_name == NOP_FUNC and g.entry_device(src) != g.entry_device(dst):
-            raise GraphError(f"{what}: __nop cannot cross devices ({g.entry_device(src)} -> "
-                             f"{g.entry_device(dst)}); use __copy")
-        if node.func_name == NOP_FUNC and g.entry_bytes(src) != g.entry_bytes(dst):
-            raise GraphError(f"{what}: __nop changes the byte size ({g.entry_bytes(src)} -> "
-                             f"{g.entry_bytes(dst)})")
-    g.entry_offsets()  # a tensor that is a view twice, or of itself: a GraphError
-
-
-def concat_axis(shapes: list[tuple[int, ...]], out: tuple[int, ...]) -> int | None:
-    """The axis along which ``shapes`` laid one after another in memory make ``out`` (every
-    dimension before it 1, the others equal, the axis' sizes summing to out's), else None."""
-    if not shapes or not out or any(len(s) != len(out) for s in shapes):
-        return None
-    differ = {a for s in shapes for a, (d, o) in enumerate(zip(s, out, strict=True)) if d != o}
-    if len(differ) > 1:
-        return None
-    axis = differ.pop() if differ else 0
-    if sum(s[axis] for s in shapes) != out[axis] or any(d != 1 for d in out[:axis]):
-        return None
-    return axis
-
-
-def concat_problem(g: Graph, nid: int, storage: bool = True) -> str | None:
-    """Why node ``nid``'s inputs cannot be pieces written in place in its output's bytes
-    (``__concat``), or None: shapes that do not lay one after another into the output, a piece
-    twice, a piece no step writes there (an input, a weight, a view), another dtype or device,
-    a piece not at a multiple of ``ALIGN`` bytes; with ``storage``, another storage id."""
-    node = g.nodes[nid]
-    out = g.entry_id(nid)
-    pieces = [g.entry_id(src, idx) for src, idx, _ in node.inputs]
-    if node.num_outputs != 1 or not pieces:
-        return "a __concat takes its pieces and gives one output"
-    if concat_axis([g.shapes[p] for p in pieces], g.shapes[out]) is None:
-        return (f"pieces {[g.shapes[p] for p in pieces]} laid one after another do not make "
-                f"{g.shapes[out]} (one axis may differ, every dimension before it 1)")
-    if len(set(pieces)) != len(pieces):
-        return "a piece appears twice"
-    at = 0
-    for p in pieces:
-        source = g.nodes[g.node_of_entry(p)]
-        why = ("is an input, a weight or a view: no step writes it in place"
-               if not (lifetimes.runs(source) or source.func_name == CONCAT_FUNC)
-               else "has another dtype" if g.dtypes[p] != g.dtypes[out]
-               else "is on another device" if g.entry_device(p) != g.entry_device(out)
-               else "has another storage id" if storage and g.storage_ids[p] != g.storage_ids[out]
-               else f"would start at byte {at}, not a multiple of {lifetimes.ALIGN}"
-               if at % lifetimes.ALIGN else None)
-        if why is not None:
-            return f"piece {g.describe_entry(p)} {why}"
-        at += g.entry_bytes(p)
-    return None
-
-
-def _check_concat(g: Graph, nid: int) -> None:
-    problem = concat_problem(g, nid)
-    if problem is not None:
-        raise GraphError(f"{g.describe_node(nid)}: {problem}")
-
-
-def _parse_section(section: Any, g: Graph) -> None:
-    if section is None:
-        return
-    if not isinstance(section, dict):
-        raise GraphError("'hgrt' section must be an object")
-    version = section.get("version", FORMAT_VERSION)
-    if version not in FORMAT_VERSIONS or isinstance(version, bool):
-        raise GraphError(f"'hgrt' section: format version {version!r} is not supported "
-                         f"(this hgrt reads versions {list(FORMAT_VERSIONS)})")
-    params = section.get("params", [])
-    if not isinstance(params, list) or not all(isinstance(p, str) for p in params):
-        raise GraphError("'hgrt' section: params must be a list of input names")
-    arg_names = {g.nodes[a].name for a in g.arg_nodes}
-    for p in params:
-        if p not in arg_names:
-            raise GraphError(f"'hgrt' section: param {p!r} is not an input node")
-    g.params = params
-    _parse_streams(section, g)
-    names = section.get("devices")
-    if names is not None:
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-            raise GraphError("'hgrt' section: devices must be a list of device names")
-        g.device_names = names
-    used = max(g.device_index, default=0) + 1 if g.device_index is not None else 1
-    if names is not None and len(names) < used:
-        raise GraphError(f"'hgrt' section: devices names {len(names)} devices ({names}), but "
-                         f"device_index uses {used}")
-    g.cpu_needs = _parse_cpu_needs(section.get("cpu_needs"), used)
-    if "pool_bytes" not in section:
-        return
-    pools = section["pool_bytes"]
-    offsets = section.get("storage_offset")
-    weights = section.get("weight_pool_bytes")
-    for key, val in (("pool_bytes", pools), ("weight_pool_bytes", weights)):
-        if val is not None and (not isinstance(val, list) or not all(
-                isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in val)):
-            raise GraphError(f"'hgrt' section: {key} must be a list of byte counts, one per "
-                             f"device")
-    n_storage = max(g.storage_ids, default=-1) + 1
-    if not isinstance(offsets, list) or len(offsets) != n_storage:
-        raise GraphError(f"'hgrt' section: storage_offset must list one byte offset per storage "
-                         f"id ({n_storage}), got {str(offsets)[:80]}")
-    for sid, off in enumerate(offsets):
-        if isinstance(off, bool) or not isinstance(off, int) or off < 0:
-            raise GraphError(f"'hgrt' section: storage_offset[{sid}] = {off!r} is not a byte "
-                             f"offset")
-        if off % lifetimes.ALIGN:  # kernels assume aligned data: a misaligned one may crash
-            raise GraphError(f"'hgrt' section: storage_offset[{sid}] = {off} is not a multiple "
-                             f"of {lifetimes.ALIGN} bytes (every storage starts aligned)")
-    g.pool_bytes = pools
-    g.storage_offset = offsets
-    g.weight_pool_bytes = weights
-
-
-def _parse_cpu_needs(needs: Any, used: int) -> list[dict | None] | None:
-    if needs is None:
-        return None
-    if not isinstance(needs, list) or len(needs) < used:
-        raise GraphError(f"'hgrt' section: cpu_needs must list, per device ({used}), what its "
-                         f"kernels need of a CPU (or null), got {str(needs)[:80]}")
-    for i, need in enumerate(needs):
-        if need is not None and not (
-                isinstance(need, dict) and isinstance(need.get("arch"), str)
-                and isinstance(need.get("features"), list)
-                and all(isinstance(f, str) for f in need["features"])):
-            raise GraphError(f"'hgrt' section: cpu_needs[{i}] must be null or "
-                             f'{{"arch": str, "features": [str, ...]}}, got {str(need)[:80]}')
-    return needs
-
-
-def _parse_streams(section: dict, g: Graph) -> None:
-    streams, waits = section.get("streams"), section.get("waits")
-    if streams is None and waits is None:
-        return
-    n = len(g.nodes)
-    if not isinstance(streams, list) or len(streams) != n or not all(
-            isinstance(x, int) and not isinstance(x, bool) and x >= -1 for x in streams):
-        raise GraphError(f"'hgrt' section: streams must list one stream id (or -1) per node "
-                         f"({n}), got {str(streams)[:80]}")
-    if not isinstance(waits, list) or len(waits) != n or not all(
-            isinstance(w, list) and all(isinstance(x, int) and not isinstance(x, bool)
-                                        for x in w) for w in waits):
-        raise GraphError(f"'hgrt' section: waits must list, per node, the node ids it waits for "
-                         f"({n} lists)")
-    g.streams, g.waits = streams, waits
-
-
-def _check_streams(g: Graph) -> None:
-    """Every node that runs has a stream, a stream stays on one device, a wait names an earlier
-    node of another stream, and every node's inputs are done before it starts."""
-    if g.streams is None:
-        return
-    device: dict[int, int] = {}
-    for nid, node in enumerate(g.nodes):
-        s, where = g.streams[nid], g.describe_node(nid)
-        if lifetimes.runs(node) != (s >= 0):
-            raise GraphError(f"{where}: stream {s}, but " + (
-                "it runs: give it a stream" if s < 0 else "it does not run: give it -1"))
-        if s >= 0 and device.setdefault(s, g.entry_device(g.entry_id(nid))) != \
-                g.entry_device(g.entry_id(nid)):
-            raise GraphError(f"{where}: stream {s} runs on device {device[s]}, this node on "
-                             f"device {g.entry_device(g.entry_id(nid))}")
-        for w in g.waits[nid]:
-            if not 0 <= w < nid or g.streams[w] < 0 or g.streams[w] == s:
-                raise GraphError(f"{where}: waits for node {w}, which is not an earlier node "
-                                 f"of another stream")
-    used = sorted(set(g.streams) - {-1})
-    if used != list(range(len(used))):
-        missing = sorted(set(range(used[-1] + 1)) - set(used))
-        raise GraphError(f"'hgrt' section: stream ids must be 0..{len(used) - 1}, got {used} "
-                         f"(no node on stream {missing[0]})")
-    order = lifetimes.Order(g)
-    writers = lifetimes.entry_writers(g)
-    for nid, node in enumerate(g.nodes):
-        if g.streams[nid] < 0:
-            continue
-        for src, idx, _ in node.inputs:
-            for writer in writers[g.entry_id(src, idx)]:
-                if order.before(writer, nid):
-                    continue
-                raise GraphError(f"{g.describe_node(nid)} (stream {g.streams[nid]}) reads the "
-                                 f"output of {g.describe_node(writer)} (stream "
-                                 f"{g.streams[writer]}) with no event between them: a race")
-
-
-def _check_weight_storages(g: Graph) -> None:
-    """A parameter's storage holds that parameter (and views of it) only: call frames and other
-    modules share weight storages, so an activation there would be shared by every call."""
-    roots = g.alias_roots()
-    owner: dict[int, int] = {}
-    params = set(g.params)
-    for n in g.arg_nodes:
-        if g.nodes[n].name in params:
-            eid = g.entry_id(n)
-            first = owner.setdefault(g.storage_ids[eid], eid)
-            if first != eid:
-                raise GraphError(f"parameters {g.describe_entry(first)} and "
-                                 f"{g.describe_entry(eid)} share storage {g.storage_ids[eid]}")
-    for eid, sid in enumerate(g.storage_ids):
-        if sid in owner and roots[eid] != owner[sid]:
-            raise GraphError(f"{g.describe_entry(eid)} uses storage {sid} of parameter "
-                             f"{g.describe_entry(owner[sid])}: a weight's storage holds only it")
-
-
-def _check_pools(g: Graph) -> None:
-    """With a pool plan, every entry fits in the pool of its device (its weight pool, for a
-    parameter when the plan has weight pools)."""
-    if g.pool_bytes is None:
-        return
-    offsets = g.entry_offsets()
-    for eid, sid in enumerate(g.storage_ids):
-        dev, weight = g.pool_of(eid)
-        pools = g.weight_pool_bytes if weight else g.pool_bytes
-        what = "weight pool" if weight else "pool"
-        if dev >= len(pools):
-            raise GraphError(f"entry {eid} is on device {dev} but the 'hgrt' section plans "
-                             f"{what}s for {len(pools)} devices")
-        end = g.storage_offset[sid] + offsets[eid] + g.entry_bytes(eid)
-        if end > pools[dev]:
-            raise GraphError(f"entry {eid} (storage {sid}) ends at byte {end}, past the "
-                             f"{pools[dev]}-byte {what} of device {dev}")
-
-
-def node_work(g: Graph, nid: int) -> tuple[float, float]:
-    """FLOPs and bytes (read and written) of node ``nid``'s kernel or copy: the node's ``flops``
-    attr where the compiler knew them (a oneDNN kernel, whose weights are a packed blob), else
-    from its entries' shapes: a convolution's output x its weight's size per output channel, a
-    matmul's output x its reduction length, x2; 0 FLOPs else."""
-    node = g.nodes[nid]
-    out = g.entry_id(nid)
-    ins = [g.entry_id(i, k) for i, k, _ in node.inputs]
-    elems = float(np.prod(g.shapes[out], dtype=np.float64))
-    nbytes = float(sum(g.entry_bytes(e) for e in ins) + g.entry_bytes(out))
-    if "flops" in node.attrs:
-        return float(node.attrs["flops"]), nbytes
-    label = op_label(node.func_name or "")
-    if "conv" in label and len(ins) > 1 and len(g.shapes[ins[1]]) > 2:  # (not a packed blob)
-        w = g.shapes[ins[1]]  # OIHW, or blocked by output channels (OIHW16o: O/16, I, H, W, 16)
-        c_out = w[0] * (w[-1] if len(w) > 4 else 1)
-        return 2 * elems * float(np.prod(w, dtype=np.float64)) / c_out, nbytes
-    if ("matmul" in label or "dense" in label) and ins and g.shapes[ins[0]]:
-        return 2 * elems * g.shapes[ins[0]][-1], nbytes
-    return 0.0, nbytes
-
-
-def op_label(func_name: str) -> str:
-    """A kernel's function name as a person would say it: ``fused_conv2d3_add2_llvm_relu2_llvm``
-    → ``conv2d+add+relu``."""
-    parts = [p for p in func_name.split("_") if p not in ("fused", "llvm", "cuda", "")]
-    words: list[str] = []
-    for p in parts:
-        p = p.rstrip("0123456789") or p
-        if p in ("dims", "dim", "to", "pool2d", "2d") and words:  # expand_dims, broadcast_to
-            words[-1] += "_" + p
-        elif not words or words[-1] != p:
-            words.append(p)
-    return "+".join(words)[:40]

@@ -10,8 +10,9 @@ import shutil
 import subprocess
 from collections import Counter
 
-from hgrt.graph import CONCAT_FUNC, COPY_FUNC, NOP_FUNC, Graph, op_label
+from hgrt.graph import CONCAT_FUNC, COPY_FUNC, NOP_FUNC, Graph
 from hgrt.lifetimes import VIEW_FUNCS, group_bytes, memory_report, merged_ranges
+from hgrt.runtime.profiler import op_label
 
 # One colour per device position (Graphviz / matplotlib names).
 PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#b07aa1", "#76b7b2"]
@@ -289,7 +290,7 @@ def draw_memory(g: Graph, device: int, path_png: str) -> str | None:
 def inspect_artifacts(directory: str, out_dir: str | None = None) -> tuple[dict, list[str]]:
     """Summary of the artifacts in ``directory`` and the pictures written for it."""
     from hgrt.artifacts import GRAPH_FILE, PARAMS_FILE, iter_params, paths, read_graph_text
-    from hgrt.relay_passes.onednn_blob import blob_bytes
+    from hgrt.relay_passes.util.onednn_blob import blob_bytes
 
     found = paths(directory)
     g = Graph.from_json(read_graph_text(found[GRAPH_FILE]))

@@ -125,8 +125,8 @@ class _Model:
 def _read(model: Any, params: dict | None, rates: dict) -> _Model:
     from hgrt.devices import parse_devices
     from hgrt.frontend import import_model
-    from hgrt.relay_passes.auto_place import _seconds, op_cost
-    from hgrt.relay_passes.relax_util import bindings, op_name
+    from hgrt.relay_passes.inner.auto_place import _seconds, op_cost
+    from hgrt.relay_passes.util.relax_util import bindings, op_name
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -306,7 +306,7 @@ def _split_widest(m: _Model, parts: int = 2) -> tuple[tvm.IRModule, dict, str] |
     matmuls (each reading a block of the weight's columns) joined by a concat, so that a cut may
     fall between them; None when there is no such matmul. What a weight larger than any stage's
     share of the budget needs (vgg19's 392 MiB fc6)."""
-    from hgrt.relay_passes.relax_util import op_name
+    from hgrt.relay_passes.util.relax_util import op_name
 
     n_in = len(m.inputs)
     weight_params = {p.name: p for p in m.mod["main"].params[n_in:]}
@@ -418,7 +418,7 @@ def split(model: Any, stages: int | list[Any], cuts: list[str] | None = None,
     Gigabit Ethernet); a cut's bytes cost the stage they enter that much time.
     """
     from hgrt.compiler import build
-    from hgrt.relay_passes.auto_place import read_rates
+    from hgrt.relay_passes.inner.auto_place import read_rates
 
     if isinstance(stages, bool) or not isinstance(stages, int | list | tuple):
         raise BuildError(f"stages={stages!r}: a count or a list of stage specs")

@@ -1,5 +1,5 @@
 """``hgrt.tune``: MetaSchedule tuning of a model's fused kernels into a JSON database, which
-``build(..., tuning_db=)`` reads back (``hgrt.relay_passes.tuning_db``).
+``build(..., tuning_db=)`` reads back (``hgrt.relay_passes.inner.tuning_db``).
 
 >>> tune("model.onnx", "tuning/", trials_per_task=16, devices=["cpu:0", "cpu:1"],
 ...      placement=hgrt.Placement(rules={"nn.conv2d": "cpu:1"}),
@@ -37,9 +37,9 @@ from hgrt.api import create
 from hgrt.compiler import build, lower_model
 from hgrt.devices import kind_of
 from hgrt.errors import BuildError
-from hgrt.relay_passes import tuning_db
-from hgrt.relay_passes.relax_util import CALL_DPS_PACKED, bindings, callee, op_name, prim_funcs
-from hgrt.relay_passes.schedule_cpu import default_schedule_trace
+from hgrt.relay_passes.inner import tuning_db
+from hgrt.relay_passes.inner.cpu_schedule import default_schedule_trace
+from hgrt.relay_passes.util.relax_util import CALL_DPS_PACKED, bindings, callee, op_name, prim_funcs
 
 __all__ = ["TuneSummary", "fuse_for_tuning", "onednn_calls", "tune", "tuning_tasks",
            "verify_in_model", "verify_whole_runs"]

@@ -25,7 +25,7 @@ from tvm import relax
 import hgrt
 from hgrt.devices import runtime_device, usable_cores
 from hgrt.frontend import import_model
-from hgrt.relay_passes.relax_util import bindings, op_name, tensor_args
+from hgrt.relay_passes.util.relax_util import bindings, op_name, tensor_args
 
 
 def two_branch(depth: int = 4, size: int = 512, batch: int = 256):

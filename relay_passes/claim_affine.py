@@ -38,9 +38,9 @@ import tvm
 from tvm import relax
 
 from hgrt.graph import ONEDNN_PREFIX
-from hgrt.relay_passes.context import BuildContext
-from hgrt.relay_passes.pipeline import contract
-from hgrt.relay_passes.relax_util import (
+from hgrt.relay_passes.util.context import BuildContext
+from hgrt.relay_passes.util.pipeline import contract
+from hgrt.relay_passes.util.relax_util import (
     CALL_DPS_PACKED,
     TO_VDEVICE,
     MainReader,
@@ -50,7 +50,7 @@ from hgrt.relay_passes.relax_util import (
     per_channel,
     scalar,
 )
-from hgrt.relay_passes.relax_util import float32_shape as _shape
+from hgrt.relay_passes.util.relax_util import float32_shape as _shape
 
 FUNC_NAME = ONEDNN_PREFIX + "affine"
 ACT = {"none": 0, "relu": 1, "clip": 2}  # runtime/onednn_layout.cc AffineAct

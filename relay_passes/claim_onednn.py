@@ -41,9 +41,16 @@ import tvm
 from tvm import relax
 
 from hgrt.graph import ONEDNN_PREFIX
-from hgrt.relay_passes import channels_last
-from hgrt.relay_passes.context import BuildContext
-from hgrt.relay_passes.onednn_blob import (
+from hgrt.relay_passes.inner import channels_last
+from hgrt.relay_passes.inner.onednn_chains import (
+    Chain,
+    ChainGraph,
+    check_choices,
+    find_chains,
+    header,
+)
+from hgrt.relay_passes.util.context import BuildContext
+from hgrt.relay_passes.util.onednn_blob import (
     ALGO,
     HEADER_INT64,
     HEADER_SLOTS,
@@ -57,8 +64,7 @@ from hgrt.relay_passes.onednn_blob import (
     make_header,
     winograd_growth,
 )
-from hgrt.relay_passes.onednn_chains import Chain, ChainGraph, check_choices, find_chains, header
-from hgrt.relay_passes.onednn_policy import (
+from hgrt.relay_passes.util.onednn_policy import (
     AUTO_MIN_MACS,
     KERNELS,
     WINOGRAD_SHARE,
@@ -69,8 +75,8 @@ from hgrt.relay_passes.onednn_policy import (
     weight_room,
     winograd_pays,
 )
-from hgrt.relay_passes.pipeline import contract
-from hgrt.relay_passes.relax_util import bindings
+from hgrt.relay_passes.util.pipeline import contract
+from hgrt.relay_passes.util.relax_util import bindings
 
 # the blob format and the provider policy, re-exported where importers have long found them
 __all__ = ["ALGO", "AUTO_MIN_MACS", "FUNC_NAME", "HEADER_INT64", "HEADER_SLOTS",

@@ -24,9 +24,9 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from hgrt.relay_passes.context import BuildContext
-from hgrt.relay_passes.pipeline import contract
-from hgrt.relay_passes.relax_util import MainReader, bindings, op_name, reads_only_item0
+from hgrt.relay_passes.util.context import BuildContext
+from hgrt.relay_passes.util.pipeline import contract
+from hgrt.relay_passes.util.relax_util import MainReader, bindings, op_name, reads_only_item0
 
 
 def _affine(call: relax.Call, values: list[np.ndarray | None], channels: int
@@ -102,6 +102,20 @@ def fold_batch_norm(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     if not folds:
         return mod
 
+    body = _rewritten(func, folds, taken)
+    params = w.kept_params(func, body, folded_stats)  # those only folded ones read: gone
+    new = mod.clone()
+    new.update_func(new.get_global_var("main"), relax.Function(
+        params + new_params, body, func.ret_ty, func.is_pure, func.attrs))
+    ctx.log(f"fold_batch_norm: {len(folds)} batch norms as x * scale + shift")
+    return new
+
+
+def _rewritten(func: relax.Function,
+               folds: dict[relax.Var, tuple[relax.Expr, relax.Var, relax.Var]],
+               taken: set[str]) -> relax.SeqExpr:
+    """``func``'s body with each batch norm of ``folds`` (its var -> x, scale, shift) as
+    ``x * scale`` and its item 0 as ``+ shift``; names it makes join ``taken``."""
     bb = relax.BlockBuilder()
     blocks = []
     scaled: dict[relax.Var, relax.Var] = {}
@@ -126,10 +140,4 @@ def fold_batch_norm(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
             else:
                 out.append(b)
         blocks.append(type(block)(out))
-    body = relax.SeqExpr(blocks, func.body.body)
-    params = w.kept_params(func, body, folded_stats)  # those only folded ones read: gone
-    new = mod.clone()
-    new.update_func(new.get_global_var("main"), relax.Function(
-        params + new_params, body, func.ret_ty, func.is_pure, func.attrs))
-    ctx.log(f"fold_batch_norm: {len(folds)} batch norms as x * scale + shift")
-    return new
+    return relax.SeqExpr(blocks, func.body.body)

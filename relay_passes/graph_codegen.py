@@ -19,10 +19,10 @@ from tvm import relax
 from hgrt.devices import cpu_requirements
 from hgrt.errors import BuildError
 from hgrt.graph import COPY_FUNC, NOP_FUNC, Graph, Node
-from hgrt.relay_passes.context import BuildContext
-from hgrt.relay_passes.lower import VIEW_OPS, binding_devices
-from hgrt.relay_passes.pipeline import contract, located
-from hgrt.relay_passes.relax_util import (
+from hgrt.relay_passes.util.context import BuildContext
+from hgrt.relay_passes.util.lowered import VIEW_OPS, binding_devices
+from hgrt.relay_passes.util.pipeline import contract, located
+from hgrt.relay_passes.util.relax_util import (
     CALL_DPS_PACKED,
     CALL_TIR,
     TO_VDEVICE,

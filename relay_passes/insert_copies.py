@@ -23,9 +23,9 @@ import tvm
 from tvm import relax
 
 from hgrt.errors import BuildError
-from hgrt.relay_passes.context import BuildContext, param_identifier
-from hgrt.relay_passes.pipeline import contract, located
-from hgrt.relay_passes.relax_util import bindings, called, moved_to, site, static_dims
+from hgrt.relay_passes.util.context import BuildContext, param_identifier
+from hgrt.relay_passes.util.pipeline import contract, located
+from hgrt.relay_passes.util.relax_util import bindings, called, moved_to, site, static_dims
 
 # calls that have no graph form, and why
 _READ_SHAPE = ("the shape is data-dependent (read from {args} at run time) and hgrt plans "

@@ -29,10 +29,10 @@ from tvm import relax
 
 from hgrt.devices import DeviceSpec, resolve_device
 from hgrt.errors import BuildError, did_you_mean
-from hgrt.relay_passes.auto_place import auto_place, read_rates
-from hgrt.relay_passes.context import BuildContext, PlacementRow
-from hgrt.relay_passes.pipeline import contract
-from hgrt.relay_passes.relax_util import (
+from hgrt.relay_passes.inner.auto_place import auto_place, read_rates
+from hgrt.relay_passes.util.context import BuildContext, PlacementRow
+from hgrt.relay_passes.util.pipeline import contract
+from hgrt.relay_passes.util.relax_util import (
     HINT_ON_DEVICE,
     TO_VDEVICE,
     bindings,

@@ -38,10 +38,10 @@ import tvm
 from tvm import relax
 
 from hgrt.devices import is_cpu
-from hgrt.relay_passes.context import BuildContext, PlacementRow
-from hgrt.relay_passes.pipeline import contract
-from hgrt.relay_passes.relax_util import MainReader, bindings, op_name
-from hgrt.relay_passes.relax_util import float32_shape as _shape
+from hgrt.relay_passes.util.context import BuildContext, PlacementRow
+from hgrt.relay_passes.util.pipeline import contract
+from hgrt.relay_passes.util.relax_util import MainReader, bindings, op_name
+from hgrt.relay_passes.util.relax_util import float32_shape as _shape
 
 
 @dataclass
@@ -184,6 +184,17 @@ def split_concat(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     for v in gone:
         if v is not None:
             ctx.placed.op_device.pop(v.name, None)
+    body = _replaced(func, gone, replaced)
+    params = w.kept_params(func, body, old_weights)  # those only the split ones read: gone
+    new = mod.clone()
+    new.update_func(new.get_global_var("main"), relax.Function(
+        params + new_params, body, func.ret_ty, func.is_pure, func.attrs))
+    return new
+
+
+def _replaced(func: relax.Function, gone: set[relax.Var | None],
+              replaced: dict[relax.Var, list[relax.VarBinding]]) -> relax.SeqExpr:
+    """``func``'s body without the bindings of ``gone``, each of ``replaced`` by its list."""
     blocks = []
     for block in func.body.blocks:
         kept = []
@@ -192,9 +203,4 @@ def split_concat(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
                 continue
             kept.extend(replaced.get(b.var, [b]))
         blocks.append(type(block)(kept))
-    body = relax.SeqExpr(blocks, func.body.body)
-    params = w.kept_params(func, body, old_weights)  # those only the split ones read: gone
-    new = mod.clone()
-    new.update_func(new.get_global_var("main"), relax.Function(
-        params + new_params, body, func.ret_ty, func.is_pure, func.attrs))
-    return new
+    return relax.SeqExpr(blocks, func.body.body)

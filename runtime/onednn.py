@@ -6,7 +6,7 @@ once per machine with ``tvm_ffi.cpp`` (g++ and ninja) into one library in
 moves the cache) and loaded. Loading registers global functions: ``hgrt.onednn.conv2d`` and
 ``hgrt.onednn.dense`` are the kernels that graph nodes name (the executor falls back to
 global functions for names its library lacks, ``kernel_function``); ``hgrt.onednn.pack``
-packs weights at build (``relay_passes/onednn_blob.py`` defines the header,
+packs weights at build (``relay_passes/util/onednn_blob.py`` defines the header,
 ``onednn_blob.h`` is generated from it).
 
 >>> from hgrt.runtime import onednn
@@ -204,7 +204,7 @@ def nhwc_tag() -> int:
 
 def blob_format() -> dict[str, int]:
     """The blob header's format as the loaded shim was compiled with it, every number by name:
-    what ``relay_passes/onednn_blob.py``'s ``blob_format()`` says, when the two agree."""
+    what ``relay_passes/util/onednn_blob.py``'s ``blob_format()`` says, when the two agree."""
     lines = str(_call("blob_format")).splitlines()
     return {name: int(value) for name, _, value in (line.partition("=") for line in lines)}
 

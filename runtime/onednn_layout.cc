@@ -1,4 +1,4 @@
-// hgrt's oneDNN kernels without weights, on the NHWC tensors that relay_passes/channels_last.py
+// hgrt's oneDNN kernels without weights, on the NHWC tensors that relay_passes/inner/channels_last.py
 // keeps between oneDNN kernels: concat, pooling, channel shuffle, LRN, the per-channel affine
 // of claim_affine, and the reorder back to NCHW. No blob: the shapes are the tensors', the
 // attributes a small tensor; a primitive per shapes, attributes and thread count (Cached).

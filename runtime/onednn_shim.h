@@ -8,7 +8,7 @@
 //   onednn_layout.cc      the weightless NHWC kernels: concat, pool, shuffle, LRN, affine and
 //                         the reorder back to NCHW
 // into one library. The blob header's slots and codes come from onednn_blob.h, generated from
-// relay_passes/onednn_blob.py.
+// relay_passes/util/onednn_blob.py.
 #pragma once
 
 #include <oneapi/dnnl/dnnl.hpp>

@@ -1,4 +1,6 @@
-"""Per-op profiling of a GraphModule: where the time of a run goes, by op and by device.
+"""Per-op profiling of a GraphModule: where the time of a run goes, by op and by device, each
+step named as a person would say it (``op_label``) with its FLOPs and bytes (``node_work``, also
+the cost estimate of the streams, ``runtime/streams.py``).
 
     report = m.profile(repeat=20)
     print(report.table())                    # slowest first
@@ -13,9 +15,47 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from hgrt.graph import COPY_FUNC, node_work, op_label
+import numpy as np
+
+from hgrt.graph import COPY_FUNC, Graph
 from hgrt.lifetimes import VIEW_FUNCS
 from hgrt.runtime.threads import restore_thread_count
+
+
+def node_work(g: Graph, nid: int) -> tuple[float, float]:
+    """FLOPs and bytes (read and written) of node ``nid``'s kernel or copy: the node's ``flops``
+    attr where the compiler knew them (a oneDNN kernel, whose weights are a packed blob), else
+    from its entries' shapes: a convolution's output x its weight's size per output channel, a
+    matmul's output x its reduction length, x2; 0 FLOPs else."""
+    node = g.nodes[nid]
+    out = g.entry_id(nid)
+    ins = [g.entry_id(i, k) for i, k, _ in node.inputs]
+    elems = float(np.prod(g.shapes[out], dtype=np.float64))
+    nbytes = float(sum(g.entry_bytes(e) for e in ins) + g.entry_bytes(out))
+    if "flops" in node.attrs:
+        return float(node.attrs["flops"]), nbytes
+    label = op_label(node.func_name or "")
+    if "conv" in label and len(ins) > 1 and len(g.shapes[ins[1]]) > 2:  # (not a packed blob)
+        w = g.shapes[ins[1]]  # OIHW, or blocked by output channels (OIHW16o: O/16, I, H, W, 16)
+        c_out = w[0] * (w[-1] if len(w) > 4 else 1)
+        return 2 * elems * float(np.prod(w, dtype=np.float64)) / c_out, nbytes
+    if ("matmul" in label or "dense" in label) and ins and g.shapes[ins[0]]:
+        return 2 * elems * g.shapes[ins[0]][-1], nbytes
+    return 0.0, nbytes
+
+
+def op_label(func_name: str) -> str:
+    """A kernel's function name as a person would say it: ``fused_conv2d3_add2_llvm_relu2_llvm``
+    → ``conv2d+add+relu``."""
+    parts = [p for p in func_name.split("_") if p not in ("fused", "llvm", "cuda", "")]
+    words: list[str] = []
+    for p in parts:
+        p = p.rstrip("0123456789") or p
+        if p in ("dims", "dim", "to", "pool2d", "2d") and words:  # expand_dims, broadcast_to
+            words[-1] += "_" + p
+        elif not words or words[-1] != p:
+            words.append(p)
+    return "+".join(words)[:40]
 
 
 @dataclass

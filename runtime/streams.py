@@ -17,7 +17,8 @@ import threading
 import time
 import weakref
 
-from hgrt.graph import Graph, node_work
+from hgrt.graph import Graph
+from hgrt.runtime.profiler import node_work
 from hgrt.runtime.threads import set_thread_count
 
 # A stream's kernels on a share of the cores: at 1/k of them a kernel takes ~0.9 k times as

@@ -2,7 +2,13 @@
 
 api (create/load, CLI, build, tune) → rpc → runtime → relay_passes → base (graph, devices,
 lifetimes, errors, artifacts). The scan reads every import statement, lazy ones inside
-functions included, and maps folders onto modules as pyproject.toml's package-dir does.
+functions included, and maps folders (and their sub-packages) onto modules as pyproject.toml's
+package-dir does.
+
+Also kept here: the shape of the folder of passes (each pass of ``hgrt.compiler.PASSES`` in a
+file of its own, named after it, in ``relay_passes/`` or, after ``graph_codegen``,
+``relay_passes/graph/``; nothing else there; ``inner/`` and ``util/`` below the passes) and the
+size of the product's files (600 lines at most) and functions (80 lines at most).
 """
 
 from __future__ import annotations
@@ -13,12 +19,18 @@ import os
 import tomllib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BASE = {"hgrt.graph", "hgrt.devices", "hgrt.lifetimes", "hgrt.errors", "hgrt.artifacts"}
+BASE = {"hgrt.graph", "hgrt.graph_checks", "hgrt.devices", "hgrt.lifetimes", "hgrt.errors",
+        "hgrt.artifacts"}
 LAYERS = ("api", "rpc", "runtime", "relay_passes", "base")  # top to bottom
+PRODUCT = ("hgrt", "relay_passes", "runtime", "rpc")  # folders whose .py files are the product
+MAX_FILE_LINES = 600
+MAX_FUNCTION_LINES = 80
+PASSES_PACKAGE = "hgrt.relay_passes"
+GRAPH_PASSES_PACKAGE = "hgrt.relay_passes.graph"  # the passes after graph_codegen
 
 
 def layer_of(module: str) -> str:
-    if module in BASE:
+    if any(module == b or module.startswith(b + ".") for b in BASE):
         return "base"
     for name in ("rpc", "runtime", "relay_passes"):
         if module == f"hgrt.{name}" or module.startswith(f"hgrt.{name}."):
@@ -32,11 +44,17 @@ def product_modules() -> dict[str, str]:
         mapping = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
     modules = {}
     for package, folder in mapping.items():
-        for name in sorted(os.listdir(os.path.join(ROOT, folder))):
-            if name.endswith(".py"):
-                stem = name[:-3]
-                module = package if stem == "__init__" else f"{package}.{stem}"
-                modules[module] = os.path.join(ROOT, folder, name)
+        top = os.path.join(ROOT, folder)
+        for here, dirs, files in os.walk(top):
+            dirs[:] = sorted(d for d in dirs
+                             if os.path.exists(os.path.join(here, d, "__init__.py")))
+            rel = os.path.relpath(here, top)
+            pkg = package if rel == "." else ".".join([package, *rel.split(os.sep)])
+            for name in sorted(files):
+                if name.endswith(".py"):
+                    stem = name[:-3]
+                    module = pkg if stem == "__init__" else f"{pkg}.{stem}"
+                    modules[module] = os.path.join(here, name)
     return modules
 
 
@@ -67,8 +85,19 @@ def import_graph() -> dict[str, set[str]]:
 def test_the_scan_sees_every_layer():
     graph = import_graph()
     assert {layer_of(m) for m in graph} == set(LAYERS)
-    assert "hgrt.relay_passes.lower" in graph and "hgrt.rpc.client" in graph
+    assert "hgrt.relay_passes.legalize_and_fuse" in graph and "hgrt.rpc.client" in graph
     assert "hgrt.runtime.executor" in graph["hgrt.rpc.server"]  # edges across folders are seen
+    assert "hgrt.relay_passes.util.context" in graph  # and modules of sub-packages
+
+
+def test_pyproject_installs_every_package():
+    """``packages`` is a list in pyproject.toml: a sub-package missing from it would be left out
+    of a wheel (an editable install would not show it), and package-dir maps each one so that
+    tools reading package-dir alone see its modules."""
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        setuptools = tomllib.load(f)["tool"]["setuptools"]
+    packages = {m for m, path in product_modules().items() if path.endswith("__init__.py")}
+    assert packages == set(setuptools["packages"]) == set(setuptools["package-dir"])
 
 
 def test_imports_only_point_down():
@@ -111,3 +140,128 @@ def test_no_import_circles():
     circles = [c for c in circles
                if not all(m == c[0] or m.startswith(c[0] + ".") for m in c)]
     assert circles == []
+
+
+# ---- the folder of passes ----------------------------------------------------------------------
+
+def kind_of_pass_module(module: str) -> str:
+    """What a module of hgrt.relay_passes is: "pass" (relay_passes/*.py), "graph pass"
+    (relay_passes/graph/), "inner" (relay_passes/inner/), "util" (relay_passes/util/)."""
+    rest = module[len(PASSES_PACKAGE) + 1:].split(".")
+    if len(rest) == 1:
+        return "pass"
+    return {"graph": "graph pass"}.get(rest[0], rest[0])
+
+
+def pass_file_problems(passes: list[tuple[str, str]], files: list[str]) -> list[str]:
+    """What breaks the rule "each pipeline pass in a file of its own, named after it": ``passes``
+    as (name, module of its function) in pipeline order, ``files`` the modules of
+    relay_passes' pass folders (``relay_passes/*.py`` and ``relay_passes/graph/*.py``, without
+    their ``__init__``)."""
+    names = [n for n, _ in passes]
+    codegen = names.index("graph_codegen") if "graph_codegen" in names else len(names)
+    problems = []
+    homes = set()
+    for i, (name, module) in enumerate(passes):
+        folder = GRAPH_PASSES_PACKAGE if i > codegen else PASSES_PACKAGE
+        want = f"{folder}.{name}"
+        homes.add(want)
+        if module != want:
+            problems.append(f"pass {name!r} is defined in {module}, not in {want}")
+    problems += [f"{m} is in a folder of pipeline passes but holds none of PASSES (move it to "
+                 f"inner/ or util/)" for m in sorted(set(files) - homes)]
+    return problems
+
+
+def pass_folder_modules() -> list[str]:
+    """The modules of relay_passes/*.py and relay_passes/graph/*.py (packages left out)."""
+    return sorted(m for m, path in product_modules().items()
+                  if m.rpartition(".")[0] in (PASSES_PACKAGE, GRAPH_PASSES_PACKAGE)
+                  and not path.endswith("__init__.py"))
+
+
+def test_each_pipeline_pass_lives_in_a_file_of_its_own():
+    from hgrt.compiler import PASSES
+
+    passes = [(name, fn.__module__) for name, fn in PASSES]
+    assert pass_file_problems(passes, pass_folder_modules()) == []
+
+
+def test_the_pass_file_rule_can_fail():
+    good = [("a", "hgrt.relay_passes.a"), ("graph_codegen", "hgrt.relay_passes.graph_codegen"),
+            ("plan", "hgrt.relay_passes.graph.plan")]
+    files = [m for _, m in good]
+    assert pass_file_problems(good, files) == []
+    two_in_one = [("a", "hgrt.relay_passes.a"), ("b", "hgrt.relay_passes.a")]
+    assert pass_file_problems(two_in_one, ["hgrt.relay_passes.a"]) == [
+        "pass 'b' is defined in hgrt.relay_passes.a, not in hgrt.relay_passes.b"]
+    graph_pass_on_top = [("graph_codegen", "hgrt.relay_passes.graph_codegen"),
+                         ("plan", "hgrt.relay_passes.plan")]
+    assert pass_file_problems(graph_pass_on_top, [])[0].startswith(
+        "pass 'plan' is defined in hgrt.relay_passes.plan, not in hgrt.relay_passes.graph.plan")
+    assert pass_file_problems(good, [*files, "hgrt.relay_passes.helper"]) == [
+        "hgrt.relay_passes.helper is in a folder of pipeline passes but holds none of PASSES "
+        "(move it to inner/ or util/)"]
+
+
+def test_inner_passes_and_helpers_import_no_pass():
+    """util/ imports only util/; inner/ imports inner/ and util/: the arrows of relay_passes
+    point from the pipeline passes down to the passes they call and the helpers."""
+    allowed = {"util": {"util"}, "inner": {"inner", "util"}}
+    up = [f"{src} ({kind_of_pass_module(src)}) imports {dst} ({kind_of_pass_module(dst)})"
+          for src, dsts in import_graph().items() if src.startswith(PASSES_PACKAGE + ".")
+          for dst in sorted(dsts) if dst.startswith(PASSES_PACKAGE + ".")
+          and kind_of_pass_module(src) in allowed
+          and kind_of_pass_module(dst) not in allowed[kind_of_pass_module(src)]]
+    assert up == []
+
+
+# ---- sizes -------------------------------------------------------------------------------------
+
+def oversized_in_source(source: str, path: str = "<source>") -> list[str]:
+    """``path`` when ``source`` has more than MAX_FILE_LINES lines, and each function of it
+    (methods and nested functions too) longer than MAX_FUNCTION_LINES, from its ``def`` line to
+    its last."""
+    found = []
+    lines = len(source.splitlines())
+    if lines > MAX_FILE_LINES:
+        found.append(f"{path}: {lines} lines (at most {MAX_FILE_LINES}: split it by idea)")
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = node.end_lineno - node.lineno + 1
+            if length > MAX_FUNCTION_LINES:
+                found.append(f"{path}:{node.lineno}: {node.name}() has {length} lines (at most "
+                             f"{MAX_FUNCTION_LINES})")
+    return found
+
+
+def oversized(root: str = ROOT) -> list[str]:
+    """Every product file, and every function of one, over its size."""
+    found = []
+    for folder in PRODUCT:
+        for here, dirs, files in os.walk(os.path.join(root, folder)):
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+            for name in sorted(files):
+                if name.endswith(".py"):
+                    path = os.path.join(here, name)
+                    with open(path) as f:
+                        found += oversized_in_source(f.read(), os.path.relpath(path, root))
+    return found
+
+
+def test_no_product_file_or_function_is_too_long():
+    assert oversized() == []
+
+
+def test_the_size_scan_names_the_offenders():
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    long_function = f"def long():\n{body}\n"  # the def line + 80: one too many
+    assert oversized_in_source(long_function, "m.py") == [
+        f"m.py:1: long() has {MAX_FUNCTION_LINES + 1} lines (at most {MAX_FUNCTION_LINES})"]
+    method = "class A:\n" + "\n".join("    " + line for line in long_function.splitlines())
+    assert "m.py:2: long()" in oversized_in_source(method, "m.py")[0]
+    assert oversized_in_source(f"def fine():\n{body[:-len(body.splitlines()[-1]) - 1]}\n") == []
+    long_file = "\n".join(f"x{i} = {i}" for i in range(MAX_FILE_LINES + 1))
+    assert oversized_in_source(long_file, "big.py") == [
+        f"big.py: {MAX_FILE_LINES + 1} lines (at most {MAX_FILE_LINES}: split it by idea)"]
+    assert oversized_in_source(long_file.rsplit("\n", 1)[0], "big.py") == []

@@ -188,7 +188,7 @@ def node_cases(tmp_path_factory):
 @pytest.mark.parametrize("placement", ["single", "alternating"])
 @pytest.mark.parametrize("name", NODE_CASES)
 def test_onnx_node_case(node_cases, name, placement):
-    from hgrt.testing import OnnxCase, _read_pb
+    from hgrt.testing.onnx_cases import OnnxCase, _read_pb
 
     data = node_cases / name / "test_data_set_0"
     arrays = {k: [_read_pb(str(p)) for p in sorted(data.glob(f"{k}_*.pb"))]

@@ -1,6 +1,6 @@
-"""Device identity has one home, hgrt/devices.py, kept by a scan of the product's source.
+"""Device identity has one home, the package hgrt/devices/, kept by a scan of the product's source.
 
-Outside that module no code reads or compares DLPack device types (``dlpack_device_type()``,
+Outside that package no code reads or compares DLPack device types (``dlpack_device_type()``,
 ``KDL_*`` codes, ``device_type == 1``, sets of codes), writes a device name by hand
 (``f"{kind}:{index}"``, ``f"cpu:{i}"``), splits a device string (``devices.split(",")``,
 ``name.split(":")``), lists device kinds by name (``("cpu", "cuda", "rocm")``) or defines a
@@ -15,7 +15,7 @@ import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FOLDERS = ("hgrt", "relay_passes", "runtime", "rpc")  # the product (tests and python/ are not)
-HOME = os.path.join("hgrt", "devices.py")
+HOME = os.path.join("hgrt", "devices")  # identity.py, targets.py, host_cpu.py
 KIND_NAMES = {"cpu", "cuda", "gpu", "rocm", "opencl", "vulkan", "metal", "cuda_host"}
 DEVICE_WORDS = ("dev", "kind")  # what a variable holding a device name is called
 INDEX_WORDS = ("index", "device_id", "did")
@@ -44,7 +44,7 @@ def _mentions(node: ast.AST, words: tuple[str, ...]) -> bool:
 def leaks_in_source(source: str, path: str = "<source>",
                     vocabulary: frozenset[str] = frozenset()) -> list[str]:
     """Where ``source`` handles device identity itself; ``vocabulary``: the public functions of
-    hgrt/devices.py, which no other module defines again."""
+    hgrt/devices/, which no other module defines again."""
     found = []
 
     def leak(node: ast.AST, what: str) -> None:
@@ -87,33 +87,52 @@ def leaks_in_source(source: str, path: str = "<source>",
             leak(node, "splits a device string")
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) \
                 and node in tree.body and node.name in vocabulary:
-            leak(node, f"defines {node.name}, a function of hgrt/devices.py, again")
+            leak(node, f"defines {node.name}, a function of hgrt/devices/, again")
+    return found
+
+
+def _python_files(folder: str) -> list[str]:
+    """The .py files under ``folder``, sub-packages included, sorted."""
+    found = []
+    for here, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        found += [os.path.join(here, f) for f in sorted(files) if f.endswith(".py")]
     return found
 
 
 def vocabulary(root: str = ROOT) -> frozenset[str]:
-    """The public functions of hgrt/devices.py."""
-    with open(os.path.join(root, HOME)) as f:
-        tree = ast.parse(f.read())
-    return frozenset(n.name for n in tree.body
-                     if isinstance(n, ast.FunctionDef) and not n.name.startswith("_"))
+    """The public functions of hgrt/devices/."""
+    names = set()
+    for path in _python_files(os.path.join(root, HOME)):
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        names |= {n.name for n in tree.body
+                  if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")}
+    return frozenset(names)
 
 
 def leaks(root: str = ROOT) -> list[str]:
-    """Every place of the product, outside hgrt/devices.py, that handles device identity."""
+    """Every place of the product, outside hgrt/devices/, that handles device identity."""
     words = vocabulary(root)
     found = []
     for folder in FOLDERS:
-        for name in sorted(os.listdir(os.path.join(root, folder))):
-            rel = os.path.join(folder, name)
-            if name.endswith(".py") and rel != HOME:
-                with open(os.path.join(root, rel)) as f:
+        for path in _python_files(os.path.join(root, folder)):
+            rel = os.path.relpath(path, root)
+            if not rel.startswith(HOME + os.sep):
+                with open(path) as f:
                     found += leaks_in_source(f.read(), rel, words)
     return found
 
 
 def test_device_identity_lives_in_hgrt_devices():
     assert leaks() == []
+
+
+def test_the_scan_reads_sub_packages_and_knows_the_home():
+    scanned = {os.path.relpath(p, ROOT)
+               for f in FOLDERS for p in _python_files(os.path.join(ROOT, f))}
+    assert os.path.join("relay_passes", "util", "relax_util.py") in scanned
+    assert {"split_device", "parse_devices", "host_target"} <= vocabulary()
 
 
 def test_the_scan_finds_each_kind_of_leak():

@@ -62,7 +62,7 @@ AVX512_FLAGS = AVX2_FLAGS | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx
 
 def _host(monkeypatch, llvm_cpu: str, flags: set[str]) -> tvm.target.Target:
     monkeypatch.setattr(tvm.target.codegen, "llvm_get_system_cpu", lambda: llvm_cpu)
-    monkeypatch.setattr(hgrt.devices, "cpu_flags", lambda: set(flags))
+    monkeypatch.setattr(hgrt.devices.host_cpu, "cpu_flags", lambda: set(flags))
     return host_target(2)
 
 
@@ -204,7 +204,7 @@ def haswell_db(tmp_path_factory):
     search, the records only need their target)."""
     from tvm.s_tir import meta_schedule as ms
 
-    from hgrt.relay_passes.tuning_db import bare_func, functions_for, open_database
+    from hgrt.relay_passes.inner.tuning_db import bare_func, functions_for, open_database
     from hgrt.tune import fuse_for_tuning
 
     db_dir = str(tmp_path_factory.mktemp("haswell_db"))
@@ -230,7 +230,7 @@ def test_a_named_database_of_another_cpu_is_an_error(haswell_db):
 
 
 def test_apply_database_without_explicit_still_warns(haswell_db):
-    from hgrt.relay_passes.tuning_db import apply_database
+    from hgrt.relay_passes.inner.tuning_db import apply_database
     from hgrt.tune import fuse_for_tuning
 
     mod = fuse_for_tuning(MatmulRelu, [as_target("llvm -mcpu=znver3")])
@@ -278,18 +278,19 @@ def test_a_build_records_what_its_kernels_need_and_create_checks_it(monkeypatch)
     assert needs[0]["arch"] == "x86_64" and {"avx2", "fma"} <= set(needs[0]["features"])
     assert "avx512f" not in needs[0]["features"]
     hgrt.create(built.graph_json, built.lib, [tvm.cpu(0), tvm.cpu(1)])  # fits: haswell flags
-    monkeypatch.setattr(hgrt.devices, "cpu_flags", lambda: AVX2_FLAGS - {"fma"})
+    monkeypatch.setattr(hgrt.devices.host_cpu, "cpu_flags", lambda: AVX2_FLAGS - {"fma"})
     with pytest.raises(DeviceError, match=r"cpu:0: the library was built for fma, which this "
                                           r"CPU lacks"):
         hgrt.create(built.graph_json, built.lib, [tvm.cpu(0), tvm.cpu(1)])
     monkeypatch.setenv("HGRT_CPU_CHECK", "0")  # the user's word against the check
     hgrt.create(built.graph_json, built.lib, [tvm.cpu(0), tvm.cpu(1)])
     monkeypatch.delenv("HGRT_CPU_CHECK")
-    monkeypatch.setattr(hgrt.devices, "cpu_flags", lambda: set())  # no /proc/cpuinfo: trusted
+    # no /proc/cpuinfo: trusted
+    monkeypatch.setattr(hgrt.devices.host_cpu, "cpu_flags", lambda: set())
     hgrt.create(built.graph_json, built.lib, [tvm.cpu(0), tvm.cpu(1)])
     doc = json.loads(built.graph_json)  # an extension this hgrt has no flag name for
     doc["hgrt"]["cpu_needs"][1]["features"].append("avx10.1")
-    monkeypatch.setattr(hgrt.devices, "cpu_flags", lambda: AVX2_FLAGS)
+    monkeypatch.setattr(hgrt.devices.host_cpu, "cpu_flags", lambda: AVX2_FLAGS)
     with pytest.raises(DeviceError, match=r"cpu:1: the library was built for avx10.1"):
         hgrt.create(json.dumps(doc), built.lib, [tvm.cpu(0), tvm.cpu(1)])  # was a KeyError
 

@@ -23,7 +23,7 @@ QUICK = ("squeezenet", "inception_v1", "inception_v2", "resnet50", "shufflenet",
 
 
 def _logits(model, x):
-    from hgrt.testing import _last_layer
+    from hgrt.testing.models import _last_layer
 
     name, _ = _last_layer(model)
     return onnx_reference(model, x, [name])[0]

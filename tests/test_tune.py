@@ -13,8 +13,8 @@ from tvm.script import relax as R
 import hgrt
 from hgrt.devices import host_target
 from hgrt.errors import BuildError
-from hgrt.relay_passes.schedule_cpu import schedule_cpu_functions
-from hgrt.relay_passes.tuning_db import (
+from hgrt.relay_passes.inner.cpu_schedule import schedule_cpu_functions
+from hgrt.relay_passes.inner.tuning_db import (
     TuningProgress,
     apply_database,
     bare_func,

@@ -12,8 +12,8 @@ import pytest
 from hgrt.errors import GraphError, PlanError
 from hgrt.graph import Graph
 from hgrt.lifetimes import Order, align, group_bytes, live_ranges
-from hgrt.relay_passes.assign_streams import assign_streams
-from hgrt.relay_passes.plan_memory import plan_memory, pool_bytes, verify_memory
+from hgrt.relay_passes.graph.assign_streams import assign_streams
+from hgrt.relay_passes.graph.plan_memory import plan_memory, pool_bytes, verify_memory
 from hgrt.testing import GraphBuilder
 
 BIG, SMALL = (1024,), (16,)

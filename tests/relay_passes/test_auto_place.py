@@ -10,8 +10,8 @@ import pytest
 import hgrt
 from hgrt.devices import parse_devices
 from hgrt.frontend import import_model
-from hgrt.relay_passes.context import BuildContext, Weights
 from hgrt.relay_passes.place_devices import place_devices
+from hgrt.relay_passes.util.context import BuildContext, Weights
 from hgrt.testing import assert_close_to, reference, run_hgrt, zoo_input, zoo_model
 
 

@@ -16,7 +16,7 @@ from tvm import relax
 
 import hgrt
 from hgrt.relay_passes import claim_onednn as claim
-from hgrt.relay_passes import onednn_policy
+from hgrt.relay_passes.util import onednn_policy
 from hgrt.runtime import onednn
 from hgrt.testing import (
     alternating,
@@ -166,7 +166,7 @@ def test_a_residual_add_writes_over_its_residual_where_it_dies():
     import dataclasses
 
     from hgrt.graph import Graph
-    from hgrt.relay_passes.plan_memory import plan_memory
+    from hgrt.relay_passes.graph.plan_memory import plan_memory
 
     res = _check(_bottleneck_onnx())
     g = res.graph
@@ -674,7 +674,7 @@ def test_the_default_build_plans_at_most_1_1x_the_bytes_of_tvm_kernels(name):
 def test_the_profiler_counts_a_tvm_convolutions_flops_whatever_its_weight_layout():
     """TVM's CPU schedule blocks a convolution's weight by output channels (OIHW16o: O/16, I,
     H, W, 16): its FLOPs are the output x the weight's size per output channel, not x 16."""
-    from hgrt.graph import node_work, op_label
+    from hgrt.runtime.profiler import node_work, op_label
 
     res = hgrt.build(conv_onnx(c=8, oc=32, hw=9, k=3, bias=True, relu=True), ["cpu"],
                      kernels="tvm")

@@ -14,8 +14,8 @@ from tvm import relax
 
 import hgrt
 from hgrt.devices import vector_isa
-from hgrt.relay_passes.prepack_weights import pack_output_channels
-from hgrt.relay_passes.schedule_cpu import schedule_cpu_functions
+from hgrt.relay_passes.inner.cpu_schedule import schedule_cpu_functions
+from hgrt.relay_passes.inner.prepack_weights import pack_output_channels
 from hgrt.testing import reference, run_hgrt, run_lowered_vm
 
 AVX2 = {"kind": "llvm", "mcpu": "haswell", "num-cores": 2}
@@ -109,7 +109,7 @@ def test_grouped_convs_are_tiled_within_a_group(target, groups):
     (AVX512, 2, 56, (2, 7)),
 ])
 def test_the_register_tile_fits_the_isa(target, blocks, width, tile):
-    conv_tile = sys.modules["hgrt.relay_passes.schedule_cpu"]._conv_tile
+    conv_tile = sys.modules["hgrt.relay_passes.inner.cpu_schedule_conv"]._conv_tile
     isa = vector_isa(tvm.target.Target(target))
     vectors, row = conv_tile(blocks, width, isa)
     assert (vectors, row) == tile
@@ -134,7 +134,7 @@ def test_a_weight_that_is_not_constant_is_repacked_by_the_kernel():
         with bb.dataflow():
             y = bb.emit_output(relax.op.nn.relu(relax.op.nn.conv2d(x, w, padding=1)))
         bb.emit_func_output(y)
-    from hgrt.relay_passes.lower import lowering_passes
+    from hgrt.relay_passes.legalize_and_fuse import lowering_passes
 
     mod = bb.get()
     with tvm.transform.PassContext(opt_level=3):
@@ -309,7 +309,7 @@ def test_pointwise_convs_with_large_weights_read_each_weight_once(target, channe
     from tvm import s_tir
 
     from hgrt.compiler import lower_model
-    from hgrt.relay_passes.schedule_cpu import default_schedule_trace
+    from hgrt.relay_passes.inner.cpu_schedule import default_schedule_trace
 
     if not _runs_here(target):
         pytest.skip(f"this CPU cannot run {target['mcpu']} code")
@@ -357,7 +357,7 @@ def test_a_pointwise_conv_that_writes_the_result_flattens_a_copy(target, width):
     from tvm import s_tir
 
     from hgrt.compiler import lower_model
-    from hgrt.relay_passes.schedule_cpu import default_schedule_trace
+    from hgrt.relay_passes.inner.cpu_schedule import default_schedule_trace
 
     if not _runs_here(target):
         pytest.skip(f"this CPU cannot run {target['mcpu']} code")
@@ -384,9 +384,9 @@ def test_a_pointwise_conv_that_writes_the_result_flattens_a_copy(target, width):
     assert trace is not None and "pad_einsum" in str(trace) if width == 27 else True
     replay = s_tir.Schedule(func)
     trace.apply_to_schedule(replay, remove_postproc=False)
-    schedule_cpu = importlib.import_module("hgrt.relay_passes.schedule_cpu")
+    cpu_schedule = importlib.import_module("hgrt.relay_passes.inner.cpu_schedule")
     tgt = tvm.target.Target(target)
-    direct, _, _ = schedule_cpu._default_schedule(func, vector_isa(tgt), schedule_cpu._cores(tgt))
+    direct, _, _ = cpu_schedule._default_schedule(func, vector_isa(tgt), cpu_schedule._cores(tgt))
     tvm.ir.assert_structural_equal(replay.mod, direct.mod)
 
 
@@ -405,7 +405,8 @@ def test_grouped_pointwise_convs_are_a_matrix_product_per_group(target, channels
     output channels of one group x vectors of pixels (weight packed ``_oc<rows>``); where a
     group is whole vectors, the channel-vector tile stays (``_oc<lanes>``)."""
     from hgrt.compiler import lower_model
-    from hgrt.relay_passes.schedule_cpu import PEEL_HINT, default_schedule_trace
+    from hgrt.relay_passes.inner.cpu_schedule import default_schedule_trace
+    from hgrt.relay_passes.inner.cpu_schedule_conv import PEEL_HINT
 
     if not _runs_here(target):
         pytest.skip(f"this CPU cannot run {target['mcpu']} code")

@@ -16,7 +16,7 @@ from hgrt.relay_passes import (
     parse_devices,
     place_devices,
 )
-from hgrt.relay_passes.context import Weights
+from hgrt.relay_passes.util.context import Weights
 
 
 @I.ir_module

@@ -137,7 +137,7 @@ def test_the_join_of_two_devices_is_a_kernel_of_its_own(kernels):
         pytest.skip(onednn.unavailable_reason())
     model, x = _two_branches()
     from hgrt.frontend import import_model
-    from hgrt.relay_passes.relax_util import bindings, op_name
+    from hgrt.relay_passes.util.relax_util import bindings, op_name
 
     mod, _ = import_model(model, None, None)
     on_b = []

@@ -20,8 +20,8 @@ import hgrt
 from hgrt import compiler
 from hgrt.errors import BuildError, PlanError
 from hgrt.relay_passes import run_passes
-from hgrt.relay_passes.context import BuildContext
-from hgrt.relay_passes.pipeline import CONTEXT_FIELDS, check_order, contract
+from hgrt.relay_passes.util.context import BuildContext
+from hgrt.relay_passes.util.pipeline import CONTEXT_FIELDS, check_order, contract
 from hgrt.runtime import onednn
 from hgrt.testing import alternating, conv_model
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hgrt.errors import GraphError, PlanError
 from hgrt.graph import COPY_FUNC, NOP_FUNC, Graph, Node
 from hgrt.lifetimes import ALIGN, memory_report
-from hgrt.relay_passes.plan_memory import plan_memory, verify_memory
+from hgrt.relay_passes.graph.plan_memory import plan_memory, verify_memory
 
 
 def offer(k: str) -> dict[str, str]:

@@ -11,7 +11,7 @@ import tvm
 from tvm import tirx
 
 from hgrt.devices import host_target
-from hgrt.relay_passes.schedule_cpu import schedule_cpu_functions
+from hgrt.relay_passes.inner.cpu_schedule import schedule_cpu_functions
 from hgrt.testing import fused_module, input_shape, run_lowered_vm
 from hgrt.zoo import light_model
 

@@ -12,7 +12,7 @@ from tvm import relax
 import hgrt
 from hgrt.compiler import lower_model
 from hgrt.frontend import import_model
-from hgrt.relay_passes.relax_util import op_name
+from hgrt.relay_passes.util.relax_util import op_name
 from hgrt.testing import onnx_inputs, run_hgrt
 
 

@@ -224,7 +224,7 @@ def test_load_missing_artifact_names_file(tmp_path):
 def _offset_chain():
     """x -> six add_one kernels, memory planned: entries at byte offsets of one pool."""
     from hgrt.graph import Graph
-    from hgrt.relay_passes.plan_memory import plan_memory
+    from hgrt.relay_passes.graph.plan_memory import plan_memory
 
     g = GraphBuilder()
     v = g.input("x", dev=0)

@@ -14,8 +14,8 @@ import tvm
 
 import hgrt
 from hgrt.graph import Graph
-from hgrt.relay_passes.assign_streams import assign_streams
-from hgrt.relay_passes.plan_memory import plan_memory
+from hgrt.relay_passes.graph.assign_streams import assign_streams
+from hgrt.relay_passes.graph.plan_memory import plan_memory
 from hgrt.runtime.streams import step_cost
 from hgrt.testing import GraphBuilder, N, elementwise_lib
 

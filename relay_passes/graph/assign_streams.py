@@ -33,9 +33,9 @@ import numpy as np
 from hgrt.errors import BuildError, did_you_mean
 from hgrt.graph import Graph
 from hgrt.lifetimes import Order, entry_writers, runs
-from hgrt.relay_passes.context import BuildContext
-from hgrt.relay_passes.pipeline import contract
-from hgrt.relay_passes.plan_memory import pool_bytes
+from hgrt.relay_passes.graph.plan_memory import pool_bytes
+from hgrt.relay_passes.util.context import BuildContext
+from hgrt.relay_passes.util.pipeline import contract
 
 MEMORY_SLACK = 0.10  # extra streams may grow a device's pool by this much over sequential
 

@@ -30,8 +30,8 @@ from hgrt import devices as hdev
 from hgrt.errors import DeviceError
 from hgrt.graph import CONCAT_FUNC, Graph, Node, concat_problem
 from hgrt.lifetimes import runs
-from hgrt.relay_passes.context import BuildContext
-from hgrt.relay_passes.pipeline import contract
+from hgrt.relay_passes.util.context import BuildContext
+from hgrt.relay_passes.util.pipeline import contract
 
 # a plain TVM concatenate kernel: ``concatenate``, ``concatenate3_llvm`` (a fused one,
 # ``fused_concatenate_concatenate1``, takes its inputs in another order than its bytes)

@@ -1,4 +1,5 @@
-"""apply_tuning: the schedules ``hgrt tune`` wrote to a database, put back into a fused module.
+"""The tuning database: the schedules ``hgrt tune`` wrote, put back into a fused module
+(``apply_database``, which the ``apply_tuning`` pass runs).
 
 A record applies to a kernel when both its structural hash and its target (kind, mcpu, mattr,
 arch; not the core count) agree. A database tuned for another CPU is an error when the user named
@@ -20,10 +21,8 @@ from tvm import relax, tirx
 
 from hgrt.devices import kind_of
 from hgrt.errors import BuildError
-from hgrt.relay_passes.context import BuildContext
-from hgrt.relay_passes.pipeline import contract
-from hgrt.relay_passes.relax_util import func_target, is_scheduled, prim_funcs
-from hgrt.relay_passes.schedule_cpu import PEEL_HINT, peel_ragged_tiles
+from hgrt.relay_passes.inner.cpu_schedule_conv import PEEL_HINT, peel_ragged_tiles
+from hgrt.relay_passes.util.relax_util import func_target, is_scheduled, prim_funcs
 
 RECORDS_FILE = "database_tuning_record.json"
 
@@ -286,16 +285,3 @@ def apply_database(mod: tvm.IRModule, db_dir: str, *, log: Callable[[str], None]
     if log:
         log(report.summary())
     return (new if report.tuned else mod), report
-
-
-# records match by structural hash and target: the kernels as fused, with their targets
-@contract(reads={"options"}, writes={"lowered"}, after=("assign_targets",))
-def apply_tuning(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
-    """The tuned schedules of ``ctx.options.tuning_db`` (none given: ``mod`` untouched);
-    ``ctx.lowered.tuning`` says which (the ``ApplyReport``)."""
-    if not ctx.options.tuning_db:
-        return mod
-    mod, ctx.lowered.tuning = apply_database(mod, ctx.options.tuning_db, log=ctx.log,
-                                             use_verdicts=ctx.options.tuning_verdicts,
-                                             explicit=True)
-    return mod

@@ -30,8 +30,8 @@ from hgrt.lifetimes import (
     merged_ranges,
     storage_devices,
 )
-from hgrt.relay_passes.context import BuildContext
-from hgrt.relay_passes.pipeline import contract
+from hgrt.relay_passes.util.context import BuildContext
+from hgrt.relay_passes.util.pipeline import contract
 
 
 def _assign_storage(g: Graph, pairs: dict[int, int]) -> list[int]:

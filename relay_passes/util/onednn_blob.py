@@ -5,7 +5,7 @@ the weights in the layout oneDNN chose at build, then the float32 bias. ``make_h
 what a claimed op computes; the shim's ``pack`` fills the layout slots and the checksum. The
 shim reads the same slots through ``runtime/onednn_blob.h``, which this module generates:
 
-    python -m hgrt.relay_passes.onednn_blob > runtime/onednn_blob.h
+    python -m hgrt.relay_passes.util.onednn_blob > runtime/onednn_blob.h
 
 ``tests/runtime/test_blob_format.py`` fails when that file is not what this module generates,
 and when the compiled shim reports another format (``hgrt.onednn.blob_format``). A slot added
@@ -151,8 +151,8 @@ def cpp_header() -> str:
     """The text of ``runtime/onednn_blob.h``: this module's format as the shim's constants and
     enums (``Slot`` ends with ``kUsedSlots``; ``PostOp`` starts with ``kNoPost``), and the
     table ``kBlobFormat`` that ``hgrt.onednn.blob_format`` reports (``blob_format()``)."""
-    lines = ["// The packed-weight blob's header, generated from relay_passes/onednn_blob.py:",
-             "//   python -m hgrt.relay_passes.onednn_blob > runtime/onednn_blob.h",
+    lines = ["// The packed-weight blob's header, generated from relay_passes/util/onednn_blob.py:",
+             "//   python -m hgrt.relay_passes.util.onednn_blob > runtime/onednn_blob.h",
              "// Edit that file and generate this one; tests/runtime/test_blob_format.py compares.",
              "#pragma once", "", "#include <cstdint>", "", "namespace hgrt_onednn {", ""]
     for _, ctype, name, value in _constants():

@@ -11,7 +11,7 @@ import tvm
 from tvm import relax, tirx
 
 from hgrt.devices import DeviceSpec, resolve_dl_device
-from hgrt.relay_passes.context import BuildContext
+from hgrt.relay_passes.util.context import BuildContext
 
 CALL_TIR = "relax.call_tir"
 CALL_DPS_PACKED = "relax.call_dps_packed"  # a kernel that is a global function (claim_onednn)

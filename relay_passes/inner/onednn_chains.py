@@ -21,11 +21,11 @@ import numpy as np
 from tvm import relax
 
 from hgrt.errors import BuildError
-from hgrt.relay_passes import channels_last
-from hgrt.relay_passes.context import BuildContext
-from hgrt.relay_passes.onednn_blob import MAX_POST_OPS, SLOT, make_header
-from hgrt.relay_passes.onednn_policy import Kernels, runs_onednn
-from hgrt.relay_passes.relax_util import (
+from hgrt.relay_passes.inner import channels_last
+from hgrt.relay_passes.util.context import BuildContext
+from hgrt.relay_passes.util.onednn_blob import MAX_POST_OPS, SLOT, make_header
+from hgrt.relay_passes.util.onednn_policy import Kernels, runs_onednn
+from hgrt.relay_passes.util.relax_util import (
     MainReader,
     bindings,
     copied_in,
@@ -35,7 +35,7 @@ from hgrt.relay_passes.relax_util import (
     reads_only_item0,
     scalar,
 )
-from hgrt.relay_passes.relax_util import float32_shape as _shape
+from hgrt.relay_passes.util.relax_util import float32_shape as _shape
 
 
 @dataclass
@@ -133,7 +133,8 @@ def _add(g: ChainGraph, c: Chain, b: relax.VarBinding) -> bool:
     elif (isinstance(other, relax.Var) and _shape(other) == _shape(c.end) and c.residual is None
           and len(c.post) < MAX_POST_OPS and other not in g.copied):
         # (a residual copied from another device would make this kernel wait for that
-        # device: the add of two devices' work stays a TVM kernel of its own, lower.py)
+        # device: the add of two devices' work stays a TVM kernel of its own,
+        # inner/lowering_rewrites.py)
         c.residual, c.residual_at, c.label = other, b.var, [*c.label, "add"]
         c.post.append(("sum", 0.0, 0.0))
     else:

@@ -21,8 +21,8 @@ import numpy as np
 
 from hgrt.devices import resolve_device
 from hgrt.errors import BuildError
-from hgrt.relay_passes.context import BuildContext
-from hgrt.relay_passes.onednn_blob import (
+from hgrt.relay_passes.util.context import BuildContext
+from hgrt.relay_passes.util.onednn_blob import (
     HEADER_SLOTS,
     KIND,
     MAX_POST_OPS,
@@ -30,7 +30,7 @@ from hgrt.relay_passes.onednn_blob import (
     SLOT,
     winograd_growth,
 )
-from hgrt.relay_passes.relax_util import MainReader, match_op_rule
+from hgrt.relay_passes.util.relax_util import MainReader, match_op_rule
 
 KERNELS = ("auto", "tvm", "onednn")
 _log = logging.getLogger("hgrt.build")

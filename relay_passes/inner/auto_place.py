@@ -21,7 +21,7 @@ from tvm import relax
 
 from hgrt.devices import DeviceSpec
 from hgrt.errors import BuildError
-from hgrt.relay_passes.relax_util import bindings, op_name
+from hgrt.relay_passes.util.relax_util import bindings, op_name
 
 # Rough rates: what a kernel of hgrt's default schedule sustains per device kind.
 RATES = {False: (20e9, 10e9), True: (5e12, 500e9)}  # is_gpu -> (FLOP/s, bytes/s)

@@ -30,7 +30,7 @@ import tvm
 from tvm import relax
 
 from hgrt.errors import BuildError, HgrtError, did_you_mean
-from hgrt.relay_passes.context import BuildContext
+from hgrt.relay_passes.util.context import BuildContext
 
 Pass = Callable[[Any, Any], Any]
 P = TypeVar("P", bound=Pass)
@@ -69,7 +69,7 @@ def contract_of(name: str, fn: Pass) -> Contract:
     declared = getattr(fn, "contract", None)
     if not isinstance(declared, Contract):
         raise BuildError(f"pass {name!r} declares no contract (@contract(reads=..., "
-                         f"writes=..., after=...) in hgrt.relay_passes.pipeline)")
+                         f"writes=..., after=...) in hgrt.relay_passes.util.pipeline)")
     return declared
 
 

@@ -45,7 +45,7 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
-from hgrt.relay_passes.relax_util import HINT_ON_DEVICE, TO_VDEVICE, op_name
+from hgrt.relay_passes.util.relax_util import HINT_ON_DEVICE, TO_VDEVICE, op_name
 
 _log = logging.getLogger("hgrt.build")
 TRANSFORM = "main_transform_params"  # the function LiftTransformParams makes

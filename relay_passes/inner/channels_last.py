@@ -34,8 +34,8 @@ import numpy as np
 from tvm import relax
 
 from hgrt.graph import ONEDNN_PREFIX
-from hgrt.relay_passes.relax_util import bindings, op_name, per_channel, reads_only_item0
-from hgrt.relay_passes.relax_util import float32_shape as _shape
+from hgrt.relay_passes.util.relax_util import bindings, op_name, per_channel, reads_only_item0
+from hgrt.relay_passes.util.relax_util import float32_shape as _shape
 
 UNARY = frozenset({"relax.nn.relu", "relax.clip", "relax.sigmoid", "relax.tanh",
                    "relax.nn.silu", "relax.nn.gelu", "relax.exp", "relax.sqrt", "relax.abs",

@@ -16,8 +16,8 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from hgrt.relay_passes.context import BuildContext
-from hgrt.relay_passes.relax_util import CALL_TIR, bindings, op_name
+from hgrt.relay_passes.util.context import BuildContext
+from hgrt.relay_passes.util.relax_util import CALL_TIR, bindings, op_name
 
 __all__ = ["PACKS", "pack_columns", "pack_output_channels", "prepack", "weight_params"]
 

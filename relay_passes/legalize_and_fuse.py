@@ -1,0 +1,82 @@
+"""legalize_and_fuse: Relax ops → ``R.call_tir`` into fused PrimFuncs.
+
+TVM does the work (``lowering_passes``); fusion never crosses devices because every crossing
+edge is an ``R.to_vdevice`` (not a call_tir). A failure names the op it fails on alone.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+
+from hgrt.relay_passes.inner.lowering_rewrites import (
+    keep_device_joins_apart,
+    reshape_outputs_as_views,
+)
+from hgrt.relay_passes.util.context import BuildContext
+from hgrt.relay_passes.util.pipeline import contract, located
+from hgrt.relay_passes.util.relax_util import (
+    TO_VDEVICE,
+    alone,
+    bindings,
+    op_name,
+    site,
+)
+
+
+def lowering_passes() -> list[tvm.transform.Pass]:
+    """TVM's passes that legalize and fuse a placed module (what ``legalize_and_fuse`` runs)."""
+    return [
+        # inference batch_norm (one fold_batch_norm left: statistics not weights) →
+        # elementwise ops that fuse into the convolution before it
+        relax.transform.DecomposeOpsForInference("main"),
+        relax.transform.CanonicalizeBindings(),  # (y, mean, var)[0] → y: relu may fuse too
+        # reshape(reshape(x, a), b) -> reshape(x, b): two reshapes in a row fuse into one
+        # copying kernel that RewriteDataflowReshape does not see as a view (squeezenet's
+        # mean, kept N,C,1,1, then flattened: 28 us a run for 4 KB); one becomes a view
+        relax.transform.RemoveRedundantReshape(),
+        relax.transform.DeadCodeElimination(["main"]),
+        relax.transform.LegalizeOps(),
+        relax.transform.AnnotateTIROpPattern(),
+        relax.transform.FoldConstant(),
+        keep_device_joins_apart,
+        relax.transform.FuseOps(),
+        relax.transform.FuseTIR(),
+        relax.transform.AnnotateTIROpPattern(),  # the fused kernels' kinds: graph "op_pattern"
+        relax.transform.DeadCodeElimination(["main"]),
+        relax.transform.RewriteDataflowReshape(),  # reshape kernels → views (graph "__nop")
+        reshape_outputs_as_views,
+        # the kernels that became views (here and above): not built, not counted as untuned
+        # by a tuning report (resnet50's flatten)
+        relax.transform.DeadCodeElimination(["main"]),
+    ]
+
+
+# after the passes that rewrite Relax ops (they match the ops lowering replaces) and after
+# insert_copies, whose R.to_vdevice on every crossing edge keeps fusion within a device
+@contract(reads={"devices"}, after=("insert_copies", "split_concat", "claim_onednn",
+                                     "fold_batch_norm", "claim_affine"))
+def legalize_and_fuse(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
+    """``lowering_passes`` under the first device's target; a failure names the op it fails
+    on."""
+    with located(lambda: _failing_op(mod, ctx)):
+        return _lowered(mod, ctx)
+
+
+def _lowered(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
+    with ctx.devices[0].target, tvm.transform.PassContext(opt_level=3):
+        for p in lowering_passes():
+            mod = p(mod)
+    return mod
+
+
+def _failing_op(mod: tvm.IRModule, ctx: BuildContext) -> str:
+    """The first op binding of ``main`` that lowering fails on alone."""
+    for b in bindings(mod["main"]):
+        if op_name(b.value) in (None, TO_VDEVICE):
+            continue
+        try:
+            _lowered(alone(b.value, mod), ctx)
+        except Exception:
+            return site(b, ctx, ctx.device_of_vdevice(getattr(b.var.ty, "vdevice", None)))
+    return "no op fails alone (a fusion of several does)"
