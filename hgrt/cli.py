@@ -198,7 +198,7 @@ def _compile_stages(args: argparse.Namespace, t0: float) -> int:
     res = split(args.model, stages, cuts=args.cut or None, placement=_placement(args),
                 input_shapes=_input_shapes(args.input_shape) or None,
                 tuning_db=args.tuning_db, target=parse_targets(args.target),
-                kernels=_kernels(args))
+                kernels=_kernels(args), link_bytes_per_s=args.stage_link)
     res.save(args.output)
     print(res.report())
     print(f"compiled {args.model} into {k} pipeline stages for {args.device} in "
@@ -408,6 +408,9 @@ def _add_compile_command(sub: argparse._SubParsersAction) -> None:
                    help="cut the pipeline after this op (its binding name; K - 1 of them)")
     c.add_argument("--stage-budget", action="append", type=at_least(1), metavar="BYTES",
                    help="weight bytes a stage may hold (once per stage, in order)")
+    c.add_argument("--stage-link", type=float, default=1.1e8, metavar="BYTES_PER_S",
+                   help="how fast a tensor goes from one stage's board to the next (default "
+                        "1.1e8, Gigabit Ethernet): what a cut's bytes cost in the split")
     c.add_argument("--stage-key", action="append", metavar="KEY",
                    help="the tracker key of the board a stage runs on (once per stage)")
     c.add_argument("-o", "--output", required=True, help="artifact directory")

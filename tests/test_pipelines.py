@@ -181,6 +181,14 @@ def test_the_cli_compiles_stages_and_streams_inputs(tmp_path, capsys):
     with pytest.raises(SystemExit, match="give --rpc-key once per stage"):
         main(["run", str(out), "--random-inputs", "--rpc-tracker", "127.0.0.1:1",
               "--rpc-key", "a"])
+    slow = tmp_path / "slow"  # over a slow link the model input's transfer shrinks stage 0
+    assert main(["compile", str(model), "--device", "cpu", "--stages", "2", "--kernels", "tvm",
+                 "--stage-link", "1e7", "-o", str(slow)]) == 0
+    import json
+
+    stage0 = [json.load(open(d / "pipeline.json"))["stages"][0]["estimated_ms"]
+              for d in (out, slow)]
+    assert stage0[1] < stage0[0], stage0
 
 
 def test_the_public_names_stay_functions_once_their_modules_are_imported():
