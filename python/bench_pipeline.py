@@ -81,9 +81,19 @@ class Boards:
         return hgrt.rpc.connect(tracker=self.tracker, key=self.keys[k], timeout=60)
 
     def stop(self) -> None:
+        """Kill the servers and the tracker with their children (each runs its loop in a
+        worker process of its own, which a kill of the parent alone leaves listening)."""
+        import psutil
+
         for p in reversed(self.procs):
-            p.kill()
+            try:
+                children = psutil.Process(p.pid).children(recursive=True)
+            except psutil.Error:
+                children = []
+            for c in [p, *children]:
+                c.kill()
             p.wait()
+            psutil.wait_procs(children, timeout=10)
 
 
 def _latency_ms(call, x, n: int = 10) -> float:
