@@ -13,17 +13,18 @@ OpenMP team are sized and warm), else another idle one, else a new one; so one c
 from any thread, always lands on the same dispatcher, and ``k`` concurrent callers on ``k``
 dispatchers, each the one master of its pools. An idle dispatcher sleeps on a lock (no spin).
 
-The process's main thread is the one exception: it runs its own calls. It is one thread for the
-life of the process, so its pools stay warm too, and it is the one OpenMP master that libgomp
-lets spin its full count between kernels (every other master gets the throttled count once
-libgomp manages more threads than cores): a hand-off would only add two thread wake-ups (light
-squeezenet's run() 2.9 ms on the main thread, 4.1 ms handed off, beside onnxruntime's blocks in
-``python/bench_models.py``, Intel Xeon, 2 vCPUs).
+The process's main thread hands off too, and so do oneDNN's weight packing at build and load
+(``onednn._call``): libgomp spins only its throttled count (1000 under OMP_WAIT_POLICY=active)
+once it manages more threads than there are cores, that is, as soon as a second thread has been
+the master of a team of every core. With the main thread running its own calls beside a
+dispatcher, light squeezenet from a worker thread took 1.47x and 1.16x its time from the main
+thread (oneDNN kernels, ``python/bench_serving.py --threads``, Intel Xeon, 2 vCPUs, two runs);
+with one team for the process, 0.99-1.00x, resnet50 1.00-1.03x, at the cost of the hand-off
+(about 0.08 ms more for a loop of runs on the main thread, 3.25 against 3.17 ms).
 
 After ``fork()`` the child forgets the parent's dispatchers (their threads do not exist there)
-and starts its own on first use, its main thread included (its OpenMP team was the parent's);
-at interpreter exit they are stopped, and a call made after that gets a ``ClosedError`` instead
-of waiting for a thread that will never run.
+and starts its own on first use; at interpreter exit they are stopped, and a call made after
+that gets a ``ClosedError`` instead of waiting for a thread that will never run.
 """
 
 from __future__ import annotations
@@ -110,7 +111,6 @@ class _Registry:
         self.idle: list[Dispatcher] = []
         self.all: list[Dispatcher] = []
         self.closed = False
-        self.main_runs_itself = True  # (not in a forked child: see the module doc)
 
 
 _registry = _Registry()
@@ -149,11 +149,6 @@ def dispatch(fn: Callable[[], Any], threads: int) -> Any:
     here. On a dispatcher already (a call inside a call), ``fn()`` runs in place."""
     if on_dispatcher():
         return fn()
-    reg = _registry
-    if reg.main_runs_itself and threading.current_thread() is threading.main_thread():
-        if reg.closed:
-            raise ClosedError("hgrt's dispatchers have stopped: the interpreter is exiting")
-        return fn()
     d = _acquire(threads)
     job = _Job(fn)
     try:
@@ -173,7 +168,6 @@ def _forget_after_fork() -> None:
     """In a forked child: the parent's dispatcher threads do not exist here."""
     global _registry
     _registry = _Registry()
-    _registry.main_runs_itself = False
 
 
 def _stop_at_exit() -> None:

@@ -36,7 +36,8 @@ import tvm_ffi
 
 from hgrt.errors import GraphError
 from hgrt.graph import ONEDNN_PREFIX as PREFIX
-from hgrt.runtime.threads import use_all_cores
+from hgrt.runtime.dispatch import dispatch, on_dispatcher
+from hgrt.runtime.threads import process_threads, set_thread_count, use_all_cores
 
 __all__ = ["FUNCTIONS", "INSTALL_HINT", "blob_format", "cache_root", "forget", "implementation",
            "isa", "kernel_function", "layout_name", "load", "nhwc_tag", "pack",
@@ -171,8 +172,19 @@ def forget(ranges: list[tuple[int, int]]) -> None:
 
 
 def _call(name: str, *args):
+    """A shim function run on a dispatcher, as kernels are: its OpenMP work (a weight packed
+    at build or load) never makes another thread an OpenMP master (``runtime/dispatch.py``)."""
     load()
-    return tvm.get_global_func(PREFIX + name)(*args)
+    func = tvm.get_global_func(PREFIX + name)
+    if on_dispatcher():
+        return func(*args)
+    n = process_threads()
+
+    def job():
+        set_thread_count(n)
+        return func(*args)
+
+    return dispatch(job, n)
 
 
 def pack(header: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarray:
