@@ -31,6 +31,7 @@ import json
 import math
 import os
 import queue
+import secrets
 import threading
 import time
 from concurrent.futures import Future
@@ -185,11 +186,18 @@ class _Links:
                 raise InputError(f"transfer='direct': stage {k} is not on a board (an RPC "
                                  f"session); use transfer='client'")
         self.modules, self.boxes, self.client = modules, [], []
+        self.stream = secrets.token_hex(8)  # this pipeline's inputs in the boards' inboxes
         try:
             inboxes = []
             for m in modules:
                 sess = m.session.sess
-                where = json.loads(sess.get_function(INBOX_FUNC)())
+                try:
+                    inbox = sess.get_function(INBOX_FUNC)
+                except Exception as e:  # noqa: BLE001 - an older server: say what to do
+                    raise RemoteError(f"{m.session.name}: the server has no inbox for "
+                                      f"board-to-board transfer (an older hgrt rpc-server?); "
+                                      f"update it, or use transfer='client'") from e
+                where = json.loads(inbox())
                 inboxes.append((server_host(sess) or where["address"], where["port"],
                                 bytes.fromhex(where["token"])))
             for k in range(len(modules) - 1):
@@ -208,7 +216,7 @@ class _Links:
             have = take + [n for n in s["outputs"] if n not in take]
             last = k == len(stages) - 1
             send = [] if last else [n for n in have if n in keep[k]]
-            self.specs.append({"take": take, "outputs": list(s["outputs"]),
+            self.specs.append({"take": take, "outputs": list(s["outputs"]), "stream": self.stream,
                                "inputs": {n: m.get_input_index(n) for n in s["inputs"]},
                                "send": send, "outbox": -1 if last else self.boxes[k],
                                "return": list(outputs) if last else []})
@@ -219,7 +227,7 @@ class _Links:
         their turn (a board's inbox holds them until its stage takes them)."""
         for k, names in enumerate(self.sends):
             for n in names:
-                self.client[k].send(item.seq, n, item.values[n])
+                self.client[k].send(item.seq, n, item.values[n], self.stream)
 
     def run(self, k: int, item: _Item) -> tuple[float, bytes]:
         return self.modules[k].run_stage(item.seq, self.specs[k])
@@ -228,7 +236,7 @@ class _Links:
         """Wake every stage that waits for tensors: it fails with ``why``."""
         for box in self.client:
             try:
-                box.abort(why)
+                box.abort(why, self.stream)
             except HgrtError:
                 pass
 
@@ -439,6 +447,14 @@ class Pipeline:
         self._queues[0].put(_STOP)
         for t in self._threads:
             t.join(timeout=30)
+        for q in self._queues:  # an input submitted as close() began: it gets an answer too
+            while True:
+                try:
+                    item = q.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not _STOP and not item.future.done():
+                    item.future.set_exception(ClosedError("the pipeline was closed"))
         if self.links is not None:
             self.links.close()
         for m in self.modules:

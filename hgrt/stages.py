@@ -310,11 +310,16 @@ def _split_widest(m: _Model, parts: int = 2) -> tuple[tvm.IRModule, dict, str] |
 
     n_in = len(m.inputs)
     weight_params = {p.name: p for p in m.mod["main"].params[n_in:]}
+    readers: dict[str, int] = {}
+    for ws in m.weight_of:
+        for w in ws:
+            readers[w] = readers.get(w, 0) + 1
     found = None
     for i, b in enumerate(m.bindings):
         v = b.value
         if isinstance(v, relax.Call) and op_name(v) == "relax.matmul" \
                 and isinstance(v.args[1], relax.Var) and v.args[1].name in m.weights \
+                and readers.get(v.args[1].name) == 1 \
                 and m.weights[v.args[1].name].ndim == 2 \
                 and m.weights[v.args[1].name].shape[1] >= parts:
             if found is None or m.weights[v.args[1].name].nbytes > found[1]:
@@ -340,7 +345,10 @@ def _split_widest(m: _Model, parts: int = 2) -> tuple[tvm.IRModule, dict, str] |
             for i, b in enumerate(m.bindings):
                 value = _Renamed(mapping).visit_expr(b.value)
                 if i == at:
-                    pieces = [bb.emit(relax.op.matmul(value.args[0], w),
+                    out_dtype = getattr(value.attrs, "out_dtype", None)  # None: the inputs'
+                    out_dtype = None if out_dtype is None or str(out_dtype) == "void" \
+                        else str(out_dtype)
+                    pieces = [bb.emit(relax.op.matmul(value.args[0], w, out_dtype=out_dtype),
                                       name_hint=f"{b.var.name}_part{j}")
                               for j, w in enumerate(block_vars)]
                     value = relax.op.concat(pieces, axis=-1)
@@ -442,6 +450,8 @@ def split(model: Any, stages: int | list[Any], cuts: list[str] | None = None,
                 positions = _cut_points(m, specs, link_bytes_per_s)
                 break
             except BuildError as e:
+                if not any(spec.budget for spec in specs) or "no cut into" not in str(e):
+                    raise  # not a budget that no cut meets: cutting a weight would not help
                 widest = _split_widest(m) if len(split_weights) < MAX_WEIGHT_SPLITS else None
                 if widest is None:
                     raise BuildError(f"{e}; " + (f"even with the weights {split_weights} cut "

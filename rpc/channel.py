@@ -8,10 +8,11 @@ inputs to the inbox of the first stage that reads them, each stage sends what la
 to the next stage's inbox, and only the last stage's outputs come back through RPC. TVM RPC stays
 the control path: it creates the inbox, hands out its port and token, and starts each stage.
 
-An inbox listens on the address its session was reached at, takes only connections that first
-send its 16-byte token (handed out through the session), and checks every frame: a frame is
-``<q I Q`` (input sequence number, header length, payload bytes), a JSON header ``{"name",
-"dtype", "shape"}``, then the payload.
+An inbox listens on the address its session was reached at, serves only the peers the server's
+``--allow`` admits and that first send its 16-byte token (handed out through the session), and
+checks every frame: a frame is ``<q I Q`` (input sequence number, header length, payload bytes),
+a JSON header ``{"name", "dtype", "shape", "stream"}``, then the payload. A stream is one
+pipeline's inputs: an abort stops one stream and drops what it sent, never another's.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -32,59 +34,73 @@ from hgrt.errors import InputError, RemoteError
 FRAME = struct.Struct("<qIQ")
 TOKEN_BYTES = 16
 MAX_HEADER = 4096
+MAX_PAYLOAD = 1 << 32  # bytes of one tensor
+MAX_READERS = 64  # connections an inbox serves at once
 DTYPES = ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16",
           "uint32", "uint64", "bool")
-ABORT = "__abort__"  # a frame of this name: the client stopped the stream (payload: why)
+ABORT = "__abort__"  # a frame of this name: the client stopped its stream (payload: why)
 SESSION_ADDRESS = "127.0.0.1"  # where a session's inbox listens: set to the address its RPC
 #                               connection was reached at, in each session process
+SESSION_ALLOWED: Callable[[str], bool] = lambda host: True  # noqa: E731 - the server's --allow
 TAKE_TIMEOUT = 60.0  # seconds a stage waits for its tensors before saying which did not come
+SEND_TIMEOUT = 60.0  # seconds a send may block on a peer that stopped reading
 
 
-def _recv_exact(conn: socket.socket, n: int, into: memoryview | None = None) -> memoryview:
+class _Closed(Exception):
+    """The peer closed the connection between two frames."""
+
+
+def _recv_exact(conn: socket.socket, n: int, into: memoryview | None = None,
+                frame_start: bool = False) -> memoryview:
     buf = into if into is not None else memoryview(bytearray(n))
     got = 0
     while got < n:
         k = conn.recv_into(buf[got:], n - got)
         if k == 0:
+            if frame_start and got == 0:
+                raise _Closed()
             raise EOFError(f"connection closed after {got} of {n} bytes")
         got += k
     return buf
 
 
-def _read_frame(conn: socket.socket) -> tuple[int, str, np.ndarray]:
-    seq, hlen, nbytes = FRAME.unpack(_recv_exact(conn, FRAME.size))
+def _read_frame(conn: socket.socket) -> tuple[int, str, str, np.ndarray]:
+    seq, hlen, nbytes = FRAME.unpack(_recv_exact(conn, FRAME.size, frame_start=True))
     if hlen > MAX_HEADER:
         raise InputError(f"frame header of {hlen} bytes (at most {MAX_HEADER})")
     try:
         head = json.loads(bytes(_recv_exact(conn, hlen)))
         name, dtype, shape = str(head["name"]), str(head["dtype"]), tuple(head["shape"])
-    except (ValueError, KeyError, TypeError) as e:
+        stream = str(head.get("stream", ""))
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise InputError(f"frame header is not {{name, dtype, shape}} JSON: {e}") from None
     if dtype not in DTYPES:
         raise InputError(f"tensor {name!r}: dtype {dtype!r} is not one of {DTYPES}")
-    if not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise InputError(f"tensor {name!r}: shape {list(shape)} is not a list of sizes")
+    if len(shape) > 8 or not all(isinstance(d, int) and 0 <= d <= MAX_PAYLOAD for d in shape):
+        raise InputError(f"tensor {name!r}: shape {list(shape)[:9]} is not a list of sizes")
     want = math.prod(shape) * np.dtype(dtype).itemsize
-    if nbytes != want:
+    if nbytes != want or nbytes > MAX_PAYLOAD:
         raise InputError(f"tensor {name!r}: {nbytes} payload bytes for {dtype}{list(shape)} "
-                         f"({want} bytes)")
+                         f"({want} bytes; at most {MAX_PAYLOAD})")
     arr = np.empty(shape, dtype)
     _recv_exact(conn, nbytes, memoryview(arr.reshape(-1).view(np.uint8)))
-    return seq, name, arr
+    return seq, stream, name, arr
 
 
 class Inbox:
-    """Where a session's tensors arrive, by input sequence number and name."""
+    """Where a session's tensors arrive, by stream, input sequence number and name."""
 
     def __init__(self, address: str = "127.0.0.1") -> None:
         self.token = secrets.token_bytes(TOKEN_BYTES)
-        self._sock = socket.create_server((address, 0))
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        self._sock = socket.create_server((address, 0), family=family)
         self.address, self.port = self._sock.getsockname()[:2]
-        self._items: dict[int, dict[str, np.ndarray]] = {}
+        self._items: dict[tuple[str, int], dict[str, np.ndarray]] = {}
         self._cond = threading.Condition()
         self._lost: str | None = None  # every sender hung up: why nothing more comes
-        self._abort: str | None = None  # the client stopped the stream: why
+        self._aborted: dict[str, str] = {}  # stream -> why its client stopped it
         self._senders = 0
+        self._readers = threading.BoundedSemaphore(MAX_READERS)
         threading.Thread(target=self._accept_loop, daemon=True, name="hgrt-inbox").start()
 
     def describe(self) -> str:
@@ -97,35 +113,48 @@ class Inbox:
                 conn, peer = self._sock.accept()
             except OSError:
                 return
+            if not SESSION_ALLOWED(peer[0]) or not self._readers.acquire(blocking=False):
+                conn.close()  # not a peer the server serves, or too many at once
+                continue
             threading.Thread(target=self._serve, args=(conn, peer), daemon=True,
                              name="hgrt-inbox-reader").start()
 
     def _serve(self, conn: socket.socket, peer) -> None:
-        with conn:
-            try:
-                conn.settimeout(10.0)
-                if not hmac.compare_digest(bytes(_recv_exact(conn, TOKEN_BYTES)), self.token):
-                    return  # not a sender this RPC session handed its token to
-                conn.settimeout(None)
-            except (OSError, EOFError):
-                return
-            with self._cond:
-                self._senders += 1
-                self._lost = self._abort = None  # a new stream of inputs begins
-            why = None
-            try:
-                while True:
-                    seq, name, arr = _read_frame(conn)
-                    with self._cond:
-                        if name == ABORT:
-                            self._abort = arr.tobytes().decode(errors="replace")
-                        else:
-                            self._items.setdefault(seq, {})[name] = arr
-                        self._cond.notify_all()
-            except EOFError as e:
-                why = None if "after 0 of" in str(e) else f"{peer[0]}:{peer[1]} hung up: {e}"
-            except (OSError, InputError) as e:
-                why = f"{peer[0]}:{peer[1]}: {e}"
+        try:
+            with conn:
+                try:
+                    conn.settimeout(10.0)
+                    if not hmac.compare_digest(bytes(_recv_exact(conn, TOKEN_BYTES)),
+                                               self.token):
+                        return  # not a sender this RPC session handed its token to
+                    conn.settimeout(None)
+                except (OSError, EOFError):
+                    return
+                self._read_all(conn, peer)
+        finally:
+            self._readers.release()
+
+    def _read_all(self, conn: socket.socket, peer) -> None:
+        with self._cond:
+            self._senders += 1
+            self._lost = None  # a sender is here again
+        why = None
+        try:
+            while True:
+                seq, stream, name, arr = _read_frame(conn)
+                with self._cond:
+                    if name == ABORT:
+                        self._aborted[stream] = arr.tobytes().decode(errors="replace")
+                        for key in [k for k in self._items if k[0] == stream]:
+                            del self._items[key]  # what it sent will never be taken
+                    elif stream not in self._aborted:
+                        self._items.setdefault((stream, seq), {})[name] = arr
+                    self._cond.notify_all()
+        except _Closed:
+            pass
+        except Exception as e:  # noqa: BLE001 - a broken stream: say why, keep the inbox
+            why = f"{peer[0]}:{peer[1]}: {type(e).__name__}: {e}"
+        finally:
             with self._cond:
                 self._senders -= 1
                 if why is not None:  # the first broken stream says why nothing more comes
@@ -134,21 +163,24 @@ class Inbox:
                     self._lost = f"the sender at {peer[0]}:{peer[1]} closed its connection"
                 self._cond.notify_all()
 
-    def take(self, seq: int, names: list[str], timeout: float = TAKE_TIMEOUT) -> dict:
-        """The tensors ``names`` of input ``seq``, removed from the inbox; waits for them."""
+    def take(self, seq: int, names: list[str], timeout: float = TAKE_TIMEOUT,
+             stream: str = "") -> dict:
+        """The tensors ``names`` of input ``seq`` of ``stream``, removed from the inbox; waits
+        for them."""
         deadline = time.monotonic() + timeout
+        key = (stream, seq)
         with self._cond:
             while True:
-                have = self._items.get(seq, {})
+                have = self._items.get(key, {})
                 missing = [n for n in names if n not in have]
                 if not missing:
                     got = {n: have.pop(n) for n in names}
                     if not have:
-                        self._items.pop(seq, None)
+                        self._items.pop(key, None)
                     return got
-                if self._abort is not None:
+                if stream in self._aborted:
                     raise RemoteError(f"input {seq}: stopped before {missing} came: "
-                                      f"{self._abort}")
+                                      f"{self._aborted[stream]}")
                 if self._lost is not None and not self._senders:
                     raise RemoteError(f"input {seq}: {missing} never came: {self._lost}")
                 left = deadline - time.monotonic()
@@ -173,19 +205,20 @@ class Outbox:
         self.where = f"{host}:{port}"
         try:
             self._sock = socket.create_connection((host, int(port)), timeout=timeout)
-            self._sock.settimeout(None)
+            self._sock.settimeout(SEND_TIMEOUT)  # a peer that stops reading fails the send
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             self._sock.sendall(token)
         except OSError as e:
             raise RemoteError(f"cannot reach the inbox at {self.where}: {e}") from e
         self._lock = threading.Lock()
 
-    def send(self, seq: int, name: str, value: np.ndarray) -> None:
+    def send(self, seq: int, name: str, value: np.ndarray, stream: str = "") -> None:
         arr = np.ascontiguousarray(value)
         if arr.dtype.name not in DTYPES:
             raise InputError(f"tensor {name!r}: dtype {arr.dtype} cannot be sent")
-        head = json.dumps({"name": name, "dtype": arr.dtype.name,
-                           "shape": list(arr.shape)}).encode()
+        head = json.dumps({"name": name, "dtype": arr.dtype.name, "shape": list(arr.shape),
+                           "stream": stream}).encode()
         with self._lock:
             try:
                 self._sock.sendall(FRAME.pack(int(seq), len(head), arr.nbytes) + head)
@@ -194,9 +227,10 @@ class Outbox:
                 raise RemoteError(f"sending {name!r} of input {seq} to the inbox at "
                                   f"{self.where} failed: {e}") from e
 
-    def abort(self, why: str) -> None:
-        """Wake the receiving session's stage that waits for tensors: it fails with ``why``."""
-        self.send(-1, ABORT, np.frombuffer(why.encode(), np.uint8))
+    def abort(self, why: str, stream: str = "") -> None:
+        """Stop ``stream`` at the receiving session: its stage that waits for tensors fails
+        with ``why``, and what the stream sent there is dropped."""
+        self.send(-1, ABORT, np.frombuffer(why.encode(), np.uint8), stream)
 
     def close(self) -> None:
         try:

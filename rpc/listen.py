@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import errno
+import functools
 import ipaddress
 import itertools
 import logging
@@ -243,6 +244,7 @@ def _session_main(conn: socket.socket, peer: str, cfg: ListenConfig, work) -> No
     _set_log_level(cfg.silent)
     os.chdir(work.path)  # uploads of two sessions never meet
     channel.SESSION_ADDRESS = conn.getsockname()[0]  # a peer reaches its inbox where we were
+    channel.SESSION_ALLOWED = functools.partial(is_allowed, allow=cfg.allow)  # its --allow
     if cfg.session_init is not None:
         cfg.session_init()
     _serve_loop(conn, cfg.load_library, work)

@@ -144,8 +144,9 @@ class RemoteModuleServer:
         (float64), then the bytes of the tensors ``return``, one after another."""
         spec = _stage_spec(spec_json)
         m = self.live
+        stream = str(spec.get("stream", ""))
         got = _inbox().take(int(seq), spec["take"], float(spec.get("timeout",
-                                                                   channel.TAKE_TIMEOUT)))
+                                                                   channel.TAKE_TIMEOUT)), stream)
         t0 = time.perf_counter()
         outs = m.infer({int(i): got[n] for n, i in spec["inputs"].items()})
         values = {**got, **dict(zip(spec["outputs"], outs, strict=True))}
@@ -158,7 +159,7 @@ class RemoteModuleServer:
             if box is None:
                 raise InputError(f"run_stage: no outbox {spec['outbox']} in this RPC session")
             for n in spec["send"]:
-                box.send(int(seq), n, values[n])
+                box.send(int(seq), n, values[n], stream)
         served = np.float64(time.perf_counter() - t0).tobytes()
         return served + b"".join(np.ascontiguousarray(values[n]).tobytes()
                                  for n in spec["return"])
@@ -288,6 +289,7 @@ def _stage_spec(spec_json: str) -> dict:
 
 _INBOX: list[channel.Inbox] = []  # this RPC session's inbox, made when asked for
 _OUTBOXES: dict[int, channel.Outbox] = {}
+_OUTBOX_IDS = itertools.count(1)
 _CHANNEL_LOCK = threading.Lock()
 
 
@@ -312,7 +314,7 @@ def remote_outbox(host: str, port: int, token_hex: str) -> int:
         raise InputError("outbox: the token is not hex") from None
     box = channel.Outbox(str(host), int(port), token)
     with _CHANNEL_LOCK:
-        key = max(_OUTBOXES, default=0) + 1
+        key = next(_OUTBOX_IDS)  # never reused: a late call cannot reach a newer link
         _OUTBOXES[key] = box
     return key
 

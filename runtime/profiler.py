@@ -37,7 +37,8 @@ def node_work(g: Graph, nid: int) -> tuple[float, float]:
     label = op_label(node.func_name or "")
     if "conv" in label and len(ins) > 1 and len(g.shapes[ins[1]]) > 2:  # (not a packed blob)
         w = g.shapes[ins[1]]  # OIHW, or blocked by output channels (OIHW16o: O/16, I, H, W, 16)
-        c_out = w[0] * (w[-1] if len(w) > 4 else 1)
+        blocked = len(w) == len(g.shapes[out]) + 1  # plain weights have the output's rank
+        c_out = w[0] * (w[-1] if blocked else 1)
         return 2 * elems * float(np.prod(w, dtype=np.float64)) / c_out, nbytes
     if ("matmul" in label or "dense" in label) and ins and g.shapes[ins[0]]:
         return 2 * elems * g.shapes[ins[0]][-1], nbytes

@@ -36,7 +36,10 @@ def test_a_sender_without_the_token_is_dropped():
     with pytest.raises(InputError, match="16 bytes"):
         Outbox("127.0.0.1", inbox.port, b"short")
     wrong = Outbox("127.0.0.1", inbox.port, bytes(16))
-    wrong.send(0, "x", np.ones(3, "float32"))
+    try:
+        wrong.send(0, "x", np.ones(3, "float32"))
+    except RemoteError:
+        pass  # the inbox may have closed the connection already
     with pytest.raises(RemoteError, match="did not come"):
         inbox.take(0, ["x"], timeout=0.5)
     inbox.close()
@@ -56,12 +59,15 @@ def test_a_bad_frame_ends_the_stream_with_why(frame, why):
     inbox = Inbox()
     box = Outbox("127.0.0.1", inbox.port, inbox.token)
     box.send(1, "y", np.ones(2, "float32"))
+    inbox.take(1, ["y"], timeout=10)  # the good sender is connected and read
     raw = socket.create_connection(("127.0.0.1", inbox.port))
     raw.sendall(inbox.token + frame)
-    time.sleep(0.3)
+    deadline = time.monotonic() + 10
+    while inbox._lost is None and time.monotonic() < deadline:  # the bad stream was read
+        time.sleep(0.05)
     box.close()  # the good sender leaves too: nothing more can come
     with pytest.raises(RemoteError, match=why.replace("{", r"\{").replace("}", r"\}")):
-        inbox.take(1, ["y", "z"], timeout=5)
+        inbox.take(1, ["z"], timeout=5)
     raw.close()
     inbox.close()
 
@@ -75,4 +81,32 @@ def test_an_abort_wakes_the_waiting_reader():
         inbox.take(3, ["x"], timeout=30)
     assert time.monotonic() - t0 < 5
     box.close()
+    inbox.close()
+
+
+def test_an_abort_stops_one_stream_and_drops_what_it_sent_not_another():
+    """Two pipelines on one board: the abort of one fails its waiting stage and drops its
+    tensors; the other's tensors stay and its stage goes on."""
+    inbox = Inbox()
+    box = Outbox("127.0.0.1", inbox.port, inbox.token)
+    box.send(1, "x", np.ones(2, "float32"), stream="a")
+    box.send(1, "x", np.full(2, 2.0, "float32"), stream="b")
+    box.abort("stage 0 of pipeline a is lost", stream="a")
+    with pytest.raises(RemoteError, match="pipeline a is lost"):
+        inbox.take(2, ["x"], timeout=5, stream="a")
+    np.testing.assert_array_equal(inbox.take(1, ["x"], timeout=5, stream="b")["x"], 2.0)
+    assert inbox.pending() == 0  # stream a's tensor was dropped with its abort
+    box.close()
+    inbox.close()
+
+
+def test_a_peer_the_server_does_not_allow_is_closed_at_once(monkeypatch):
+    from hgrt.rpc import channel
+
+    monkeypatch.setattr(channel, "SESSION_ALLOWED", lambda host: False)
+    inbox = Inbox()
+    raw = socket.create_connection(("127.0.0.1", inbox.port))
+    raw.settimeout(5)
+    assert raw.recv(1) == b""  # closed before a byte is read
+    raw.close()
     inbox.close()
