@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import itertools
 import json
+import logging
 import math
 import os
 import queue
@@ -41,6 +42,7 @@ import numpy as np
 
 from hgrt.errors import ClosedError, ExecutionError, HgrtError, InputError, RemoteError
 
+logger = logging.getLogger("hgrt.pipeline")
 DEPTH = 2  # inputs that may wait before each stage
 TRANSFERS = ("auto", "direct", "client")
 SERVED_KEPT = 256  # the latest stage times kept for stage_ms()
@@ -105,7 +107,8 @@ def load_pipeline(directory: str, sessions: list | None = None, devices: list | 
     """The pipeline saved in ``directory``: stage k on ``sessions[k]`` (an RPC session, e.g.
     ``hgrt.rpc.connect(tracker=..., key=...)``; None: this machine) and ``devices[k]`` (default:
     the devices the stage was built for). ``transfer``: "direct" (board to board), "client"
-    (through this process) or "auto" (direct when every stage is on a board)."""
+    (through this process) or "auto": direct when every stage is on a board and their inboxes
+    can be reached, else through this process (with a warning that says why)."""
     from hgrt.api import load
 
     directory = os.fspath(directory)
@@ -131,6 +134,13 @@ def load_pipeline(directory: str, sessions: list | None = None, devices: list | 
     direct = transfer == "direct" or (transfer == "auto" and all(s is not None
                                                                   for s in sessions))
     try:
+        if direct and transfer == "auto":
+            try:
+                return Pipeline(modules, doc, boards, depth, direct=True)
+            except RemoteError as e:  # boards that cannot reach each other (NAT, a tunnel)
+                logger.warning("pipeline: board-to-board transfer is not possible (%s); the "
+                               "tensors between stages go through this process", e)
+                direct = False
         return Pipeline(modules, doc, boards, depth, direct=direct)
     except BaseException:
         for m in modules:

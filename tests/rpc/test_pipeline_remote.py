@@ -148,3 +148,33 @@ def test_the_first_board_lost_wakes_the_next_one(rpc_env, saved):
     p.close()
     assert time.monotonic() - t1 < 5
     assert all(not t.is_alive() for t in p._threads)
+
+
+def test_boards_whose_inboxes_cannot_be_reached_fall_back_to_the_client(rpc_env, saved,
+                                                                         monkeypatch, caplog):
+    """transfer='auto' over boards behind NAT or a tunnel (their inboxes out of reach): the
+    tensors go through the client, with a warning that says why; 'direct' refuses."""
+    from hgrt.rpc import channel
+
+    model, out = saved
+    procs = [rpc_env.start_server(k) for k in ("board-k", "board-l")]
+
+    def unreachable(self, host, port, token, timeout=10.0):
+        raise hgrt.RemoteError(f"cannot reach the inbox at {host}:{port}: timed out")
+
+    monkeypatch.setattr(channel.Outbox, "__init__", unreachable)
+    x = _inputs(model, 1)[0]
+    sessions = [hgrt.rpc.connect(tracker=rpc_env.tracker, key=k, timeout=30)
+                for k in ("board-k", "board-l")]
+    with pytest.raises(hgrt.RemoteError, match="cannot reach the inbox"):
+        load_pipeline(out, sessions, transfer="direct")
+    del sessions
+    gc.collect()
+    sessions = [hgrt.rpc.connect(tracker=rpc_env.tracker, key=k, timeout=30)
+                for k in ("board-k", "board-l")]
+    with caplog.at_level("WARNING", logger="hgrt.pipeline"):
+        with load_pipeline(out, sessions) as p:
+            assert p.transfer == "client"
+            assert_close_to(p(x), reference(model, x))
+    assert "board-to-board transfer is not possible" in caplog.text
+    del procs
