@@ -294,7 +294,9 @@ def _run_pipeline(args: argparse.Namespace) -> int:
                 pass
             dt = time.perf_counter() - t0
             print(f"{args.repeat} inputs streamed through {n} stages on "
-                  f"{', '.join(p.boards)}: {args.repeat / dt:.1f} inputs/s")
+                  f"{', '.join(p.boards)}: {args.repeat / dt:.1f} inputs/s; ms per input by "
+                  f"stage {', '.join(f'{t:.2f}' for t in p.stage_ms())} (tensors "
+                  f"{'board to board' if p.transfer == 'direct' else 'through this process'})")
     if args.save_output:
         np.savez(args.save_output, *outputs)
         print(f"outputs saved to {args.save_output}")
