@@ -35,7 +35,7 @@ import queue
 import secrets
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 import numpy as np
@@ -171,6 +171,18 @@ def _close_quietly(m: Any) -> None:
     try:
         m.close()
     except HgrtError:
+        pass
+
+
+def _settle(fut: Future, *, result: Any = None, error: BaseException | None = None) -> None:
+    """Answer ``fut`` unless another stage already did (board to board, an input is in two
+    stages' hands at once: the one that fails first answers)."""
+    try:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+    except InvalidStateError:
         pass
 
 
@@ -373,16 +385,16 @@ class Pipeline:
                     self._queues[k + 1].put(_STOP)
                 return
             if self._broken is not None:
-                item.future.set_exception(self._broken)
+                _settle(item.future, error=self._broken)
                 continue
             try:
                 if self.links is not None:
+                    if not last:  # the next board waits for its tensors while this one works
+                        self._queues[k + 1].put(item)
                     served, data = self.links.run(k, item)
                     self._served[k].append(served)
                     if last:
-                        item.future.set_result(self._unpack(data))
-                    else:
-                        self._queues[k + 1].put(item)
+                        _settle(item.future, result=self._unpack(data))
                     continue
                 t0 = time.perf_counter()
                 outs = self.modules[k]({n: item.values[n] for n in self.stages[k]["inputs"]})
@@ -392,7 +404,7 @@ class Pipeline:
                     first = self._broken is None
                     err = self._stage_error(k, e) if first else self._broken
                     self._broken = err
-                item.future.set_exception(err)
+                _settle(item.future, error=err)
                 if first and self.links is not None:
                     self.links.abort(str(err))
                 self._drain(k)
@@ -433,7 +445,7 @@ class Pipeline:
                 if item is _STOP:
                     self._queues[j].put(_STOP)  # (close() waits for it to pass)
                     break
-                item.future.set_exception(self._broken)
+                _settle(item.future, error=self._broken)
 
     def _stage_error(self, k: int, e: BaseException) -> HgrtError:
         where = f"pipeline stage {k} on {self.boards[k]}"
