@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -289,16 +290,28 @@ def _stage_module(m: _Model, plan: StagePlan) -> tuple[tvm.IRModule, dict[str, n
         new = relax.Var(w, weight_params[w].ty)
         mapping[weight_params[w]] = new
         params.append(new)
+    mod = _main_of(params, len(plan.inputs), m.bindings[plan.start:plan.end], mapping,
+                   [originals[t.name] for t in plan.outputs])
+    return mod, {w: m.weights[w] for w in plan.weights}
+
+
+def _main_of(params: list, n_in: int, bindings: list, mapping: dict, outputs: list,
+             rewrite: Callable | None = None) -> tvm.IRModule:
+    """A module whose ``main`` takes ``params`` (the first ``n_in`` its inputs) and re-emits
+    ``bindings`` with the variables of ``mapping`` (extended as it goes), returning ``outputs``.
+    ``rewrite(bb, i, binding, value)`` may replace binding ``i``'s value."""
     bb = relax.BlockBuilder()
-    with bb.function("main", params, attrs={"num_input": len(plan.inputs)}):
+    with bb.function("main", params, attrs={"num_input": n_in}):
         with bb.dataflow():
-            for b in m.bindings[plan.start:plan.end]:
+            for i, b in enumerate(bindings):
                 value = _Renamed(mapping).visit_expr(b.value)
+                if rewrite is not None:
+                    value = rewrite(bb, i, b, value)
                 mapping[b.var] = bb.emit(value, name_hint=b.var.name)
-            outs = [mapping[originals[t.name]] for t in plan.outputs]
+            outs = [mapping[o] for o in outputs]
             result = bb.emit_output(relax.Tuple(outs) if len(outs) > 1 else outs[0])
         bb.emit_func_output(result)
-    return bb.get(), {w: m.weights[w] for w in plan.weights}
+    return bb.get()
 
 
 def _split_widest(m: _Model, parts: int = 2) -> tuple[tvm.IRModule, dict, str] | None:
@@ -339,24 +352,18 @@ def _split_widest(m: _Model, parts: int = 2) -> tuple[tvm.IRModule, dict, str] |
         weights[f"{name}.part{j}"] = c
         block_vars.append(relax.Var(f"{name}.part{j}", relax.TensorType(c.shape, str(c.dtype))))
     params += block_vars
-    bb = relax.BlockBuilder()
-    with bb.function("main", params, attrs={"num_input": n_in}):
-        with bb.dataflow():
-            for i, b in enumerate(m.bindings):
-                value = _Renamed(mapping).visit_expr(b.value)
-                if i == at:
-                    out_dtype = getattr(value.attrs, "out_dtype", None)  # None: the inputs'
-                    out_dtype = None if out_dtype is None or str(out_dtype) == "void" \
-                        else str(out_dtype)
-                    pieces = [bb.emit(relax.op.matmul(value.args[0], w, out_dtype=out_dtype),
-                                      name_hint=f"{b.var.name}_part{j}")
-                              for j, w in enumerate(block_vars)]
-                    value = relax.op.concat(pieces, axis=-1)
-                mapping[b.var] = bb.emit(value, name_hint=b.var.name)
-            outs = [mapping[o] for o in m.outputs]
-            result = bb.emit_output(relax.Tuple(outs) if len(outs) > 1 else outs[0])
-        bb.emit_func_output(result)
-    return bb.get(), weights, name
+
+    def split_matmul(bb, i, b, value):
+        if i != at:
+            return value
+        out_dtype = getattr(value.attrs, "out_dtype", None)  # None: the inputs'
+        out_dtype = None if out_dtype is None or str(out_dtype) == "void" else str(out_dtype)
+        pieces = [bb.emit(relax.op.matmul(value.args[0], w, out_dtype=out_dtype),
+                          name_hint=f"{b.var.name}_part{j}") for j, w in enumerate(block_vars)]
+        return relax.op.concat(pieces, axis=-1)
+
+    mod = _main_of(params, n_in, m.bindings, mapping, m.outputs, split_matmul)
+    return mod, weights, name
 
 
 def plan_stages(m: _Model, cuts: list[int],

@@ -10,6 +10,7 @@ sends is copied before the call returns (it is a non-owning view).
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib.metadata
 import itertools
@@ -287,17 +288,15 @@ def _stage_spec(spec_json: str) -> dict:
     return spec
 
 
-_INBOX: list[channel.Inbox] = []  # this RPC session's inbox, made when asked for
+# The inbox and links of this session process; only its RPC loop (one thread) touches them.
 _OUTBOXES: dict[int, channel.Outbox] = {}
 _OUTBOX_IDS = itertools.count(1)
-_CHANNEL_LOCK = threading.Lock()
 
 
+@functools.cache
 def _inbox() -> channel.Inbox:
-    with _CHANNEL_LOCK:
-        if not _INBOX:
-            _INBOX.append(channel.Inbox(channel.SESSION_ADDRESS))
-        return _INBOX[0]
+    """This RPC session's inbox, made when first asked for."""
+    return channel.Inbox(channel.SESSION_ADDRESS)
 
 
 def remote_inbox() -> str:
@@ -312,17 +311,14 @@ def remote_outbox(host: str, port: int, token_hex: str) -> int:
         token = bytes.fromhex(str(token_hex))
     except ValueError:
         raise InputError("outbox: the token is not hex") from None
-    box = channel.Outbox(str(host), int(port), token)
-    with _CHANNEL_LOCK:
-        key = next(_OUTBOX_IDS)  # never reused: a late call cannot reach a newer link
-        _OUTBOXES[key] = box
+    key = next(_OUTBOX_IDS)  # never reused: a late call cannot reach a newer link
+    _OUTBOXES[key] = channel.Outbox(str(host), int(port), token)
     return key
 
 
 def remote_outbox_close(key: int) -> int:
     """``hgrt.remote.outbox_close``: drop the link ``key`` (unknown ids are ignored)."""
-    with _CHANNEL_LOCK:
-        box = _OUTBOXES.pop(int(key), None)
+    box = _OUTBOXES.pop(int(key), None)
     if box is not None:
         box.close()
     return 0

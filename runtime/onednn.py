@@ -172,31 +172,28 @@ def forget(ranges: list[tuple[int, int]]) -> None:
 
 
 def _call(name: str, *args):
-    """A shim function run on a dispatcher, as kernels are: its OpenMP work (a weight packed
-    at build or load) never makes another thread an OpenMP master (``runtime/dispatch.py``)."""
     load()
-    func = tvm.get_global_func(PREFIX + name)
-    if on_dispatcher():
-        return func(*args)
-    n = process_threads()
-
-    def job():
-        set_thread_count(n)
-        return func(*args)
-
-    return dispatch(job, n)
+    return tvm.get_global_func(PREFIX + name)(*args)
 
 
 def pack(header: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarray:
     """``weight`` (plain OIHW, or OI for dense) and ``bias`` packed for this machine behind
-    ``header`` (int64 slots, ``onednn_blob.HEADER_SLOTS``): the blob a kernel node reads."""
+    ``header`` (int64 slots, ``onednn_blob.HEADER_SLOTS``): the blob a kernel node reads.
+    Packed on a dispatcher, as kernels run: its OpenMP work never makes another thread an
+    OpenMP master (``runtime/dispatch.py``)."""
     cpu = tvm.cpu(0)
     head = tvm.runtime.tensor(np.ascontiguousarray(header, dtype="int64"), cpu)
-    nbytes = int(_call("packed_bytes", head))
-    blob = tvm.runtime.empty((nbytes,), "uint8", cpu)
-    _call("pack", head, tvm.runtime.tensor(np.ascontiguousarray(weight, "float32"), cpu),
-          tvm.runtime.tensor(np.ascontiguousarray(bias, "float32"), cpu), blob)
-    return blob.numpy()
+    w = tvm.runtime.tensor(np.ascontiguousarray(weight, "float32"), cpu)
+    b = tvm.runtime.tensor(np.ascontiguousarray(bias, "float32"), cpu)
+    n = process_threads()
+
+    def job():
+        set_thread_count(n)
+        blob = tvm.runtime.empty((int(_call("packed_bytes", head)),), "uint8", cpu)
+        _call("pack", head, w, b, blob)
+        return blob
+
+    return (job() if on_dispatcher() else dispatch(job, n)).numpy()
 
 
 def implementation(blob: np.ndarray) -> str:
