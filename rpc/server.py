@@ -288,7 +288,7 @@ def _stage_spec(spec_json: str) -> dict:
     return spec
 
 
-# The inbox and links of this session process; only its RPC loop (one thread) touches them.
+# The inbox and links of this RPC session's process; only its RPC loop (one thread) uses them.
 _OUTBOXES: dict[int, channel.Outbox] = {}
 _OUTBOX_IDS = itertools.count(1)
 
