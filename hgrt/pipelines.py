@@ -226,6 +226,7 @@ class _Links:
                 self.boxes.append(int(modules[k].session.sess.get_function(OUTBOX_FUNC)(
                     *inboxes[k + 1][:2], inboxes[k + 1][2].hex())))
             self.client = [channel.Outbox(*where) for where in inboxes]
+            self.inboxes = [f"{host}:{port}" for host, port, _ in inboxes]
         except BaseException:
             self.close()
             raise
@@ -448,8 +449,12 @@ class Pipeline:
                 _settle(item.future, error=self._broken)
 
     def _stage_error(self, k: int, e: BaseException) -> HgrtError:
-        where = f"pipeline stage {k} on {self.boards[k]}"
         why = str(e).removeprefix(f"{self.boards[k]}: ")  # the board is named once
+        if self.links is not None and k + 1 < len(self.modules) \
+                and f"to the inbox at {self.links.inboxes[k + 1]} failed" in why:
+            # the next board stopped taking its tensors: it is the one lost
+            k, why = k + 1, f"stage {k} could not send it its tensors: {why}"
+        where = f"pipeline stage {k} on {self.boards[k]}"
         if isinstance(e, RemoteError | ClosedError) or self.stages[k].get("key") \
                 or "rpc" in type(self.modules[k]).__name__.lower():
             err: HgrtError = RemoteError(f"{where}: {why}")
