@@ -122,7 +122,8 @@ def test_inspect_says_what_onednn_weights_take_against_plain_ones(tmp_path, caps
     assert abs(plain_said - plain / 2**20) < 0.1  # every conv of squeezenet is oneDNN's
     growth = float(re.search(r"add ([\d.]+) MiB", line)[1])
     if winograd == "all":
-        assert "8 Winograd convolutions" in line and growth > plain / 2**20
+        # squeezenet's eight 3x3s but fire2's and fire3's (16 -> 64: too few channels)
+        assert "6 Winograd convolutions" in line and growth > plain / 2**20
     else:  # the default share: at most 10 % of the weights
         assert growth <= 0.1 * plain / 2**20 + 0.05
     assert abs(packed - plain_said - growth) < 0.1 * plain / 2**20
