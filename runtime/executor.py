@@ -30,6 +30,7 @@ from hgrt.errors import (
     did_you_mean,
 )
 from hgrt.graph import Graph
+from hgrt.lifetimes import ALIGN
 from hgrt.runtime.dispatch import dispatch
 from hgrt.runtime.frames import (
     Frame,
@@ -37,6 +38,7 @@ from hgrt.runtime.frames import (
     Step,
     bind_steps,
     copy_tensor,
+    loose_entries,
     zero_copy_view,
 )
 from hgrt.runtime.module_api import (
@@ -46,6 +48,7 @@ from hgrt.runtime.module_api import (
     decode_params,
 )
 from hgrt.runtime.pools import StoragePools
+from hgrt.runtime.step_loop import StepFailed, StepLoop
 from hgrt.runtime.streams import StreamRunner
 from hgrt.runtime.threads import (
     CallBudget,
@@ -80,10 +83,20 @@ class GraphModule(GraphModuleAPI):
     def _bind_steps(self) -> None:
         self.steps: tuple[Step, ...] = bind_steps(self.graph, self.lib, self._storage)
         self._calls = tuple((s.func, s.args) for s in self.steps)
+        self._loose = loose_entries(self.graph, self.steps)
         self._uses: dict[int, list[tuple[int, int]]] = {}  # entry -> (step, argument) using it
         for si, step in enumerate(self.steps):
             for pos, eid in enumerate(step.eids):
                 self._uses.setdefault(eid, []).append((si, pos))
+
+    @property
+    def _calls(self) -> tuple:
+        """The steps as ``(func, args)``, in order (what ``run()`` calls)."""
+        return self._loop.calls
+
+    @_calls.setter
+    def _calls(self, calls: tuple) -> None:
+        self._loop = StepLoop(calls)
 
     def _release(self) -> None:
         def refuse():  # a new error each time: one raised again would pile up tracebacks
@@ -122,7 +135,7 @@ class GraphModule(GraphModuleAPI):
 
     def _run_sequential(self) -> None:
         restore_thread_count()
-        self._run_calls(self._calls)
+        self._run_loop(self._loop)
 
     def _run_streams(self, runner: StreamRunner, record: list | None = None) -> None:
         runner.run(record)
@@ -184,15 +197,13 @@ class GraphModule(GraphModuleAPI):
             max(1, per_dev[stream_dev[s]] // counts[stream_dev[s]])
             for s in range(max(stream_dev) + 1)])
 
-    def _run_calls(self, calls: tuple) -> None:
-        i = 0
+    def _run_loop(self, loop: StepLoop, overrides: tuple = ()) -> None:
         try:
-            for i, (func, args) in enumerate(calls):  # noqa: B007 - i names the fault
-                func(*args)
-        except ClosedError:
-            raise
-        except Exception as e:
-            raise self.execution_error(i, e) from e
+            loop.run(overrides)
+        except StepFailed as failed:
+            if isinstance(failed.cause, ClosedError):
+                raise failed.cause from None
+            raise self.execution_error(failed.step, failed.cause) from failed.cause
 
     # ---- the call API: thread-safe, one frame per call ------------------------------------
     def configure_calls(self, callers: int = 1, threads_per_call: int | None = None,
@@ -250,7 +261,7 @@ class GraphModule(GraphModuleAPI):
             view = self._zero_copy(self._output_eids[i], o, inputs=False)
             if view is not None:
                 bound[self._output_eids[i]] = view
-        self._run_calls(frame.calls_with(bound, self._uses))
+        self._run_loop(frame.loop, frame.overrides(bound, self._uses))
         return self._call_results(frame, bound, outs)
 
     def execution_error(self, step: int, cause: Exception) -> ExecutionError:
@@ -302,7 +313,11 @@ class GraphModule(GraphModuleAPI):
                 self._output_eids.count(eid) != 1 or g.nodes[g.node_of_entry(eid)].op == "null")):
             return None
         return zero_copy_view(value, self.devices[g.entry_device(eid)], g.shapes[eid],
-                              g.dtypes[eid])
+                              g.dtypes[eid], self._align(eid))
+
+    def _align(self, eid: int) -> int:
+        """Bytes a caller's buffer bound to entry ``eid`` must be aligned to."""
+        return np.dtype(self.graph.dtypes[eid]).itemsize if eid in self._loose else ALIGN
 
     @functools.cached_property
     def _viewed(self) -> frozenset[int]:

@@ -21,11 +21,8 @@ spinning long against oneDNN's threads: ``threads.SPIN_COUNT``).
 from __future__ import annotations
 
 import functools
-import hashlib
 import importlib.metadata
-import os
 import platform
-import shutil
 import sys
 import threading
 from pathlib import Path
@@ -36,7 +33,9 @@ import tvm_ffi
 
 from hgrt.errors import GraphError
 from hgrt.graph import ONEDNN_PREFIX as PREFIX
+from hgrt.runtime import native
 from hgrt.runtime.dispatch import dispatch, on_dispatcher
+from hgrt.runtime.native import cache_root
 from hgrt.runtime.threads import process_threads, set_thread_count, use_all_cores
 
 __all__ = ["FUNCTIONS", "INSTALL_HINT", "blob_format", "cache_root", "forget", "implementation",
@@ -73,18 +72,6 @@ def _wheel_paths() -> tuple[str, str] | None:
     return str(header.parents[2]), str(Path(runtime.locate_file(libs[0])).resolve().parent)
 
 
-def _ninja() -> str | None:
-    found = shutil.which("ninja")
-    if found:
-        return found
-    try:
-        import ninja  # the `ninja` wheel of the extra
-    except ImportError:
-        return None
-    path = Path(ninja.BIN_DIR) / "ninja"
-    return str(path) if path.exists() else None
-
-
 def unavailable_reason() -> str | None:
     """Why oneDNN kernels cannot run in this process, or None when they can."""
     if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
@@ -93,43 +80,16 @@ def unavailable_reason() -> str | None:
         return f"oneDNN not installed: {INSTALL_HINT}"
     if _module:
         return None
-    if not shutil.which(os.environ.get("CXX", "g++")):
-        return "no C++ compiler (g++) to build the oneDNN kernels once"
-    if _ninja() is None:
-        return f"ninja is missing to build the oneDNN kernels once: {INSTALL_HINT}"
-    return None
-
-
-def cache_root() -> Path:
-    """Where hgrt keeps what it builds once per machine (``HGRT_CACHE_DIR``, else
-    ~/.cache/hgrt)."""
-    return Path(os.environ.get("HGRT_CACHE_DIR", "~/.cache/hgrt")).expanduser()
-
-
-def _cache_dir(flags: list[str]) -> Path:
-    key = hashlib.sha256()
-    for path in (*SOURCES, *HEADERS):
-        key.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    key.update("\0".join(flags).encode())
-    return cache_root() / f"onednn-{key.hexdigest()[:16]}"
+    missing = native.missing_tools()
+    return None if missing is None else \
+        f"{missing} to build the oneDNN kernels once: {INSTALL_HINT}"
 
 
 def _build_and_load() -> tvm_ffi.Module:
     include, lib = _wheel_paths()  # type: ignore[misc]
-    ldflags = [f"-L{lib}", f"-Wl,-rpath,{lib}", "-ldnnl", "-fopenmp"]
-    cflags = ["-O2", "-fopenmp"]
-    build_dir = _cache_dir([include, *ldflags, *cflags, tvm_ffi.__version__])
-    built = build_dir / "hgrt_onednn.so"
-    if not built.exists():
-        ninja = _ninja()
-        if ninja and not shutil.which("ninja"):  # tvm_ffi runs `ninja` from PATH
-            os.environ["PATH"] = f"{Path(ninja).parent}{os.pathsep}{os.environ['PATH']}"
-        from tvm_ffi import cpp  # pulls in the build tooling only when something is built
-
-        cpp.build("hgrt_onednn", sources=[str(p) for p in SOURCES], extra_cflags=cflags,
-                  extra_ldflags=ldflags, extra_include_paths=[include],
-                  build_directory=str(build_dir))
-    return tvm_ffi.load_module(str(built))
+    return native.build_and_load("hgrt_onednn", SOURCES, HEADERS, cflags=["-O2", "-fopenmp"],
+                                 ldflags=[f"-L{lib}", f"-Wl,-rpath,{lib}", "-ldnnl", "-fopenmp"],
+                                 include=[include])
 
 
 def load() -> tvm_ffi.Module:

@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 from hgrt.relay_passes.util import onednn_blob
-from hgrt.runtime import onednn
+from hgrt.runtime import native, onednn
 
 RUNTIME = onednn.SOURCES[0].parent
 HEADER = RUNTIME / "onednn_blob.h"
@@ -38,21 +38,19 @@ def test_the_generated_slots_sit_where_python_puts_them():
     assert {"kIC", "kPadT", "kPost0", "kPost0Alpha", "kPoolKH", "kPoolOW", "kAlgo"} <= set(names)
 
 
-def test_every_file_of_the_shim_is_compiled_and_in_the_cache_key(tmp_path, monkeypatch):
+def test_every_file_of_the_shim_is_compiled_and_in_the_cache_key(tmp_path):
     assert set(RUNTIME.glob("onednn*.cc")) == set(onednn.SOURCES)
     assert set(RUNTIME.glob("onednn*.h")) == set(onednn.HEADERS)
     copies = []
     for path in (*onednn.SOURCES, *onednn.HEADERS):
         copies.append(tmp_path / path.name)
         shutil.copy(path, copies[-1])
-    n = len(onednn.SOURCES)
-    monkeypatch.setattr(onednn, "SOURCES", tuple(copies[:n]))
-    monkeypatch.setattr(onednn, "HEADERS", tuple(copies[n:]))
-    keys = {onednn._cache_dir(["-O2"])}
+    keys = {native.cache_dir("hgrt_onednn", copies, ["-O2"])}
     for path in copies:
         path.write_text(path.read_text() + "\n")
-        keys.add(onednn._cache_dir(["-O2"]))
+        keys.add(native.cache_dir("hgrt_onednn", copies, ["-O2"]))
     assert len(keys) == 1 + len(copies)
+    assert native.cache_dir("hgrt_onednn", copies, ["-O3"]) not in keys
 
 
 @pytest.mark.skipif(onednn.unavailable_reason() is not None, reason="oneDNN unavailable")

@@ -238,7 +238,7 @@ def test_a_plain_run_uses_every_core_whatever_the_calling_thread_s_pool(rng):
     seen = []
 
     def caller():
-        tvm.get_global_func("runtime.config_threadpool")(-3, 1, threads._CPUS)  # not hgrt's
+        tvm.get_global_func("runtime.config_threadpool")(-3, 1, threads.CPUS)  # not hgrt's
         m.run()
         seen.append(num_threads())
 
