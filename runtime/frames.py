@@ -156,9 +156,9 @@ def zero_copy_view(value: Any, device, shape, dtype: str, align: int = ALIGN):
 def loose_entries(graph: Graph, steps: tuple[Step, ...]) -> frozenset[int]:
     """Entries that only oneDNN kernels read or write: a caller's buffer bound there need not
     start at a multiple of ``ALIGN`` bytes (oneDNN's kernels load unaligned; TVM's may assume
-    the alignment the plan gives and fault without it). numpy's own arrays start at 16 bytes:
-    binding them instead of copying saved light squeezenet's call about 0.15 ms of 3 ms (the
-    600 KB input, then read by the first convolution on both cores)."""
+    the alignment the plan gives and fault without it). numpy's own arrays often start at 16
+    bytes: bound, light squeezenet's 600 KB input is read by its first convolution where the
+    caller left it instead of being copied first."""
     loose: dict[int, bool] = {}
     for s in steps:
         ours = graph.nodes[s.node].func_name.startswith(ONEDNN)

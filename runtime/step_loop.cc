@@ -3,8 +3,7 @@
 // A run is a fixed list of steps (a function and its bound arguments). Called from Python,
 // each step takes the GIL back between kernels; with two or more threads running modules at
 // once they queue for it after every kernel, and a woken waiter pays the wake-up of a sleeping
-// core (tens of microseconds on a VM) up to 80 times per light squeezenet call. Here the whole
-// list is one call that holds no GIL.
+// core (tens of microseconds on a VM). Here the whole list is one call that holds no GIL.
 //
 // hgrt.steps.make(funcs, args, solo, cpus) -> a function `run(step, pos, tensor, ...)`:
 //   funcs[i](*args[i]) for every step, in order; each (step, pos, tensor) triple puts `tensor`

@@ -141,16 +141,17 @@ def winograd_pays(h: np.ndarray, nhwc: int) -> bool:
     direct convolution) and the transforms in proportion to ``ic + oc``: the rule asks
     ``ic * oc / (ic + oc)`` >= 16 over 36 tiles or more, >= 32 over 16-35 tiles (13x13 to 20x20
     outputs), none under 16 (a 7x7 output: the matmul reads its weights, 4x the direct ones,
-    for 4 tiles). On an Intel Xeon (AVX-512, 2 vCPUs, whole light squeezenet, each kernel's
-    median over 200 runs) squeezenet's 16 -> 64 on 55x55 (balance 12.8, 196 tiles) took 236 us
-    as Winograd against 179 us direct, and its 32 -> 128 on 27x27 (balance 25.6) 150 against
-    176 us: hence 16, not 12, over many tiles. Measured in the shim against oneDNN's direct
-    convolution, the kernel timed inside a 3-conv model (2 threads, AMD EPYC: AVX-512 and an AVX2 build alike), us:
-    densenet121's 128 -> 32 on 56x56 976 -> 455 (balance 26; on 28x28 241 -> 114, but on 14x14
-    60 -> 51 (AVX2 79 -> 66) for 4x the weights: left direct), 64 -> 16 on 28x28 68 -> 57 (AVX2
-    66 -> 63; balance 12.8: now direct), 16 -> 32 on 28x28 36 -> 40 (AVX2; balance 11), 16 -> 16 on 56x56 69 -> 90 (AVX2),
-    squeezenet's 48 -> 192 on 13x13 118 -> 79, 64 -> 64 on 14x14 62 -> 41, 64 -> 32 on 14x14
-    34 -> 33 (AVX2 36 -> 39), 128 -> 16 on 14x14 32 -> 39; inside whole models 512 -> 512 on
+    for 4 tiles). On an Intel Xeon (AVX-512, 2 vCPUs, ``hgrt profile --repeat 200``, two runs;
+    BENCHMARKS.md, "Winograd's rule on the Xeon") squeezenet's 16 -> 64 on 55x55 (balance 12.8,
+    196 tiles) took 239-261 us as Winograd against 175-186 us direct, and its 32 -> 128 on 27x27
+    (balance 25.6) 145-168 against 176-181 us: hence 16, not 12, over many tiles. (The figures
+    below: measured in the shim against oneDNN's direct convolution, the kernel timed inside a
+    3-conv model, 2 threads, AMD EPYC, AVX-512 and an AVX2 build alike, us:) densenet121's 128 -> 32 on 56x56 976 -> 455 (balance 26; on 28x28
+    241 -> 114, but on 14x14 60 -> 51 (AVX2 79 -> 66) for 4x the weights: left direct),
+    64 -> 16 on 28x28 68 -> 57 (AVX2 66 -> 63; balance 12.8: now direct), 16 -> 32 on 28x28
+    36 -> 40 (AVX2; balance 11), 16 -> 16 on 56x56 69 -> 90 (AVX2), squeezenet's 48 -> 192 on
+    13x13 118 -> 79, 64 -> 64 on 14x14 62 -> 41, 64 -> 32 on 14x14 34 -> 33 (AVX2 36 -> 39),
+    128 -> 16 on 14x14 32 -> 39; inside whole models 512 -> 512 on
     7x7 (resnet50) 940 -> 1180 and inception's 7x7 layers 1.3-1.6x slower."""
     v = {name: int(h[SLOT[name]]) for name in HEADER_SLOTS}
     if v["kind"] != KIND["conv2d"] or (v["kh"], v["kw"], v["sh"], v["sw"], v["dil_h"],
