@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -51,6 +52,8 @@ def cache_dir(name: str, files: Sequence[Path], flags: Sequence[str]) -> Path:
     for path in files:
         key.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     key.update("\0".join([*flags, tvm_ffi.__version__]).encode())
+    if platform.machine() not in ("x86_64", "AMD64"):  # (x86-64 keeps the keys it had)
+        key.update(platform.machine().encode())  # an emulated board shares the host's disk
     return cache_root() / f"{name.removeprefix('hgrt_')}-{key.hexdigest()[:16]}"
 
 
