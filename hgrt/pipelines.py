@@ -29,7 +29,6 @@ import collections
 import itertools
 import json
 import logging
-import math
 import os
 import queue
 import secrets
@@ -426,14 +425,9 @@ class Pipeline:
         return [1e3 * float(np.median(list(d))) if d else None for d in self._served]
 
     def _unpack(self, data: bytes) -> list[np.ndarray]:
-        outs, at = [], 0
-        for shape, dtype in self._out_types:
-            n = math.prod(shape)
-            outs.append(np.frombuffer(data, dtype, n, at).reshape(shape).copy())
-            at += n * dtype.itemsize
-        if at != len(data):
-            raise RemoteError(f"the last stage returned {len(data)} bytes for outputs of {at}")
-        return outs
+        from hgrt.rpc.protocol import arrays_from_bytes
+
+        return [a.copy() for a in arrays_from_bytes(data, self._out_types, "the last stage")]
 
     def _drain(self, k: int) -> None:
         """Fail what waits before the stages up to ``k`` (they cannot pass the broken one)."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import tempfile
 import threading
@@ -26,7 +25,7 @@ from hgrt.artifacts import params_to_bytes
 from hgrt.errors import ClosedError, DeviceError, GraphError, HgrtError, ParamError, RemoteError
 from hgrt.graph import Graph
 from hgrt.rpc import session as sessions
-from hgrt.rpc.protocol import CREATE_FUNC, PING_FUNC, decode_error
+from hgrt.rpc.protocol import CREATE_FUNC, PING_FUNC, arrays_from_bytes, decode_error
 from hgrt.rpc.server import is_registered, register
 from hgrt.rpc.session import describe, upload
 from hgrt.runtime.module_api import (
@@ -313,11 +312,10 @@ class RemoteGraphModule(GraphModuleAPI):
                  .tobytes() for _, v in items]
         with self.session.lock:
             data = self._call("infer", json.dumps([i for i, _ in items]), *blobs)
-        results, at = [], 0
-        for i, eid in enumerate(self._output_eids):
-            shape, dtype = self.graph.shapes[eid], self.graph.dtypes[eid]
-            arr = np.frombuffer(data, dtype=dtype, count=math.prod(shape), offset=at)
-            arr, at = arr.reshape(shape), at + self.graph.entry_bytes(eid)
+        g, results = self.graph, []
+        arrays = arrays_from_bytes(data, [(g.shapes[e], g.dtypes[e]) for e in self._output_eids],
+                                   f"{self.session.name}: infer")
+        for i, arr in enumerate(arrays):
             if outs is None:
                 results.append(arr.copy())
             elif isinstance(outs[i], np.ndarray):

@@ -12,7 +12,10 @@ raises that class again.
 
 from __future__ import annotations
 
+import math
 import re
+
+import numpy as np
 
 import hgrt.errors as errors
 from hgrt.errors import HgrtError, InputError, RemoteError
@@ -31,6 +34,21 @@ METHODS = ("info", "run", "set_input_bytes", "set_input_tensor", "get_input", "g
 
 ERROR_TAG = "[hgrt:"
 _TAGGED = re.compile(re.escape(ERROR_TAG) + r"(\w+)\] (.*)", re.DOTALL)
+
+
+def arrays_from_bytes(data, types, what: str) -> list[np.ndarray]:
+    """The arrays that ``data`` (the bytes a server returned) holds one after another, each of
+    ``types``' ``(shape, dtype)``: read-only views of ``data``; ``RemoteError`` naming ``what``
+    when the byte count is not theirs (a short or long answer is never read as numbers)."""
+    want = sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in types)
+    if len(data) != want:
+        raise RemoteError(f"{what} returned {len(data)} bytes for outputs of {want}")
+    arrays, at = [], 0
+    for shape, dtype in types:
+        n = math.prod(shape)
+        arrays.append(np.frombuffer(data, np.dtype(dtype), n, at).reshape(shape))
+        at += n * np.dtype(dtype).itemsize
+    return arrays
 
 
 def encode_error(e: BaseException) -> str:

@@ -203,3 +203,20 @@ def test_call_api_on_a_remote_module_is_thread_safe(session, remote_lib, rng):
     out = [np.zeros(N, "float32"), np.zeros(N, "float32")]
     assert m(x=xs[0], out=out) is out
     np.testing.assert_allclose(out[1], want[0][1], rtol=1e-6)
+
+
+def test_returned_bytes_are_read_as_arrays_only_when_their_count_fits():
+    """What a server returns (a call's outputs, a pipeline's last stage) is read by one
+    decoder: in order, by shape and dtype; a short or long answer is a RemoteError naming who
+    answered, never numbers read past the end or left over."""
+    from hgrt.rpc.protocol import arrays_from_bytes
+
+    a = np.arange(6, dtype="float32").reshape(2, 3)
+    b = np.array([7, 8], dtype="int64")
+    types = [((2, 3), "float32"), ((2,), np.dtype("int64"))]
+    got = arrays_from_bytes(a.tobytes() + b.tobytes(), types, "board 1")
+    assert [g.dtype for g in got] == [a.dtype, b.dtype]
+    assert np.array_equal(got[0], a) and np.array_equal(got[1], b)
+    for data in (a.tobytes(), a.tobytes() + b.tobytes() + b"\0"):
+        with pytest.raises(RemoteError, match=r"board 1 returned \d+ bytes for outputs of 40"):
+            arrays_from_bytes(data, types, "board 1")

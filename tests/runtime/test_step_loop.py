@@ -47,12 +47,17 @@ def _chain(n: int = 4):
     return ts, tuple((copy, (ts[i], ts[i + 1])) for i in range(n))
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_the_loop_runs_every_step_in_order_and_overrides_for_one_run(native, monkeypatch):
-    if native and not NATIVE:
+@pytest.fixture(params=[True, False], ids=["native", "python"])
+def native(request, monkeypatch) -> bool:
+    """Each test once with the native loop (where it is built) and once with the Python loop."""
+    if request.param and not NATIVE:
         pytest.skip("no native step loop here")
-    if not native:
+    if not request.param:
         monkeypatch.setattr(step_loop, "_native", lambda: None)
+    return request.param
+
+
+def test_the_loop_runs_every_step_in_order_and_overrides_for_one_run(native):
     ts, calls = _chain()
     loop = StepLoop(calls)
     assert (loop._native is not None) is native
@@ -69,12 +74,7 @@ def test_the_loop_runs_every_step_in_order_and_overrides_for_one_run(native, mon
     assert np.array_equal(sink.numpy(), np.full(8, 7.0))
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_a_failing_step_is_named_and_the_overrides_are_put_back(native, monkeypatch):
-    if native and not NATIVE:
-        pytest.skip("no native step loop here")
-    if not native:
-        monkeypatch.setattr(step_loop, "_native", lambda: None)
+def test_a_failing_step_is_named_and_the_overrides_are_put_back(native):
     ts, calls = _chain()
     bad = _t(np.zeros(3))  # 3 elements where 8 are copied: TVM refuses the copy
     loop = StepLoop(calls)
@@ -143,13 +143,19 @@ def _conv_model() -> tuple:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
 
 
-@needs_onednn
-def test_a_misaligned_input_only_onednn_reads_is_bound_not_copied():
+def _conv_module(kernels: str, seed: int):
+    """The conv model built with ``kernels``, its module and an input."""
     model = _conv_model()
-    res = hgrt.build(model, ["cpu"], kernels="onednn")
+    res = hgrt.build(model, ["cpu"], kernels=kernels)
     m = hgrt.create(res.graph, res.lib, tvm.cpu(0))
     m.load_params(res.params)
-    x = np.random.default_rng(4).standard_normal((1, 16, 20, 20)).astype("float32")
+    x = np.random.default_rng(seed).standard_normal((1, 16, 20, 20)).astype("float32")
+    return model, m, x
+
+
+@needs_onednn
+def test_a_misaligned_input_only_onednn_reads_is_bound_not_copied():
+    model, m, x = _conv_module("onednn", 4)
     want = onnx_reference(model, {"x": x})[0]
     eid = m._input_eids[0]
     readers = {m.graph.nodes[s.node].func_name for s in m.steps if eid in s.eids}
@@ -166,11 +172,7 @@ def test_a_misaligned_input_only_onednn_reads_is_bound_not_copied():
 
 
 def test_a_misaligned_input_a_tvm_kernel_reads_is_copied():
-    model = _conv_model()
-    res = hgrt.build(model, ["cpu"], kernels="tvm")
-    m = hgrt.create(res.graph, res.lib, tvm.cpu(0))
-    m.load_params(res.params)
-    x = np.random.default_rng(5).standard_normal((1, 16, 20, 20)).astype("float32")
+    model, m, x = _conv_module("tvm", 5)
     loose = misaligned(x)
     assert m._zero_copy(m._input_eids[0], loose, inputs=True) is None
     np.testing.assert_allclose(m(x=loose)[0], onnx_reference(model, {"x": x})[0], rtol=1e-4,
