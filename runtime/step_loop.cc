@@ -10,7 +10,8 @@
 //   in place of argument `pos` of step `step` for this run only (a caller's own buffers). A step
 //   marked solo runs on its caller's thread alone (runtime.config_threadpool to 1 thread, then
 //   back), as threads.solo does. One run at a time per list: the caller's frame or claim.
-// hgrt.steps.failed() -> the index of the step that raised in this thread's last failed run.
+// hgrt.steps.failed() -> the index of the step that raised in this thread's last failed run
+//   (-1: the run failed before its first step, on a bad override).
 #include <tvm/ffi/container/array.h>
 #include <tvm/ffi/function.h>
 #include <tvm/ffi/reflection/registry.h>
@@ -58,6 +59,7 @@ class StepList {
   }
 
   void Run(ffi::PackedArgs overrides) {
+    failed_step = -1;  // a bad override fails before any step: no step to name
     if (overrides.size() % 3 != 0) {
       TVM_FFI_THROW(ValueError) << "hgrt.steps: overrides come as (step, pos, tensor) triples";
     }

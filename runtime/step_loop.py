@@ -96,7 +96,10 @@ class StepLoop:
             try:
                 self._native(*(x for o in overrides for x in o))
             except Exception as e:
-                raise StepFailed(int(self._failed()), e) from e
+                step = int(self._failed())
+                if step < 0:  # a bad override, before any step ran
+                    raise
+                raise StepFailed(step, e) from e
             return
         calls = self.calls
         if overrides:

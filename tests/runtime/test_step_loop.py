@@ -90,8 +90,12 @@ def test_a_failing_step_is_named_and_the_overrides_are_put_back(native):
 def test_native_overrides_are_checked():
     _, calls = _chain(2)
     loop = StepLoop(calls)
-    with pytest.raises(StepFailed, match="no argument 5 of step 1"):
+    with pytest.raises(IndexError, match="no argument 5 of step 1"):  # no step ran
         loop.run(((1, 5, _t(np.zeros(8))),))
+    ts, calls = _chain(2)
+    with pytest.raises(StepFailed) as info:  # a step that fails after it is named again
+        StepLoop(calls).run(((1, 1, _t(np.zeros(3))),))
+    assert info.value.step == 1
 
 
 def test_python_functions_keep_the_loop_in_python():
