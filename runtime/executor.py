@@ -259,7 +259,9 @@ class GraphModule(GraphModuleAPI):
                 bound[eid] = view
         for i, o in enumerate(outs or ()):
             view = self._zero_copy(self._output_eids[i], o, inputs=False)
-            if view is not None:
+            # an output whose bytes overlap a buffer already bound (``m(x=a, out=[a])``)
+            # would be written while kernels still read it: it is written by a copy after
+            if view is not None and not any(_overlap(view, b) for b in bound.values()):
                 bound[self._output_eids[i]] = view
         self._run_loop(frame.loop, frame.overrides(bound, self._uses))
         return self._call_results(frame, bound, outs)
@@ -487,3 +489,13 @@ def create_on(graph_json: str | bytes | dict | Graph, lib, devs: list) -> GraphM
                             f"returns it) or a path to one, got {type(lib).__name__}")
     use_all_cores()
     return GraphModule(graph, lib, devs)
+
+
+def _overlap(a, b) -> bool:
+    """Whether tensors ``a`` and ``b`` share any byte."""
+    def span(t):
+        start = t.data_ptr()
+        return start, start + int(np.prod(t.shape)) * np.dtype(str(t.dtype)).itemsize
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1

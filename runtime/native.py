@@ -8,6 +8,7 @@ global functions (``hgrt.onednn.*``, ``hgrt.steps.*``).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import platform
@@ -63,6 +64,20 @@ def build_and_load(name: str, sources: Sequence[Path], headers: Sequence[Path] =
     """``sources`` compiled into ``name``.so in the cache (once per content and flags), loaded."""
     build_dir = cache_dir(name, [*sources, *headers], [*include, *ldflags, *cflags])
     built = build_dir / f"{name}.so"
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(build_dir / ".hgrt-lock", "w")  # noqa: SIM115 - held below
+    except OSError:  # a cache this process may only read: what is there is whole
+        if built.exists():
+            return tvm_ffi.load_module(str(built))
+        raise
+    with lock:  # another process building the same: wait for it, never load a half-linked one
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _build_once(name, sources, built, build_dir, cflags, ldflags, include)
+    return tvm_ffi.load_module(str(built))
+
+
+def _build_once(name, sources, built: Path, build_dir: Path, cflags, ldflags, include) -> None:
     if not built.exists():
         found = ninja()
         if found and not shutil.which("ninja"):  # tvm_ffi runs `ninja` from PATH
@@ -72,4 +87,3 @@ def build_and_load(name: str, sources: Sequence[Path], headers: Sequence[Path] =
         cpp.build(name, sources=[str(p) for p in sources], extra_cflags=list(cflags),
                   extra_ldflags=list(ldflags), extra_include_paths=list(include),
                   build_directory=str(build_dir))
-    return tvm_ffi.load_module(str(built))

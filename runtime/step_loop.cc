@@ -10,8 +10,8 @@
 //   in place of argument `pos` of step `step` for this run only (a caller's own buffers). A step
 //   marked solo runs on its caller's thread alone (runtime.config_threadpool to 1 thread, then
 //   back), as threads.solo does. One run at a time per list: the caller's frame or claim.
-// hgrt.steps.failed() -> the index of the step that raised in this thread's last failed run
-//   (-1: the run failed before its first step, on a bad override).
+// hgrt.steps.failed() -> the index of the step that raised in this thread's last failed run,
+//   once (-1: none, or the run failed before its first step, on a bad override).
 #include <tvm/ffi/container/array.h>
 #include <tvm/ffi/function.h>
 #include <tvm/ffi/reflection/registry.h>
@@ -68,8 +68,8 @@ class StepList {
     saved.reserve(overrides.size() / 3);
     struct Restore {
       std::vector<std::pair<ffi::AnyView*, ffi::AnyView>>& saved;
-      ~Restore() {
-        for (auto& [slot, old] : saved) *slot = old;
+      ~Restore() {  // newest first: a slot overridden twice gets its own tensor back
+        for (auto it = saved.rbegin(); it != saved.rend(); ++it) *it->first = it->second;
       }
     } restore{saved};
     for (int i = 0; i < overrides.size(); i += 3) {
@@ -93,7 +93,12 @@ class StepList {
           struct Back {
             StepList* self;
             int share;
-            ~Back() { self->SetThreads(share); }
+            ~Back() {
+              try {
+                self->SetThreads(share);
+              } catch (...) {  // (while a kernel's error unwinds: that one is reported)
+              }
+            }
           } back{this, share};
           s.func.CallPacked(s.views.data(), static_cast<int32_t>(s.views.size()), &rv);
         } else {
@@ -131,5 +136,9 @@ TVM_FFI_STATIC_INIT_BLOCK() {
              return ffi::Function::FromPacked(
                  [list](ffi::PackedArgs a, ffi::Any*) { list->Run(a); });
            })
-      .def("hgrt.steps.failed", []() { return failed_step; });
+      .def("hgrt.steps.failed", []() {
+        int64_t step = failed_step;  // read once: a later failure elsewhere names no stale step
+        failed_step = -1;
+        return step;
+      });
 }

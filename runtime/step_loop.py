@@ -81,7 +81,8 @@ class StepLoop:
             funcs.append(inner if inner is not None else func)
             solo.append(int(inner is not None))
         # a Python function among the steps (a closed module's, a test's) keeps the loop in
-        # Python: its exception then reaches the caller as it was raised
+        # Python: its exception then reaches the caller as it was raised. (One wrapped as a
+        # tvm_ffi.Function runs natively, and its exception comes back as TVM FFI maps it.)
         found = _native() if calls and all(isinstance(f, tvm_ffi.Function) for f in funcs) \
             else None
         if found is not None:

@@ -86,6 +86,20 @@ def test_a_failing_step_is_named_and_the_overrides_are_put_back(native):
     assert np.array_equal(ts[-1].numpy(), np.full(8, 5.0))
 
 
+def test_a_slot_overridden_twice_gets_its_own_tensor_back(native):
+    """Overrides are put back newest first: after a run that bound one argument twice, the next
+    run writes the step's own tensor, not a caller's (which may be freed by then)."""
+    ts, calls = _chain(1)
+    loop = StepLoop(calls)
+    c, d = _t(np.zeros(8)), _t(np.zeros(8))
+    ts[0].copyfrom(np.full(8, 2.0, "float32"))
+    loop.run(((0, 1, c), (0, 1, d)))
+    ts[0].copyfrom(np.full(8, 9.0, "float32"))
+    loop.run()
+    assert np.array_equal(ts[1].numpy(), np.full(8, 9.0))
+    assert not np.array_equal(c.numpy(), np.full(8, 9.0))
+
+
 @needs_native
 def test_native_overrides_are_checked():
     _, calls = _chain(2)
@@ -113,21 +127,28 @@ def test_python_functions_keep_the_loop_in_python():
 
 
 @needs_native
-def test_solo_steps_leave_the_caller_s_pool_as_it_was():
-    """A solo step runs on its caller's thread alone and the thread's share comes back."""
-    ts, calls = _chain(3)
-    calls = (calls[0], (threads.solo(calls[1][0]), calls[1][1]), calls[2])
-    loop = StepLoop(calls)
-    assert loop._native is not None
+@pytest.mark.skipif(threads.process_threads() < 2, reason="one core: every step runs alone")
+def test_solo_steps_run_alone_and_the_caller_s_pool_comes_back():
+    """A solo step sees a pool of one thread; the steps around it and the caller after the
+    run see the caller's share."""
+    import tvm_ffi
+
     num_threads = tvm.get_global_func("runtime.NumThreads")
+    seen: list[int] = []
+    probe = tvm_ffi.convert(lambda: seen.append(num_threads()))  # an FFI function: native
+    ts, calls = _chain(1)
+    loop = StepLoop(((probe, ()), (threads.solo(probe), ()), calls[0], (probe, ())))
+    assert loop._native is not None
+    share = threads.process_threads()
 
     def body():
-        threads.set_thread_count(threads.process_threads())
+        threads.set_thread_count(share)
         ts[0].copyfrom(np.full(8, 3.0, "float32"))
         loop.run()
         return num_threads()
 
-    assert dispatch(body, threads.process_threads()) == threads.process_threads()
+    assert dispatch(body, share) == share
+    assert seen == [share, 1, share]
     assert np.array_equal(ts[-1].numpy(), np.full(8, 3.0))
 
 
@@ -175,6 +196,28 @@ def test_a_misaligned_input_only_onednn_reads_is_bound_not_copied():
     assert m(x=loose, out=[out])[0] is out and np.array_equal(out, got)
 
 
+@needs_onednn
+def test_an_output_buffer_that_is_also_the_input_is_written_after_the_run():
+    """``m(x=a, out=[a])`` where oneDNN alone reads ``x`` and writes ``y`` (same shape, the
+    input bound in place): the output is copied in after the kernels read the input."""
+    rng = np.random.default_rng(7)
+    w = (rng.standard_normal((256, 256)) / 16).astype("float32")
+    graph = helper.make_graph(
+        [helper.make_node("Gemm", ["x", "w"], ["y"])], "gemm",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 256])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 256])],
+        [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    res = hgrt.build(model, ["cpu"], kernels="onednn")
+    m = hgrt.create(res.graph, res.lib, tvm.cpu(0))
+    m.load_params(res.params)
+    x = rng.standard_normal((4, 256)).astype("float32")
+    want = onnx_reference(model, {"x": x})[0]
+    for a in (misaligned(x), misaligned(x, by=0)):  # numpy's 16 bytes, and 64-aligned
+        assert m(x=a, out=[a])[0] is a
+        np.testing.assert_allclose(a, want, rtol=1e-4, atol=1e-4)
+
+
 def test_a_misaligned_input_a_tvm_kernel_reads_is_copied():
     model, m, x = _conv_module("tvm", 5)
     loose = misaligned(x)
@@ -208,6 +251,9 @@ def test_native_and_python_loops_agree_bitwise_across_threads():
     for t in ts:
         t.join()
     assert wrong == []
+    frame = m._frames.take()
+    assert m._loop._native is not None and frame.loop._native is not None
+    m._frames.give(frame)
     script = (
         "import sys, numpy as np, onnx, tvm, hgrt\n"
         "from hgrt.runtime import step_loop\n"
