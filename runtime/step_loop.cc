@@ -5,11 +5,12 @@
 // once they queue for it after every kernel, and a woken waiter pays the wake-up of a sleeping
 // core (tens of microseconds on a VM). Here the whole list is one call that holds no GIL.
 //
-// hgrt.steps.make(funcs, args, solo, cpus) -> a function `run(step, pos, tensor, ...)`:
-//   funcs[i](*args[i]) for every step, in order; each (step, pos, tensor) triple puts `tensor`
-//   in place of argument `pos` of step `step` for this run only (a caller's own buffers). A step
-//   marked solo runs on its caller's thread alone (runtime.config_threadpool to 1 thread, then
-//   back), as threads.solo does. One run at a time per list: the caller's frame or claim.
+// hgrt.steps.make(funcs, args, solo, pool_mode, cpus) -> a function
+//   `run(step, pos, tensor, ...)`: funcs[i](*args[i]) for every step, in order; each
+//   (step, pos, tensor) triple puts `tensor` in place of argument `pos` of step `step` for this
+//   run only (a caller's own buffers). A step marked solo runs on its caller's thread alone
+//   (runtime.config_threadpool(pool_mode, 1, cpus), then back), as threads.solo does. One run
+//   at a time per list: the caller's frame or claim.
 // hgrt.steps.failed() -> the index of the step that raised in this thread's last failed run,
 //   once (-1: none, or the run failed before its first step, on a bad override).
 #include <tvm/ffi/container/array.h>
@@ -36,8 +37,8 @@ struct Step {
 class StepList {
  public:
   StepList(const ffi::Array<ffi::Function>& funcs, const ffi::Array<ffi::Array<ffi::Any>>& args,
-           const ffi::Array<int64_t>& solo, ffi::Array<ffi::String> cpus)
-      : cpus_(std::move(cpus)) {
+           const ffi::Array<int64_t>& solo, int pool_mode, ffi::Array<ffi::String> cpus)
+      : pool_mode_(pool_mode), cpus_(std::move(cpus)) {
     if (funcs.size() != args.size() || funcs.size() != solo.size()) {
       TVM_FFI_THROW(ValueError) << "hgrt.steps.make: " << funcs.size() << " functions, "
                                 << args.size() << " argument lists, " << solo.size()
@@ -48,10 +49,9 @@ class StepList {
       Step s{funcs[i], {}, {}, solo[i] != 0};
       for (const ffi::Any& a : args[i]) s.args.push_back(a);
       for (const ffi::Any& a : s.args) s.views.emplace_back(a);
+      any_solo_ = any_solo_ || s.solo;
       steps_.push_back(std::move(s));
     }
-    any_solo_ = false;
-    for (const Step& s : steps_) any_solo_ = any_solo_ || s.solo;
     if (any_solo_) {
       config_ = ffi::Function::GetGlobalRequired("runtime.config_threadpool");
       num_threads_ = ffi::Function::GetGlobalRequired("runtime.NumThreads");
@@ -88,22 +88,8 @@ class StepList {
       ffi::Any rv;
       for (; i < steps_.size(); ++i) {
         Step& s = steps_[i];
-        if (s.solo && share > 1) {
-          SetThreads(1);
-          struct Back {
-            StepList* self;
-            int share;
-            ~Back() {
-              try {
-                self->SetThreads(share);
-              } catch (...) {  // (while a kernel's error unwinds: that one is reported)
-              }
-            }
-          } back{this, share};
-          s.func.CallPacked(s.views.data(), static_cast<int32_t>(s.views.size()), &rv);
-        } else {
-          s.func.CallPacked(s.views.data(), static_cast<int32_t>(s.views.size()), &rv);
-        }
+        Alone alone(this, s.solo && share > 1 ? share : 0);
+        s.func.CallPacked(s.views.data(), static_cast<int32_t>(s.views.size()), &rv);
       }
     } catch (...) {
       failed_step = static_cast<int64_t>(i);
@@ -112,15 +98,29 @@ class StepList {
   }
 
  private:
-  void SetThreads(int n) {
-    constexpr int kShareAllCores = -3;  // TVM's kSpecifyThreadShareAllCore (threads.py)
-    config_(kShareAllCores, n, cpus_);
-  }
+  // A solo step's scope: the calling thread's pool at one thread, then back at `share`
+  // (0: nothing to do). Putting it back never throws while a kernel's error unwinds.
+  struct Alone {
+    StepList* self;
+    int share;
+    Alone(StepList* list, int back) : self(list), share(back) {
+      if (share) self->SetThreads(1);
+    }
+    ~Alone() {
+      try {
+        if (share) self->SetThreads(share);
+      } catch (...) {  // (the kernel's own error is the one reported)
+      }
+    }
+  };
+
+  void SetThreads(int n) { config_(pool_mode_, n, cpus_); }
 
   std::vector<Step> steps_;
+  int pool_mode_;  // how runtime.config_threadpool places the pool's threads (threads.py)
   ffi::Array<ffi::String> cpus_;
   ffi::Function config_, num_threads_;
-  bool any_solo_;
+  bool any_solo_ = false;
 };
 
 }  // namespace hgrt_steps
@@ -131,8 +131,9 @@ TVM_FFI_STATIC_INIT_BLOCK() {
   refl::GlobalDef()
       .def("hgrt.steps.make",
            [](ffi::Array<ffi::Function> funcs, ffi::Array<ffi::Array<ffi::Any>> args,
-              ffi::Array<int64_t> solo, ffi::Array<ffi::String> cpus) {
-             auto list = std::make_shared<StepList>(funcs, args, solo, std::move(cpus));
+              ffi::Array<int64_t> solo, int pool_mode, ffi::Array<ffi::String> cpus) {
+             auto list =
+                 std::make_shared<StepList>(funcs, args, solo, pool_mode, std::move(cpus));
              return ffi::Function::FromPacked(
                  [list](ffi::PackedArgs a, ffi::Any*) { list->Run(a); });
            })

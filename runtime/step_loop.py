@@ -87,9 +87,10 @@ class StepLoop:
             else None
         if found is not None:
             make, self._failed = found
-            from hgrt.runtime.threads import CPUS
+            from hgrt.runtime.threads import CPUS, SHARE_ALL_CORES
 
-            self._native = make(funcs, [list(args) for _, args in calls], solo, CPUS)
+            self._native = make(funcs, [list(args) for _, args in calls], solo, SHARE_ALL_CORES,
+                                CPUS)
 
     def run(self, overrides: tuple = ()) -> None:
         """Every step once; ``overrides``: ``(step, pos, tensor)`` for this run only."""

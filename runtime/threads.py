@@ -59,7 +59,7 @@ _num_threads = tvm.get_global_func("runtime.NumThreads")
 _warned: list[bool] = []
 # TVM's kSpecifyThreadShareAllCore: the pool's threads may run on every core listed. (kBig
 # pins a 1-thread pool's caller to core 0: two callers or streams then share one core.)
-_SHARE_ALL_CORES = -3
+SHARE_ALL_CORES = -3
 CPUS = [str(c) for c in sorted(os.sched_getaffinity(0))] if hasattr(os, "sched_getaffinity") \
     else [str(c) for c in range(os.cpu_count() or 1)]
 _local = threading.local()
@@ -82,7 +82,7 @@ def process_threads() -> int:
 def set_thread_count(n: int) -> None:
     """Kernels called from this thread run on ``n`` threads (this thread's TVM pool)."""
     if getattr(_local, "threads", None) != n:
-        _config_threadpool(_SHARE_ALL_CORES, int(n), CPUS)
+        _config_threadpool(SHARE_ALL_CORES, int(n), CPUS)
         _local.threads = n
         got = n if _warned else _num_threads()
         if got < n:
@@ -121,11 +121,11 @@ def solo(func):
         share = getattr(_local, "threads", None)
         if share is None or share <= 1:
             return func(*args)
-        _config_threadpool(_SHARE_ALL_CORES, 1, CPUS)
+        _config_threadpool(SHARE_ALL_CORES, 1, CPUS)
         try:
             return func(*args)
         finally:
-            _config_threadpool(_SHARE_ALL_CORES, share, CPUS)
+            _config_threadpool(SHARE_ALL_CORES, share, CPUS)
 
     call.__wrapped__ = call.solo_of = func  # (step_loop runs it solo in native code)
     return call
