@@ -138,14 +138,14 @@ def zero_copy_view(value: Any, device, shape, dtype: str, align: int = ALIGN):
     on exactly ``device`` and aligned to ``align`` bytes (what TVM kernels assume, unless only
     oneDNN kernels touch the entry: ``loose_entries``); else None (copy instead)."""
     if isinstance(value, np.ndarray):
-        if (value.dtype != np.dtype(dtype) or value.shape != tuple(shape)
-                or not value.flags.c_contiguous or value.ctypes.data % align
-                or not hdev.is_numpy_device(device)):
+        if (value.dtype != dtype or value.shape != tuple(shape)
+                or not value.flags.c_contiguous or not hdev.is_numpy_device(device)):
             return None
         try:
-            return tvm_ffi.from_dlpack(value, require_alignment=align, require_contiguous=True)
+            view = tvm_ffi.from_dlpack(value)  # (a fraction of reading ``value.ctypes.data``)
         except Exception:
             return None
+        return None if view.data_ptr() % align else view
     if isinstance(value, tvm.runtime.Tensor) and value.device == device \
             and tuple(value.shape) == tuple(shape) and str(value.dtype) == dtype \
             and value.data_ptr() % align == 0:

@@ -88,6 +88,14 @@ def checked_value(value: Any, shape: Any, dtype: str, what: str) -> Any:
     return value
 
 
+def _numpy_dtype(dtype: str) -> np.dtype | None:
+    """numpy's dtype of this name, None where numpy has none (bfloat16)."""
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        return None
+
+
 def decode_params(params: Any) -> dict:
     """Params as a dict: TVM ``save_param_dict`` bytes are decoded, a mapping is copied."""
     if isinstance(params, (bytes, bytearray)):
@@ -110,6 +118,12 @@ class GraphModuleAPI:
         self._output_eids = [graph.entry_id(nid, idx) for nid, idx, _ in graph.heads]
         self.closed = False
         self._user_inputs = frozenset(self._arg_index) - frozenset(graph.params)
+        # name -> (index, shape, numpy dtype) of each user input: what a call's common case,
+        # every input by name as a numpy array, is checked against (``_fast_call_inputs``)
+        self._call_spec = {
+            n: (i, tuple(graph.shapes[e]), _numpy_dtype(graph.dtypes[e]))
+            for n, i in self._arg_index.items() if n in self._user_inputs
+            for e in (self._input_eids[i],)}
         self._stateful = threading.Lock()  # set_input/run/get_output: one thread at a time
 
     # ---- lifetime -------------------------------------------------------------------------
@@ -238,6 +252,9 @@ class GraphModuleAPI:
 
     def _call_inputs(self, inputs: Mapping) -> list[tuple[int, Any]]:
         """Every user input given once, checked; a call has no state, so none may be missing."""
+        fast = self._fast_call_inputs(inputs)
+        if fast is not None:
+            return fast
         items = [(self._resolve_input(k), v) for k, v in inputs.items()]
         given = {self.graph.nodes[self.graph.arg_nodes[i]].name for i, _ in items}
         for name in given & set(self.graph.params):
@@ -247,6 +264,22 @@ class GraphModuleAPI:
         if missing:
             raise InputError(f"call: no value for inputs {missing}")
         return [(i, self._checked_input(i, v, "input")) for i, v in items]
+
+    def _fast_call_inputs(self, inputs: Mapping) -> list[tuple[int, Any]] | None:
+        """The common call checked in one pass: each user input named once, by a numpy array
+        of its shape and dtype; None for anything else, left to the checks that say what is
+        wrong. (Right after a run, with the caches cold, the general checks took 38 us of a
+        light squeezenet call, 2 vCPUs.)"""
+        spec = self._call_spec
+        if len(inputs) != len(spec):
+            return None
+        items = []
+        for k, v in inputs.items():
+            s = spec.get(k) if isinstance(k, str) else None
+            if s is None or type(v) is not np.ndarray or v.shape != s[1] or v.dtype != s[2]:
+                return None
+            items.append((s[0], v))
+        return items
 
     def _call_outputs(self, out: list | None) -> list | None:
         if out is None:

@@ -146,7 +146,8 @@ def winograd_pays(h: np.ndarray, nhwc: int) -> bool:
     196 tiles) took 239-261 us as Winograd against 175-186 us direct, and its 32 -> 128 on 27x27
     (balance 25.6) 145-168 against 176-181 us: hence 16, not 12, over many tiles. (The figures
     below: measured in the shim against oneDNN's direct convolution, the kernel timed inside a
-    3-conv model, 2 threads, AMD EPYC, AVX-512 and an AVX2 build alike, us:) densenet121's 128 -> 32 on 56x56 976 -> 455 (balance 26; on 28x28
+    3-conv model, 2 threads, AMD EPYC, AVX-512 and an AVX2 build alike, us:) densenet121's
+    128 -> 32 on 56x56 976 -> 455 (balance 26; on 28x28
     241 -> 114, but on 14x14 60 -> 51 (AVX2 79 -> 66) for 4x the weights: left direct),
     64 -> 16 on 28x28 68 -> 57 (AVX2 66 -> 63; balance 12.8: now direct), 16 -> 32 on 28x28
     36 -> 40 (AVX2; balance 11), 16 -> 16 on 56x56 69 -> 90 (AVX2), squeezenet's 48 -> 192 on
