@@ -4,6 +4,7 @@ weights; zero-copy inputs and outputs; the stateful API refuses a second thread.
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -282,3 +283,29 @@ def test_call_results_are_the_callers_own_arrays(dtype, rng):
         m(x=xs[0].astype("float32" if dtype != "float32" else "float64"))
     with pytest.raises(hgrt.InputError, match="input 'x': expected shape"):
         m(x=xs[0][:-1])
+
+
+def test_frame_pool_makes_no_more_than_its_limit_and_every_caller_gets_one():
+    from hgrt.runtime.frames import FramePool
+
+    pool = FramePool(lambda: object(), limit=2)
+    held, most, lock = [], [0], threading.Lock()
+
+    def caller():
+        for _ in range(50):
+            f = pool.take()
+            with lock:
+                held.append(f)
+                most[0] = max(most[0], len(held))
+            time.sleep(0.0005)  # held a while: the others must wait for it
+            with lock:
+                held.remove(f)
+            pool.give(f)
+
+    threads_ = [threading.Thread(target=caller) for _ in range(4)]
+    for t in threads_:
+        t.start()
+    for t in threads_:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads_), "a caller waited for a frame forever"
+    assert pool.made == 2 and most[0] == 2  # four callers, never more than two frames
