@@ -20,7 +20,6 @@ idle, each runtime's latency against its own alone.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import threading
 import time
@@ -36,9 +35,23 @@ from hgrt.lifetimes import memory_report
 CALLERS = (1, 2, 4)
 
 
+# Each side's callers call for this long, untimed, before the timed calls: after a pause (a
+# build, the other side's round) this VM's cores take a second or so to serve full speed again
+# (light squeezenet, 1 x 2: a fresh process's first 100 calls at 261 inf/s, its sixth 100 at 359).
+WARM_S = 0.5
+
+
 def throughput(call, callers: int, calls: int) -> float:
-    """Inferences per second with ``callers`` threads each making ``calls`` calls."""
-    call()  # warm: frames, thread pools
+    """Inferences per second with ``callers`` threads each making ``calls`` calls, after
+    ``WARM_S`` seconds of calls from as many threads (frames, thread pools, caches)."""
+
+    def warm():
+        call()
+        end = time.perf_counter() + WARM_S
+        while time.perf_counter() < end:
+            call()
+
+    run_threads([warm] * callers)
 
     def job():
         for _ in range(calls):
@@ -183,5 +196,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")  # spinning pools starve callers
     main()

@@ -30,12 +30,14 @@ that gets a ``ClosedError`` instead of waiting for a thread that will never run.
 from __future__ import annotations
 
 import atexit
+import collections
 import os
 import queue
 import threading
 from collections.abc import Callable
 from typing import Any
 
+from hgrt.devices import usable_cores
 from hgrt.errors import ClosedError
 
 _local = threading.local()
@@ -143,20 +145,75 @@ def on_dispatcher() -> bool:
     return getattr(_local, "dispatcher", None) is not None
 
 
+class _Cores:
+    """The kernel threads that dispatchers may run at once: the cores this process may use.
+    A job takes ``threads`` of them before it starts and gives them back when it ends;
+    callers beyond wait in turn (first come, first served, so a job of every core is not
+    starved by a stream of one-core jobs). Four callers of one thread each on 2 cores then run
+    two jobs at a time, one after another on warm caches, instead of four that the OS slices."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.free = total
+        self.lock = threading.Lock()
+        self.waiting: collections.deque[list] = collections.deque()  # [threads, lock]
+
+    def take(self, threads: int) -> int:
+        k = min(max(1, threads), self.total)
+        with self.lock:
+            if not self.waiting and self.free >= k:
+                self.free -= k
+                return k
+            turn = [k, threading.Lock()]
+            turn[1].acquire()
+            self.waiting.append(turn)
+        try:
+            turn[1].acquire()  # released by ``give`` once this caller's cores are its own
+        except BaseException:  # interrupted while waiting: leave the line, or hand them back
+            with self.lock:
+                if turn in self.waiting:
+                    self.waiting.remove(turn)
+                    self._grant()
+                    raise
+            self.give(k)
+            raise
+        return k
+
+    def give(self, k: int) -> None:
+        with self.lock:
+            self.free += k
+            self._grant()
+
+    def _grant(self) -> None:
+        while self.waiting and self.waiting[0][0] <= self.free:
+            k, turn = self.waiting.popleft()
+            self.free -= k
+            turn.release()
+
+
+_cores = _Cores(usable_cores())
+
+
 def dispatch(fn: Callable[[], Any], threads: int) -> Any:
     """``fn()`` run on a dispatcher whose kernels take ``threads`` threads (``fn`` sets them:
     ``threads.set_thread_count``), the caller waiting; its result, or its exception raised
-    here. On a dispatcher already (a call inside a call), ``fn()`` runs in place."""
+    here. On a dispatcher already (a call inside a call), ``fn()`` runs in place. Jobs whose
+    threads would exceed the process's cores wait for a running one to end (``_Cores``)."""
     if on_dispatcher():
         return fn()
-    d = _acquire(threads)
-    job = _Job(fn)
+    cores = _cores
+    k = cores.take(threads)
     try:
-        d.jobs.put(job)
-        return job.wait()
+        d = _acquire(threads)
+        job = _Job(fn)
+        try:
+            d.jobs.put(job)
+            return job.wait()
+        finally:
+            d.threads = threads
+            _release(d)
     finally:
-        d.threads = threads
-        _release(d)
+        cores.give(k)
 
 
 def dispatchers() -> int:
@@ -165,9 +222,11 @@ def dispatchers() -> int:
 
 
 def _forget_after_fork() -> None:
-    """In a forked child: the parent's dispatcher threads do not exist here."""
-    global _registry
+    """In a forked child: the parent's dispatcher threads, and the jobs they ran, do not exist
+    here."""
+    global _registry, _cores
     _registry = _Registry()
+    _cores = _Cores(usable_cores())
 
 
 def _stop_at_exit() -> None:

@@ -244,10 +244,15 @@ class GraphModule(GraphModuleAPI):
         frames = self._frames  # the frame goes back where it came from, whatever happens
         if frames is None:  # closed meanwhile
             self._check_open()
+        # the frame is taken on the dispatcher, once the call has its cores: callers waiting
+        # for cores hold no activations (four callers of one thread on 2 cores use two frames)
+        return dispatch(functools.partial(self._infer_on, frames, items, outs),
+                        self.budget.threads)
+
+    def _infer_on(self, frames: FramePool, items: list, outs: list | None) -> list:
         frame = frames.take()
         try:
-            return dispatch(functools.partial(self._infer_in, frame, items, outs),
-                            self.budget.threads)
+            return self._infer_in(frame, items, outs)
         finally:
             frames.give(frame)
 

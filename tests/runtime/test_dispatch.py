@@ -211,3 +211,91 @@ def test_a_forked_child_starts_its_own_stream_workers():
         FORK_STREAMS))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "forked child ran its streams" in proc.stdout
+
+
+def _at_once(jobs: list[tuple[int, float]]) -> tuple[int, list[int]]:
+    """Dispatch ``(threads, seconds)`` jobs from a thread each, all at once: the most kernel
+    threads that ran at the same time, and the order the jobs started in."""
+    lock, running, most, order = threading.Lock(), [0], [0], []
+
+    def job(k, threads, seconds):
+        with lock:
+            running[0] += threads
+            most[0] = max(most[0], running[0])
+            order.append(k)
+        time.sleep(seconds)
+        with lock:
+            running[0] -= threads
+
+    callers = [threading.Thread(target=dispatch.dispatch, args=(
+        lambda k=k, t=t, s=s: job(k, t, s), t)) for k, (t, s) in enumerate(jobs)]
+    for k, c in enumerate(callers):
+        queued = len(dispatch._cores.waiting)
+        c.start()
+        deadline = time.monotonic() + 5
+        while k not in order and len(dispatch._cores.waiting) <= queued \
+                and time.monotonic() < deadline:  # running or in line before the next comes
+            time.sleep(0.001)
+    for c in callers:
+        c.join(30)
+    assert not any(c.is_alive() for c in callers), "a job never got its cores"
+    return most[0], order
+
+
+def test_jobs_run_no_more_kernel_threads_at_once_than_there_are_cores():
+    cores = dispatch._cores.total
+    most, _ = _at_once([(1, 0.05)] * (2 * cores + 1))
+    assert most == cores  # every core busy, none oversubscribed
+    most, _ = _at_once([(cores + 3, 0.02)] * 2)  # a share above the cores takes them all
+    assert most == cores + 3  # (counted as asked; one such job at a time)
+
+
+def test_a_job_of_every_core_is_not_starved_by_one_core_jobs():
+    """First come, first served: one-core jobs that come after a job of every core wait for
+    it, though a core is free before all of them are."""
+    cores = dispatch._cores.total
+    if cores < 2:
+        pytest.skip("needs 2 cores")
+    jobs = [(1, 0.1)] + [(cores, 0.01)] + [(1, 0.01)] * 3
+    _, order = _at_once(jobs)
+    assert order.index(1) < min(order.index(k) for k in range(2, len(jobs)))
+
+
+def test_a_caller_interrupted_while_waiting_for_cores_leaves_none_taken():
+    import signal
+
+    cores = dispatch._Cores(1)
+    cores.take(1)  # all taken
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        with pytest.raises(KeyboardInterrupt):
+            cores.take(1)  # waits in line, then Ctrl-C
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert not cores.waiting  # out of the line
+    cores.give(1)
+    assert cores.free == 1 and cores.take(1) == 1  # nothing lost, nothing owed
+
+
+def test_four_one_thread_callers_hold_no_more_frames_than_cores(chain):
+    chain.configure_calls(callers=4, threads_per_call=1)
+    x = np.zeros(N, "float32")
+    start = threading.Barrier(4)
+
+    def caller():
+        start.wait()
+        for _ in range(30):
+            chain(x=x)
+
+    callers = [threading.Thread(target=caller) for _ in range(4)]
+    for c in callers:
+        c.start()
+    for c in callers:
+        c.join(30)
+    assert 1 <= chain._frames.made <= min(4, dispatch._cores.total)
