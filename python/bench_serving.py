@@ -12,7 +12,8 @@ memory one more frame costs (activation pools only) against the weights.
     python python/bench_serving.py --threads [--models ...] [--kernels auto tvm]
 
 With ``--threads``: one caller's median latency from the main thread and from a new worker
-thread (their ratio), the hand-off to hgrt's dispatcher in microseconds, and, with an
+thread (their ratio), the hand-off to hgrt's dispatcher in microseconds, what a call costs
+beyond a ``run()`` of the same inputs, and, with an
 onnxruntime session of its default options created and run in the same process and then left
 idle, each runtime's latency against its own alone.
 """
@@ -72,6 +73,18 @@ def in_thread(fn):
     return out[0]
 
 
+def call_overhead(run, call, n: int = 200) -> tuple[float, float]:
+    """Median ms of ``run()`` and of ``call()``, one of each in turns ``n`` times."""
+    run(), call()
+    runs, calls = [], []
+    for _ in range(n):
+        for fn, times in ((run, runs), (call, calls)):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(runs), 1e3 * statistics.median(calls)
+
+
 def handoff_us(n: int = 2000) -> float | None:
     """Median round trip of an empty job through hgrt's dispatcher, in microseconds."""
     try:
@@ -106,6 +119,13 @@ def thread_rows(name: str, kernels: str) -> list[str]:
     same = all(np.array_equal(in_thread(call)[0], want) for _ in range(3))
     rows = [f"| {name} | {kernels} | main {main1:.3f} ms (median of rounds {main2:.3f}) | "
             f"worker thread {worker:.3f} ms | {worker / main1:.2f} | bitwise {same} |"]
+    print(rows[-1], flush=True)
+    # what a call costs beyond its run: checking and binding its arrays, its frame, copying
+    # its outputs (run() after set_input hands off to the dispatcher as a call does)
+    m.set_input(**mdl.inputs)
+    runs, calls = call_overhead(m.run, call)
+    rows.append(f"| {name} | {kernels} | run() {runs:.3f} ms | call {calls:.3f} ms | "
+                f"call - run() {1e3 * (calls - runs):.0f} us | medians of 200 each, in turns |")
     print(rows[-1], flush=True)
     # a neighbour: onnxruntime, its default options (spinning pool threads), run then idle
     alone = min(median_ms(call) for _ in range(3))
