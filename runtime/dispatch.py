@@ -12,6 +12,8 @@ idle dispatcher, preferably the one that last ran with the same thread count (it
 OpenMP team are sized and warm), else another idle one, else a new one; so one caller at a time,
 from any thread, always lands on the same dispatcher, and ``k`` concurrent callers on ``k``
 dispatchers, each the one master of its pools. An idle dispatcher sleeps on a lock (no spin).
+Dispatchers run no more kernel threads at once than the process may use cores (``_Cores``):
+callers beyond wait their turn instead of sharing the cores by the OS's time slices.
 
 The process's main thread hands off too, and so do oneDNN's weight packing at build and load
 (``onednn._call``): libgomp spins only its throttled count (1000 under OMP_WAIT_POLICY=active)
