@@ -8,8 +8,9 @@ cold pools and another thread's spinning workers. So no user thread launches a k
 
 Dispatchers belong to the process, not to a module: modules share the cores, and a dispatcher
 per module would multiply the pools (and the spinning) by the modules loaded. A caller takes an
-idle dispatcher, preferably the one that last ran with the same thread count (its TVM pool and
-OpenMP team are sized and warm), else another idle one, else a new one; so one caller at a time,
+idle dispatcher, preferably one whose OpenMP team need not grow, then the one that last ran
+with the same thread count (its TVM pool and OpenMP team are sized and warm), else another idle
+one, else a new one; so one caller at a time,
 from any thread, always lands on the same dispatcher, and ``k`` concurrent callers on ``k``
 dispatchers, each the one master of its pools. An idle dispatcher sleeps on a lock (no spin).
 Dispatchers run no more kernel threads at once than the process may use cores (``_Cores``):
@@ -90,6 +91,7 @@ class Dispatcher:
     def __init__(self, index: int) -> None:
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.threads: int | None = None  # kernel threads its pool was last set to
+        self.widest = 0  # the most kernel threads it has run: its OpenMP team keeps them
         self.thread = threading.Thread(target=self._loop, name=f"hgrt-dispatch-{index}",
                                        daemon=True)
         self.thread.start()
@@ -125,11 +127,17 @@ def _acquire(threads: int) -> Dispatcher:
     with reg.lock:
         if reg.closed:
             raise ClosedError("hgrt's dispatchers have stopped: the interpreter is exiting")
-        for k in range(len(reg.idle) - 1, -1, -1):  # the last used with this thread count
-            if reg.idle[k].threads == threads:
-                return reg.idle.pop(k)
         if reg.idle:
-            return reg.idle.pop()
+            idle = reg.idle
+            # first one whose OpenMP team need not grow: libgomp spins only a throttled count
+            # once its teams together hold more threads than there are cores, and a second
+            # dispatcher of a 2-thread team slowed light squeezenet's 1 x 2 calls 2-10 % (the
+            # first had run 2-thread calls, then 1-thread ones); then the one last set to this
+            # count (its pools sized and warm), then the narrowest, then the latest
+            k = min(range(len(idle)), key=lambda k: (
+                max(0, threads - idle[k].widest), idle[k].threads != threads, idle[k].widest,
+                -k))
+            return idle.pop(k)
         d = Dispatcher(len(reg.all))
         reg.all.append(d)
         return d
@@ -213,6 +221,7 @@ def dispatch(fn: Callable[[], Any], threads: int) -> Any:
             return job.wait()
         finally:
             d.threads = threads
+            d.widest = max(d.widest, threads)
             _release(d)
     finally:
         cores.give(k)

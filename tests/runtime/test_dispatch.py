@@ -299,3 +299,21 @@ def test_four_one_thread_callers_hold_no_more_frames_than_cores(chain):
     for c in callers:
         c.join(30)
     assert 1 <= chain._frames.made <= min(4, dispatch._cores.total)
+
+
+def test_a_wide_job_goes_to_the_dispatcher_whose_team_is_already_wide(monkeypatch):
+    """libgomp spins only a throttled count once its teams together hold more threads than
+    there are cores: a 2-thread job goes back to the dispatcher that already ran 2-thread jobs,
+    though another ran last and at 1 thread, and 1-thread jobs leave that one free."""
+    from types import SimpleNamespace as D
+
+    reg = dispatch._Registry()
+    wide, narrow = D(name="wide", threads=1, widest=2), D(name="narrow", threads=1, widest=1)
+    reg.idle = [wide, narrow]  # (the narrow one released last)
+    reg.all = list(reg.idle)
+    monkeypatch.setattr(dispatch, "_registry", reg)
+    assert dispatch._acquire(2) is wide
+    reg.idle = [narrow, wide]
+    assert dispatch._acquire(1) is narrow  # a 1-thread job: the narrow one
+    reg.idle = [wide, D(name="last at 2", threads=2, widest=2)]
+    assert dispatch._acquire(2).name == "last at 2"  # both wide: the one set to 2 already
