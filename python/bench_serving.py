@@ -1,7 +1,8 @@
 """Many callers, one module: throughput of hgrt's call API against onnxruntime, one session.
 
 For 1, 2 and 4 callers (threads), each caller runs ``--calls`` inferences, in ``--rounds``
-rounds taken in turns with onnxruntime (the best round of each is shown); hgrt gives each call
+rounds taken in turns with onnxruntime, who goes first alternating (the best round of each is
+shown); hgrt gives each call
 ``cores // callers`` kernel threads and its own activation frame (one copy of the weights),
 onnxruntime one InferenceSession with ``cores // callers`` intra-op threads shared by the callers.
 Printed: inferences per second, hgrt / its own single caller, hgrt / onnxruntime, and the
@@ -164,13 +165,16 @@ def bench(name: str, calls: int, rounds: int) -> list[str]:
         # fifth; a new onnxruntime session each round, dropped before hgrt's next one (its
         # pool threads spin on after a run and would slow whatever runs next)
         ours, theirs = [], []
-        for _ in range(rounds):
-            ours.append(throughput(lambda: m(mdl.inputs), callers, calls))
+        for r in range(rounds):
+            if r % 2 == 0:  # who goes first alternates: the first round after a build is slow
+                ours.append(throughput(lambda: m(mdl.inputs), callers, calls))
             sess = ort_session(mdl.model, threads)
             if sess is not None:
                 feed = ort_feed(sess, mdl.model, mdl.inputs)
                 theirs.append(throughput(lambda s=sess, f=feed: s.run(None, f), callers, calls))
             del sess
+            if r % 2 == 1:
+                ours.append(throughput(lambda: m(mdl.inputs), callers, calls))
         ours, theirs = max(ours), max(theirs, default=None)
         base = base or ours
         ratio = f"{ours / theirs:.2f}" if theirs else "-"
