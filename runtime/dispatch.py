@@ -44,6 +44,7 @@ from hgrt.devices import usable_cores
 from hgrt.errors import ClosedError
 
 _local = threading.local()
+_EXITING = "hgrt's dispatchers have stopped: the interpreter is exiting"
 
 
 class _Job:
@@ -64,6 +65,11 @@ class _Job:
         finally:
             self.fn = None
             self.done.release()
+
+    def refuse(self) -> None:
+        """Never run: its dispatcher has stopped (the interpreter is exiting)."""
+        self.fn, self.error = None, ClosedError(_EXITING)
+        self.done.release()
 
     def wait(self) -> Any:
         """The result, or the exception re-raised in the caller's thread. A signal (Ctrl-C)
@@ -92,6 +98,7 @@ class Dispatcher:
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.threads: int | None = None  # kernel threads its pool was last set to
         self.widest = 0  # the most kernel threads it has run: its OpenMP team keeps them
+        self.stopped = False
         self.thread = threading.Thread(target=self._loop, name=f"hgrt-dispatch-{index}",
                                        daemon=True)
         self.thread.start()
@@ -101,12 +108,25 @@ class Dispatcher:
         while True:
             job = self.jobs.get()
             if job is None:
+                self.stopped = True
+                self.refuse_queued()
                 return
             job.run()
             job = None  # hold nothing of a call between calls
 
     def stop(self) -> None:
         self.jobs.put(None)
+
+    def refuse_queued(self) -> None:
+        """Refuse the jobs put after the stop (a caller that took this dispatcher just before
+        the interpreter began to exit): each caller gets a ``ClosedError``, not a wait forever."""
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                job.refuse()
 
 
 class _Registry:
@@ -126,7 +146,7 @@ def _acquire(threads: int) -> Dispatcher:
     reg = _registry
     with reg.lock:
         if reg.closed:
-            raise ClosedError("hgrt's dispatchers have stopped: the interpreter is exiting")
+            raise ClosedError(_EXITING)
         if reg.idle:
             idle = reg.idle
             # first one whose OpenMP team need not grow: libgomp spins only a throttled count
@@ -155,76 +175,103 @@ def on_dispatcher() -> bool:
     return getattr(_local, "dispatcher", None) is not None
 
 
+class _Lease:
+    """The cores one job holds: set by one store, so that an interrupt (Ctrl-C between any two
+    bytecodes) leaves it holding them or not, never half."""
+
+    __slots__ = ("cores",)
+
+    def __init__(self) -> None:
+        self.cores = 0
+
+
 class _Cores:
     """The kernel threads that dispatchers may run at once: the cores this process may use.
     A job takes ``threads`` of them before it starts and gives them back when it ends;
     callers beyond wait in turn (first come, first served, so a job of every core is not
     starved by a stream of one-core jobs). Four callers of one thread each on 2 cores then run
-    two jobs at a time, one after another on warm caches, instead of four that the OS slices."""
+    two jobs at a time, one after another on warm caches, instead of four that the OS slices.
+    What is free is counted from the leases themselves, and granting is idempotent, so an
+    interrupted ``take``, ``give`` or grant leaves nothing lost or owed: the next ``take`` or
+    ``give`` finishes what it left."""
 
     def __init__(self, total: int) -> None:
         self.total = total
-        self.free = total
         self.lock = threading.Lock()
-        self.waiting: collections.deque[list] = collections.deque()  # [threads, lock]
+        self.leases: set[_Lease] = set()  # every lease that may hold cores
+        self.waiting: collections.deque = collections.deque()  # (cores, Event, lease) in line
 
-    def take(self, threads: int) -> int:
-        k = min(max(1, threads), self.total)
+    def free(self) -> int:
+        return self.total - sum(lease.cores for lease in self.leases)
+
+    def take(self, k: int, lease: _Lease) -> None:
+        """Wait for ``k`` cores (at most all of them), held by ``lease`` until ``give``."""
+        k = min(k, self.total)
+        if k <= 0:
+            return
         with self.lock:
-            if not self.waiting and self.free >= k:
-                self.free -= k
-                return k
-            turn = [k, threading.Lock()]
-            turn[1].acquire()
+            self.leases.add(lease)
+            self._grant()  # (what an interrupted give left ungranted)
+            if not self.waiting and self.free() >= k:
+                lease.cores = k
+                return
+            turn = (k, threading.Event(), lease)
             self.waiting.append(turn)
         try:
-            turn[1].acquire()  # released by ``give`` once this caller's cores are its own
-        except BaseException:  # interrupted while waiting: leave the line, or hand them back
-            with self.lock:
+            while not turn[1].wait(0.05):  # set by ``_grant`` once the lease holds the cores;
+                with self.lock:            # and now and then granted from here, should an
+                    self._grant()          # interrupted ``give`` have left it to nobody
+        except BaseException:  # interrupted in line: leave it (cores granted meanwhile are
+            with self.lock:    # given back by the caller's ``give``)
                 if turn in self.waiting:
                     self.waiting.remove(turn)
-                    self._grant()
-                    raise
-            self.give(k)
+                    self._grant()  # (the next in line may fit now)
             raise
-        return k
 
-    def give(self, k: int) -> None:
+    def give(self, lease: _Lease) -> None:
         with self.lock:
-            self.free += k
+            self.leases.discard(lease)
+            lease.cores = 0
             self._grant()
 
     def _grant(self) -> None:
-        while self.waiting and self.waiting[0][0] <= self.free:
-            k, turn = self.waiting.popleft()
-            self.free -= k
-            turn.release()
+        while self.waiting:
+            k, ready, lease = self.waiting[0]
+            if not lease.cores:
+                if self.free() < k:
+                    return
+                lease.cores = k
+            ready.set()
+            self.waiting.popleft()
 
 
 _cores = _Cores(usable_cores())
 
 
-def dispatch(fn: Callable[[], Any], threads: int) -> Any:
+def dispatch(fn: Callable[[], Any], threads: int, cores: int | None = None) -> Any:
     """``fn()`` run on a dispatcher whose kernels take ``threads`` threads (``fn`` sets them:
     ``threads.set_thread_count``), the caller waiting; its result, or its exception raised
-    here. On a dispatcher already (a call inside a call), ``fn()`` runs in place. Jobs whose
-    threads would exceed the process's cores wait for a running one to end (``_Cores``)."""
+    here. On a dispatcher already (a call inside a call), ``fn()`` runs in place. The job first
+    takes ``cores`` of the process's cores (default ``threads``; 0 for work that waits on
+    another device: ``_Cores``) and waits while they are in use."""
     if on_dispatcher():
         return fn()
-    cores = _cores
-    k = cores.take(threads)
+    pool, lease = _cores, _Lease()
     try:
+        pool.take(threads if cores is None else cores, lease)
         d = _acquire(threads)
         job = _Job(fn)
         try:
             d.jobs.put(job)
+            if d.stopped:  # stopped between ``_acquire`` and the put: nobody will run it
+                d.refuse_queued()
             return job.wait()
         finally:
             d.threads = threads
             d.widest = max(d.widest, threads)
             _release(d)
     finally:
-        cores.give(k)
+        pool.give(lease)
 
 
 def dispatchers() -> int:

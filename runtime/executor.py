@@ -58,6 +58,7 @@ from hgrt.runtime.threads import (
     use_all_cores,
 )
 
+_NO_FRAME = object()  # a call's job found every frame in use (``GraphModule.infer``)
 # dtypes numpy takes through DLPack as they are
 _DLPACK_DTYPES = frozenset(("float16", "float32", "float64", "int8", "int16", "int32", "int64",
                             "uint8", "uint16", "uint32", "uint64"))
@@ -134,9 +135,10 @@ class GraphModule(GraphModuleAPI):
             raise self._unset_error(what)
         runner = self._streams if (self.parallel if parallel is None else parallel) else None
         if runner is None:
-            dispatch(self._run_sequential, process_threads())
-        else:
-            dispatch(functools.partial(self._run_streams, runner), runner.threads[0])
+            dispatch(self._run_sequential, process_threads(), self._cores(process_threads()))
+        else:  # the first stream runs on the dispatcher, the others on their workers
+            dispatch(functools.partial(self._run_streams, runner), runner.threads[0],
+                     self._cores(sum(runner.threads)))
 
     def _run_sequential(self) -> None:
         restore_thread_count()
@@ -244,21 +246,48 @@ class GraphModule(GraphModuleAPI):
         frames = self._frames  # the frame goes back where it came from, whatever happens
         if frames is None:  # closed meanwhile
             self._check_open()
+        threads = self.budget.threads
         # the frame is taken on the dispatcher, once the call has its cores: callers waiting
-        # for cores hold no activations (four callers of one thread on 2 cores use two frames)
-        return dispatch(functools.partial(self._infer_on, frames, items, outs),
-                        self.budget.threads)
-
-    def _infer_on(self, frames: FramePool, items: list, outs: list | None) -> list:
+        # for cores hold no activations (four callers of one thread on 2 cores use two frames).
+        # Should every frame be in use, the caller waits for one on its own thread, holding no
+        # cores (and Ctrl-C reaches it), and hands its call over again with the frame.
+        run = functools.partial(self._infer_on, frames, items, outs, threads)
+        result = dispatch(run, threads, self._cores(threads))
+        if result is not _NO_FRAME:
+            return result
         frame = frames.take()
         try:
-            return self._infer_in(frame, items, outs)
+            return dispatch(functools.partial(run, frame=frame), threads, self._cores(threads))
         finally:
             frames.give(frame)
 
-    def _infer_in(self, frame: Frame, items: list, outs: list | None) -> list:
+    def _infer_on(self, frames: FramePool, items: list, outs: list | None, threads: int,
+                  frame: Frame | None = None) -> list:
+        if self.closed:  # closed while this call waited for cores
+            self._check_open()
+        if frame is not None:
+            return self._infer_in(frame, items, outs, threads)
+        frame = frames.take(blocking=False)
+        if frame is None:
+            return _NO_FRAME
+        try:
+            return self._infer_in(frame, items, outs, threads)
+        finally:
+            frames.give(frame)
+
+    def _cores(self, threads: int) -> int:
+        """The process's cores a job of ``threads`` kernel threads holds while it runs: all of
+        them on a module of CPU devices only; none where the job waits on another device
+        (its host threads mostly wait: the CPU work of other calls runs meanwhile)."""
+        return threads if self._host_only else 0
+
+    @functools.cached_property
+    def _host_only(self) -> bool:
+        return all(hdev.is_local_cpu(d) for d in self.devices)
+
+    def _infer_in(self, frame: Frame, items: list, outs: list | None, threads: int) -> list:
         """One call's work in ``frame``, on a dispatcher (``infer``)."""
-        set_thread_count(self.budget.threads)
+        set_thread_count(threads)
         bound = {}
         for idx, value in items:
             eid = self._input_eids[idx]
@@ -314,7 +343,8 @@ class GraphModule(GraphModuleAPI):
                 raise self._unset_error("profile")
             return dispatch(functools.partial(
                 profile, self, functools.partial(self._run_claimed, what="profile"),
-                self._trace_streams, repeat=repeat, warmup=warmup), process_threads())
+                self._trace_streams, repeat=repeat, warmup=warmup), process_threads(),
+                self._cores(process_threads()))
 
     def _zero_copy(self, eid: int, value: Any, inputs: bool):
         """``value`` bound in place of entry ``eid`` for one call, when that is safe: no view

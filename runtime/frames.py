@@ -178,24 +178,33 @@ class FramePool:
         self._waiting = 0
         self.made = 0
 
-    def take(self) -> Frame:
+    def take(self, blocking: bool = True) -> Frame | None:
+        """A free frame, a new one while fewer than ``limit`` exist, else one given back by
+        another caller (None at once, not blocking). A frame is made outside the lock: giving
+        one back never waits for another caller's allocation."""
         with self._cond:
+            while not self._free and self.made >= self.limit:
+                if not blocking:
+                    return None
+                self._waiting += 1
+                try:
+                    self._cond.wait()
+                except BaseException:  # leaving (Ctrl-C): pass on a wake-up meant for it
+                    if self._free or self.made < self.limit:
+                        self._cond.notify()
+                    raise
+                finally:
+                    self._waiting -= 1
             if self._free:
                 return self._free.pop()
-            if self.made < self.limit:
-                self.made += 1
-                try:
-                    return self._make()
-                except BaseException:
-                    self.made -= 1
-                    raise
-            self._waiting += 1
-            try:
-                while not self._free:
-                    self._cond.wait()
-            finally:
-                self._waiting -= 1
-            return self._free.pop()
+            self.made += 1
+        try:
+            return self._make()
+        except BaseException:
+            with self._cond:
+                self.made -= 1
+                self._cond.notify()  # a waiter may make the frame this caller could not
+            raise
 
     def give(self, frame: Frame) -> None:
         with self._cond:

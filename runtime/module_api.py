@@ -120,10 +120,11 @@ class GraphModuleAPI:
         self._user_inputs = frozenset(self._arg_index) - frozenset(graph.params)
         # name -> (index, shape, numpy dtype) of each user input: what a call's common case,
         # every input by name as a numpy array, is checked against (``_fast_call_inputs``)
-        self._call_spec = {
-            n: (i, tuple(graph.shapes[e]), _numpy_dtype(graph.dtypes[e]))
-            for n, i in self._arg_index.items() if n in self._user_inputs
-            for e in (self._input_eids[i],)}
+        spec = {n: (i, tuple(graph.shapes[e]), _numpy_dtype(graph.dtypes[e]))
+                for n, i in self._arg_index.items() if n in self._user_inputs
+                for e in (self._input_eids[i],)}
+        # (none where numpy has no dtype for an input: ``dtype != None`` is False for float64)
+        self._call_spec = spec if all(d is not None for _, _, d in spec.values()) else None
         self._stateful = threading.Lock()  # set_input/run/get_output: one thread at a time
 
     # ---- lifetime -------------------------------------------------------------------------
@@ -271,7 +272,7 @@ class GraphModuleAPI:
         wrong. (Right after a run, with the caches cold, the general checks took 38 us of a
         light squeezenet call, 2 vCPUs.)"""
         spec = self._call_spec
-        if len(inputs) != len(spec):
+        if spec is None or len(inputs) != len(spec):
             return None
         items = []
         for k, v in inputs.items():

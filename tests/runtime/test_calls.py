@@ -262,8 +262,9 @@ def test_call_results_are_the_callers_own_arrays(dtype, rng):
     x = g.input("x")
     o1, o2 = g.op("twice_out", [g.op("add_one", [x])], num_outputs=2)
     g.output(o1, o2, x)  # (x: an input returned as an output, copied)
-    m = hgrt.create(g.json(), elementwise_lib(dtype=dtype), tvm.cpu(0))
+    m = hgrt.create(g.json(pools=True), elementwise_lib(dtype=dtype), tvm.cpu(0))
     assert m._host_outputs == (True, True, True)
+    assert any(m._storage.offset[e] for e in m._output_eids)  # (an output inside its pool)
 
     def want(v):
         return [v + 2, (v + 1) * 2, v]

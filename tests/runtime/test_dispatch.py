@@ -213,9 +213,17 @@ def test_a_forked_child_starts_its_own_stream_workers():
     assert "forked child ran its streams" in proc.stdout
 
 
-def _at_once(jobs: list[tuple[int, float]]) -> tuple[int, list[int]]:
-    """Dispatch ``(threads, seconds)`` jobs from a thread each, all at once: the most kernel
-    threads that ran at the same time, and the order the jobs started in."""
+@pytest.fixture
+def own_dispatchers(monkeypatch):
+    """Dispatchers of the test's own: what its jobs leave (threads, widest) stays with them."""
+    monkeypatch.setattr(dispatch, "_registry", dispatch._Registry())
+
+
+def _at_once(jobs: list[tuple[int, float]], hold: threading.Event | None = None
+             ) -> tuple[int, list[int]]:
+    """Dispatch ``(threads, seconds)`` jobs from a thread each, all at once, each started only
+    once the one before runs or waits in line: the most kernel threads that ran at the same
+    time, and the order the jobs started in. With ``hold``, a job also waits for it."""
     lock, running, most, order = threading.Lock(), [0], [0], []
 
     def job(k, threads, seconds):
@@ -223,34 +231,39 @@ def _at_once(jobs: list[tuple[int, float]]) -> tuple[int, list[int]]:
             running[0] += threads
             most[0] = max(most[0], running[0])
             order.append(k)
+        if hold is not None:
+            hold.wait(30)
         time.sleep(seconds)
         with lock:
             running[0] -= threads
 
-    callers = [threading.Thread(target=dispatch.dispatch, args=(
+    callers = [threading.Thread(target=dispatch.dispatch, daemon=True, args=(
         lambda k=k, t=t, s=s: job(k, t, s), t)) for k, (t, s) in enumerate(jobs)]
     for k, c in enumerate(callers):
         queued = len(dispatch._cores.waiting)
         c.start()
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 10
         while k not in order and len(dispatch._cores.waiting) <= queued \
                 and time.monotonic() < deadline:  # running or in line before the next comes
             time.sleep(0.001)
+    if hold is not None:
+        hold.set()
     for c in callers:
         c.join(30)
     assert not any(c.is_alive() for c in callers), "a job never got its cores"
     return most[0], order
 
 
-def test_jobs_run_no_more_kernel_threads_at_once_than_there_are_cores():
+def test_jobs_run_no_more_kernel_threads_at_once_than_there_are_cores(own_dispatchers):
     cores = dispatch._cores.total
-    most, _ = _at_once([(1, 0.05)] * (2 * cores + 1))
+    # every job holds its cores until all have started or queued: exactly `cores` run at once
+    most, _ = _at_once([(1, 0.0)] * (2 * cores + 1), hold=threading.Event())
     assert most == cores  # every core busy, none oversubscribed
-    most, _ = _at_once([(cores + 3, 0.02)] * 2)  # a share above the cores takes them all
-    assert most == cores + 3  # (counted as asked; one such job at a time)
+    most, _ = _at_once([(cores + 3, 0.0)] * 2, hold=threading.Event())
+    assert most == cores + 3  # a share above the cores takes them all: one such job at a time
 
 
-def test_a_job_of_every_core_is_not_starved_by_one_core_jobs():
+def test_a_job_of_every_core_is_not_starved_by_one_core_jobs(own_dispatchers):
     """First come, first served: one-core jobs that come after a job of every core wait for
     it, though a core is free before all of them are."""
     cores = dispatch._cores.total
@@ -261,44 +274,122 @@ def test_a_job_of_every_core_is_not_starved_by_one_core_jobs():
     assert order.index(1) < min(order.index(k) for k in range(2, len(jobs)))
 
 
-def test_a_caller_interrupted_while_waiting_for_cores_leaves_none_taken():
+@pytest.mark.parametrize("when", ["in line", "just granted"])
+def test_a_caller_interrupted_while_waiting_for_cores_leaves_none_taken(when):
+    """Ctrl-C while a caller waits for cores: it leaves the line, or, granted them just before
+    it saw the signal, gives them back in ``dispatch``'s ``finally`` (here: ``give``)."""
     import signal
 
     cores = dispatch._Cores(1)
-    cores.take(1)  # all taken
+    first, second = dispatch._Lease(), dispatch._Lease()
+    cores.take(1, first)  # all taken
 
     def interrupt(*_):
-        raise KeyboardInterrupt
+        if when == "just granted":
+            cores.give(first)  # the cores go to the caller in line...
+            assert second.cores == 1
+        raise KeyboardInterrupt  # ...which raises before it returns from take
 
     old = signal.signal(signal.SIGALRM, interrupt)
     try:
         signal.setitimer(signal.ITIMER_REAL, 0.1)
         with pytest.raises(KeyboardInterrupt):
-            cores.take(1)  # waits in line, then Ctrl-C
+            try:
+                cores.take(1, second)  # waits in line, then Ctrl-C
+            finally:
+                cores.give(second)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
     assert not cores.waiting  # out of the line
-    cores.give(1)
-    assert cores.free == 1 and cores.take(1) == 1  # nothing lost, nothing owed
+    if when == "in line":
+        cores.give(first)
+    assert cores.free() == 1  # nothing lost, nothing owed
+    third = dispatch._Lease()
+    cores.take(1, third)
+    assert third.cores == 1
 
 
-def test_four_one_thread_callers_hold_no_more_frames_than_cores(chain):
-    chain.configure_calls(callers=4, threads_per_call=1)
+def test_an_interrupted_give_is_finished_by_the_next_caller():
+    """A ``give`` cut short after it freed the cores but before it woke the line: the waiting
+    caller still gets them (the line is granted again while it waits)."""
+    cores = dispatch._Cores(1)
+    first, second = dispatch._Lease(), dispatch._Lease()
+    cores.take(1, first)
+    got = threading.Event()
+    t = threading.Thread(target=lambda: (cores.take(1, second), got.set()), daemon=True)
+    t.start()
+    while not cores.waiting:
+        time.sleep(0.001)
+    with cores.lock:  # what give does, up to its grant
+        cores.leases.discard(first)
+        first.cores = 0
+    assert got.wait(5), "the caller in line was left waiting for free cores"
+    assert second.cores == 1
+
+
+def test_a_job_put_to_a_dispatcher_that_stopped_is_refused(monkeypatch):
+    """A caller took a dispatcher just before the interpreter began to exit, and its job went
+    in behind the stop: it gets a ClosedError, not a wait forever, and gives back its cores."""
+    d = dispatch.Dispatcher(99)
+    d.stop()
+    d.thread.join(5)
+    reg = dispatch._Registry()
+    reg.idle, reg.all = [d], [d]
+    monkeypatch.setattr(dispatch, "_registry", reg)
+    got = []
+
+    def caller():
+        try:
+            dispatch.dispatch(lambda: 1, 1)
+        except hgrt.ClosedError as e:
+            got.append(e)
+
+    t = threading.Thread(target=caller, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "the job behind the stop was left waiting"
+    assert got and "interpreter is exiting" in str(got[0])
+    assert dispatch._cores.free() == dispatch._cores.total
+
+
+def test_more_one_thread_callers_than_cores_hold_no_more_frames_than_cores(chain):
+    callers = dispatch._cores.total + 2
+    chain.configure_calls(callers=callers, threads_per_call=1)
     x = np.zeros(N, "float32")
-    start = threading.Barrier(4)
+    start = threading.Barrier(callers)
 
     def caller():
         start.wait()
         for _ in range(30):
             chain(x=x)
 
-    callers = [threading.Thread(target=caller) for _ in range(4)]
-    for c in callers:
+    threads = [threading.Thread(target=caller, daemon=True) for _ in range(callers)]
+    for c in threads:
         c.start()
-    for c in callers:
+    for c in threads:
         c.join(30)
-    assert 1 <= chain._frames.made <= min(4, dispatch._cores.total)
+    assert 1 <= chain._frames.made <= dispatch._cores.total
+
+
+def test_a_call_waiting_for_a_frame_holds_no_cores(chain):
+    """Every frame in use: a call waits for one on its own thread, holding none of the
+    process's cores (other calls run meanwhile), and runs once a frame comes back."""
+    chain.configure_calls(callers=1, threads_per_call=1, max_frames=1)
+    x = np.arange(N, dtype="float32")
+    want = chain(x=x)[0]
+    frame = chain._frames.take()  # the only frame, held
+    out = []
+    t = threading.Thread(target=lambda: out.append(chain(x=x)[0]), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 10
+    while not chain._frames._waiting and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert chain._frames._waiting == 1  # waiting for the frame...
+    assert dispatch._cores.free() == dispatch._cores.total  # ...on no core
+    chain._frames.give(frame)
+    t.join(10)
+    np.testing.assert_array_equal(out[0], want)
 
 
 def test_a_wide_job_goes_to_the_dispatcher_whose_team_is_already_wide(monkeypatch):

@@ -240,7 +240,7 @@ def test_threads_for_streams_must_be_positive_integers():
 def test_frames_go_back_to_their_own_pool():
     n = 1 << 21
     m = create(chain(n, 60).doc(), elementwise_lib(n))
-    m.configure_calls(callers=1, max_frames=1)
+    m.configure_calls(callers=1, threads_per_call=1, max_frames=1)  # (a core for each call)
     x = np.zeros(n, "float32")
     done = []
     a = threading.Thread(target=lambda: done.append(m(x=x)), daemon=True)
@@ -249,7 +249,7 @@ def test_frames_go_back_to_their_own_pool():
     b = threading.Thread(target=lambda: done.append(m(x=x)), daemon=True)
     b.start()
     time.sleep(0.005)
-    m.configure_calls(callers=1, max_frames=1)  # a new pool while both calls are in flight
+    m.configure_calls(callers=1, threads_per_call=1, max_frames=1)  # a new pool meanwhile
     a.join(20)
     b.join(20)
     assert len(done) == 2, "a caller waiting on the old pool never got a frame back"
