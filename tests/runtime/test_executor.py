@@ -68,6 +68,11 @@ def test_outputs_on_different_devices(lib, two_cpus, rng):
     np.testing.assert_allclose(m.get_output(1).numpy(), x * w, rtol=1e-6)
     np.testing.assert_allclose(m.get_output(2).numpy(), x * 2, rtol=1e-6)
     assert m.get_output(1).device == tvm.cpu(1) and m.get_output(0).device == tvm.cpu(0)
+    # a call: numpy reads cpu:0's outputs through DLPack, cpu:1's come by Tensor.numpy()
+    assert m._host_outputs == (True, False, True)
+    got = m(x=x)
+    for out, want in zip(got, (x + 1, x * w, x * 2), strict=True):
+        np.testing.assert_allclose(out, want, rtol=1e-6)
 
 
 def test_no_device_index_column_runs_on_first_device(lib, rng):
