@@ -383,10 +383,7 @@ class GraphModule(GraphModuleAPI):
                     for eid, host in zip(self._output_eids, self._host_outputs, strict=True)]
         for o, eid, host in zip(outs, self._output_eids, self._host_outputs, strict=True):
             if eid not in bound:  # not written in place: copied there
-                if host and isinstance(o, np.ndarray):
-                    o[...] = np.from_dlpack(view(eid))
-                else:
-                    self._copy_out(view(eid), o)
+                self._copy_out(view(eid), o, host)
         return outs
 
     @functools.cached_property
@@ -407,9 +404,11 @@ class GraphModule(GraphModuleAPI):
             dst.copyfrom(np.asarray(value, order="C"))
 
     @staticmethod
-    def _copy_out(src, out) -> None:
+    def _copy_out(src, out, host: bool) -> None:
+        """``src`` copied into the caller's ``out``; a numpy ``out`` reads ``src`` in place
+        where numpy can (``host``: ``_host_outputs``)."""
         if isinstance(out, np.ndarray):
-            out[...] = src.numpy()
+            out[...] = np.from_dlpack(src) if host else src.numpy()
         else:
             copy_tensor(src, out)
 
