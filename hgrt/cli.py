@@ -263,9 +263,9 @@ def _run_pipeline(args: argparse.Namespace) -> int:
     """``hgrt run`` of a pipeline directory: stage k on the board of the k-th ``--rpc-key`` (or
     the key saved with the stage; none: this machine)."""
     import hgrt
-    from hgrt.pipelines import _read_doc, load_pipeline
+    from hgrt.pipelines import load_pipeline, read_doc
 
-    doc = _read_doc(args.artifacts)
+    doc = read_doc(args.artifacts)
     n = len(doc["stages"])
     keys = list(args.rpc_key or []) or [s.get("key") for s in doc["stages"]]
     if len(keys) != n:

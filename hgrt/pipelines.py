@@ -40,6 +40,8 @@ from typing import Any
 import numpy as np
 
 from hgrt.errors import ClosedError, ExecutionError, HgrtError, InputError, RemoteError
+from hgrt.rpc import channel, wire
+from hgrt.rpc.client import RemoteGraphModule
 
 logger = logging.getLogger("hgrt.pipeline")
 DEPTH = 2  # inputs that may wait before each stage
@@ -81,7 +83,8 @@ def is_pipeline(directory: str) -> bool:
     return os.path.isfile(os.path.join(os.fspath(directory), "pipeline.json"))
 
 
-def _read_doc(directory: str) -> dict:
+def read_doc(directory: str) -> dict:
+    """The checked ``pipeline.json`` of ``directory`` (``ArtifactError`` when it is not one)."""
     from hgrt.artifacts import ArtifactError
 
     path = os.path.join(directory, "pipeline.json")
@@ -113,7 +116,7 @@ def load_pipeline(directory: str, sessions: list | None = None, devices: list | 
     directory = os.fspath(directory)
     if transfer not in TRANSFERS:
         raise InputError(f"transfer={transfer!r}: one of {TRANSFERS}")
-    doc = _read_doc(directory)
+    doc = read_doc(directory)
     n = len(doc["stages"])
     sessions = list(sessions) if sessions is not None else [None] * n
     devices = list(devices) if devices is not None else [None] * n
@@ -198,34 +201,18 @@ class _Links:
 
     def __init__(self, modules: list, stages: list[dict], inputs: list[str], outputs: list[str],
                  keep: list[set[str]]) -> None:
-        from hgrt.rpc import channel
-        from hgrt.rpc.protocol import INBOX_FUNC, OUTBOX_FUNC
-        from hgrt.rpc.session import server_host
-
         for k, m in enumerate(modules):
-            if not hasattr(m, "run_stage"):
+            if not isinstance(m, RemoteGraphModule):
                 raise InputError(f"transfer='direct': stage {k} is not on a board (an RPC "
                                  f"session); use transfer='client'")
         self.modules, self.boxes, self.client = modules, [], []
         self.stream = secrets.token_hex(8)  # this pipeline's inputs in the boards' inboxes
         try:
-            inboxes = []
-            for m in modules:
-                sess = m.session.sess
-                try:
-                    inbox = sess.get_function(INBOX_FUNC)
-                except Exception as e:  # noqa: BLE001 - an older server: say what to do
-                    raise RemoteError(f"{m.session.name}: the server has no inbox for "
-                                      f"board-to-board transfer (an older hgrt rpc-server?); "
-                                      f"update it, or use transfer='client'") from e
-                where = json.loads(inbox())
-                inboxes.append((server_host(sess) or where["address"], where["port"],
-                                bytes.fromhex(where["token"])))
+            inboxes = [m.inbox() for m in modules]
             for k in range(len(modules) - 1):
-                self.boxes.append(int(modules[k].session.sess.get_function(OUTBOX_FUNC)(
-                    *inboxes[k + 1][:2], inboxes[k + 1][2].hex())))
+                self.boxes.append(modules[k].link(inboxes[k + 1]))
             self.client = [channel.Outbox(*where) for where in inboxes]
-            self.inboxes = [f"{host}:{port}" for host, port, _ in inboxes]
+            self.inboxes = [str(where) for where in inboxes]
         except BaseException:
             self.close()
             raise
@@ -238,10 +225,9 @@ class _Links:
             have = take + [n for n in s["outputs"] if n not in take]
             last = k == len(stages) - 1
             send = [] if last else [n for n in have if n in keep[k]]
-            self.specs.append({"take": take, "outputs": list(s["outputs"]), "stream": self.stream,
-                               "inputs": {n: m.get_input_index(n) for n in s["inputs"]},
-                               "send": send, "outbox": -1 if last else self.boxes[k],
-                               "return": list(outputs) if last else []})
+            self.specs.append(wire.stage_spec(
+                take, s["outputs"], self.stream, {n: m.get_input_index(n) for n in s["inputs"]},
+                send, wire.NO_LINK if last else self.boxes[k], outputs if last else []))
             arriving = send
 
     def feed(self, item: _Item) -> None:
@@ -263,15 +249,10 @@ class _Links:
                 pass
 
     def close(self) -> None:
-        from hgrt.rpc.protocol import OUTBOX_CLOSE_FUNC
-
         for box in self.client:
             box.close()
         for m, key in zip(self.modules, self.boxes, strict=False):
-            try:
-                m.session.sess.get_function(OUTBOX_CLOSE_FUNC)(key)
-            except Exception:  # noqa: BLE001 - a board already gone keeps nothing of ours
-                pass
+            m.unlink(key)
         self.client, self.boxes = [], []
 
 
@@ -425,9 +406,8 @@ class Pipeline:
         return [1e3 * float(np.median(list(d))) if d else None for d in self._served]
 
     def _unpack(self, data: bytes) -> list[np.ndarray]:
-        from hgrt.rpc.protocol import arrays_from_bytes
-
-        return [a.copy() for a in arrays_from_bytes(data, self._out_types, "the last stage")]
+        return [a.copy() for a in wire.arrays_from_bytes(data, self._out_types,
+                                                         "the last stage")]
 
     def _drain(self, k: int) -> None:
         """Fail what waits before the stages up to ``k`` (they cannot pass the broken one)."""
@@ -450,7 +430,7 @@ class Pipeline:
             k, why = k + 1, f"stage {k} could not send it its tensors: {why}"
         where = f"pipeline stage {k} on {self.boards[k]}"
         if isinstance(e, RemoteError | ClosedError) or self.stages[k].get("key") \
-                or "rpc" in type(self.modules[k]).__name__.lower():
+                or isinstance(self.modules[k], RemoteGraphModule):
             err: HgrtError = RemoteError(f"{where}: {why}")
         else:
             err = ExecutionError(f"{where}: {why}")

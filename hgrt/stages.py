@@ -126,7 +126,7 @@ class _Model:
 def _read(model: Any, params: dict | None, rates: dict) -> _Model:
     from hgrt.devices import parse_devices
     from hgrt.frontend import import_model
-    from hgrt.relay_passes.inner.auto_place import _seconds, op_cost
+    from hgrt.relay_passes.inner.auto_place import op_cost, op_seconds
     from hgrt.relay_passes.util.relax_util import bindings, op_name
 
     with warnings.catch_warnings():
@@ -158,7 +158,7 @@ def _read(model: Any, params: dict | None, rates: dict) -> _Model:
         name = op_name(b.value) if isinstance(b.value, relax.Call) else None
         if name and not (name in FUSED_AFTER and i and b.value.args
                          and b.value.args[0].same_as(bs[i - 1].var)):
-            cost[i] = _seconds(op_cost(b.value, b.var.ty, weights), cpu, rates)
+            cost[i] = op_seconds(op_cost(b.value, b.var.ty, weights), cpu, rates)
     for o in outputs:
         last_read[o] = len(bs)
     return _Model(mod, weights, bs, inputs, outputs, cost, weight_of, reads, made, last_read)

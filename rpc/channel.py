@@ -10,19 +10,15 @@ the control path: it creates the inbox, hands out its port and token, and starts
 
 An inbox listens on the address its session was reached at, serves only the peers the server's
 ``--allow`` admits and that first send its 16-byte token (handed out through the session), and
-checks every frame: a frame is ``<q I Q`` (input sequence number, header length, payload bytes),
-a JSON header ``{"name", "dtype", "shape", "stream"}``, then the payload. A stream is one
-pipeline's inputs: an abort stops one stream and drops what it sent, never another's.
+checks every frame (the frame format: ``hgrt.rpc.wire``). A stream is one pipeline's inputs: an
+abort stops one stream and drops what it sent, never another's.
 """
 
 from __future__ import annotations
 
 import hmac
-import json
-import math
 import secrets
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -30,15 +26,9 @@ from collections.abc import Callable
 import numpy as np
 
 from hgrt.errors import InputError, RemoteError
+from hgrt.rpc import wire
 
-FRAME = struct.Struct("<qIQ")
-TOKEN_BYTES = 16
-MAX_HEADER = 4096
-MAX_PAYLOAD = 1 << 32  # bytes of one tensor
 MAX_READERS = 64  # connections an inbox serves at once
-DTYPES = ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16",
-          "uint32", "uint64", "bool")
-ABORT = "__abort__"  # a frame of this name: the client stopped its stream (payload: why)
 SESSION_ADDRESS = "127.0.0.1"  # where a session's inbox listens: set to the address its RPC
 #                               connection was reached at, in each session process
 SESSION_ALLOWED: Callable[[str], bool] = lambda host: True  # noqa: E731 - the server's --allow
@@ -46,52 +36,17 @@ TAKE_TIMEOUT = 60.0  # seconds a stage waits for its tensors before saying which
 SEND_TIMEOUT = 60.0  # seconds a send may block on a peer that stopped reading
 
 
-class _Closed(Exception):
-    """The peer closed the connection between two frames."""
-
-
-def _recv_exact(conn: socket.socket, n: int, into: memoryview | None = None,
-                frame_start: bool = False) -> memoryview:
-    buf = into if into is not None else memoryview(bytearray(n))
-    got = 0
-    while got < n:
-        k = conn.recv_into(buf[got:], n - got)
-        if k == 0:
-            if frame_start and got == 0:
-                raise _Closed()
-            raise EOFError(f"connection closed after {got} of {n} bytes")
-        got += k
-    return buf
-
-
-def _read_frame(conn: socket.socket) -> tuple[int, str, str, np.ndarray]:
-    seq, hlen, nbytes = FRAME.unpack(_recv_exact(conn, FRAME.size, frame_start=True))
-    if hlen > MAX_HEADER:
-        raise InputError(f"frame header of {hlen} bytes (at most {MAX_HEADER})")
-    try:
-        head = json.loads(bytes(_recv_exact(conn, hlen)))
-        name, dtype, shape = str(head["name"]), str(head["dtype"]), tuple(head["shape"])
-        stream = str(head.get("stream", ""))
-    except (ValueError, KeyError, TypeError, RecursionError) as e:
-        raise InputError(f"frame header is not {{name, dtype, shape}} JSON: {e}") from None
-    if dtype not in DTYPES:
-        raise InputError(f"tensor {name!r}: dtype {dtype!r} is not one of {DTYPES}")
-    if len(shape) > 8 or not all(isinstance(d, int) and 0 <= d <= MAX_PAYLOAD for d in shape):
-        raise InputError(f"tensor {name!r}: shape {list(shape)[:9]} is not a list of sizes")
-    want = math.prod(shape) * np.dtype(dtype).itemsize
-    if nbytes != want or nbytes > MAX_PAYLOAD:
-        raise InputError(f"tensor {name!r}: {nbytes} payload bytes for {dtype}{list(shape)} "
-                         f"({want} bytes; at most {MAX_PAYLOAD})")
-    arr = np.empty(shape, dtype)
-    _recv_exact(conn, nbytes, memoryview(arr.reshape(-1).view(np.uint8)))
-    return seq, stream, name, arr
+def read_frame(conn: socket.socket) -> tuple[int, str, str, np.ndarray]:
+    """The next frame from ``conn``: ``(seq, stream, name, array)``."""
+    head = wire.read_frame_head(conn)
+    return head.seq, head.stream, head.name, wire.read_payload(conn, head)
 
 
 class Inbox:
     """Where a session's tensors arrive, by stream, input sequence number and name."""
 
     def __init__(self, address: str = "127.0.0.1") -> None:
-        self.token = secrets.token_bytes(TOKEN_BYTES)
+        self.token = secrets.token_bytes(wire.TOKEN_BYTES)
         family = socket.AF_INET6 if ":" in address else socket.AF_INET
         self._sock = socket.create_server((address, 0), family=family)
         self.address, self.port = self._sock.getsockname()[:2]
@@ -104,8 +59,7 @@ class Inbox:
         threading.Thread(target=self._accept_loop, daemon=True, name="hgrt-inbox").start()
 
     def describe(self) -> str:
-        return json.dumps({"address": self.address, "port": self.port,
-                           "token": self.token.hex()})
+        return wire.inbox_address_json(self.address, self.port, self.token)
 
     def _accept_loop(self) -> None:
         while True:
@@ -124,7 +78,7 @@ class Inbox:
             with conn:
                 try:
                     conn.settimeout(10.0)
-                    if not hmac.compare_digest(bytes(_recv_exact(conn, TOKEN_BYTES)),
+                    if not hmac.compare_digest(bytes(wire.recv_exact(conn, wire.TOKEN_BYTES)),
                                                self.token):
                         return  # not a sender this RPC session handed its token to
                     conn.settimeout(None)
@@ -141,16 +95,16 @@ class Inbox:
         why = None
         try:
             while True:
-                seq, stream, name, arr = _read_frame(conn)
+                seq, stream, name, arr = read_frame(conn)
                 with self._cond:
-                    if name == ABORT:
+                    if name == wire.ABORT:
                         self._aborted[stream] = arr.tobytes().decode(errors="replace")
                         for key in [k for k in self._items if k[0] == stream]:
                             del self._items[key]  # what it sent will never be taken
                     elif stream not in self._aborted:
                         self._items.setdefault((stream, seq), {})[name] = arr
                     self._cond.notify_all()
-        except _Closed:
+        except wire.PeerClosed:
             pass
         except Exception as e:  # noqa: BLE001 - a broken stream: say why, keep the inbox
             why = f"{peer[0]}:{peer[1]}: {type(e).__name__}: {e}"
@@ -200,8 +154,8 @@ class Outbox:
     """A connection to another RPC session's inbox; ``send`` is thread-safe."""
 
     def __init__(self, host: str, port: int, token: bytes, timeout: float = 10.0) -> None:
-        if len(token) != TOKEN_BYTES:
-            raise InputError(f"an inbox token is {TOKEN_BYTES} bytes, got {len(token)}")
+        if len(token) != wire.TOKEN_BYTES:
+            raise InputError(f"an inbox token is {wire.TOKEN_BYTES} bytes, got {len(token)}")
         self.where = f"{host}:{port}"
         try:
             self._sock = socket.create_connection((host, int(port)), timeout=timeout)
@@ -215,13 +169,10 @@ class Outbox:
 
     def send(self, seq: int, name: str, value: np.ndarray, stream: str = "") -> None:
         arr = np.ascontiguousarray(value)
-        if arr.dtype.name not in DTYPES:
-            raise InputError(f"tensor {name!r}: dtype {arr.dtype} cannot be sent")
-        head = json.dumps({"name": name, "dtype": arr.dtype.name, "shape": list(arr.shape),
-                           "stream": stream}).encode()
+        head = wire.frame_head(seq, name, arr, stream)
         with self._lock:
             try:
-                self._sock.sendall(FRAME.pack(int(seq), len(head), arr.nbytes) + head)
+                self._sock.sendall(head)
                 self._sock.sendall(memoryview(arr.reshape(-1).view(np.uint8)))
             except OSError as e:
                 raise RemoteError(f"sending {name!r} of input {seq} to the inbox at "
@@ -230,7 +181,7 @@ class Outbox:
     def abort(self, why: str, stream: str = "") -> None:
         """Stop ``stream`` at the receiving session: its stage that waits for tensors fails
         with ``why``, and what the stream sent there is dropped."""
-        self.send(-1, ABORT, np.frombuffer(why.encode(), np.uint8), stream)
+        self.send(-1, wire.ABORT, wire.abort_payload(why), stream)
 
     def close(self) -> None:
         try:

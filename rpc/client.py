@@ -25,9 +25,18 @@ from hgrt.artifacts import params_to_bytes
 from hgrt.errors import ClosedError, DeviceError, GraphError, HgrtError, ParamError, RemoteError
 from hgrt.graph import Graph
 from hgrt.rpc import session as sessions
-from hgrt.rpc.protocol import CREATE_FUNC, PING_FUNC, arrays_from_bytes, decode_error
+from hgrt.rpc import wire
+from hgrt.rpc.protocol import (
+    CREATE_FUNC,
+    INBOX_FUNC,
+    OUTBOX_CLOSE_FUNC,
+    OUTBOX_FUNC,
+    PING_FUNC,
+    decode_error,
+)
 from hgrt.rpc.server import is_registered, register
-from hgrt.rpc.session import describe, upload
+from hgrt.rpc.session import describe, server_host, upload
+from hgrt.rpc.wire import InboxAddress, arrays_from_bytes
 from hgrt.runtime.module_api import (
     BenchmarkResult,
     GraphModuleAPI,
@@ -324,13 +333,49 @@ class RemoteGraphModule(GraphModuleAPI):
                 outs[i].copyfrom(arr)
         return results if outs is None else outs
 
-    def run_stage(self, seq: int, spec: dict) -> tuple[float, bytes]:
+    # ---- board to board (a pipeline's stages) --------------------------------------------
+    def run_stage(self, seq: int, spec: Mapping) -> tuple[float, bytes]:
         """One input through this module as a pipeline stage, its tensors to and from the
-        session's inbox (``hgrt.rpc.server.RemoteModuleServer.run_stage``): the seconds the
-        server spent on it once its tensors were there, and the bytes the spec returns."""
+        session's inbox (``spec``: ``hgrt.rpc.wire.stage_spec``): the seconds the server spent
+        on it once its tensors were there, and the bytes of the tensors the spec returns."""
         with self.session.lock:
-            data = bytes(self._call("run_stage", int(seq), json.dumps(spec)))
-        return float(np.frombuffer(data[:8], np.float64)[0]), data[8:]
+            data = self._call("run_stage", int(seq), wire.encode_stage_spec(spec))
+        return wire.decode_stage_reply(data, f"{self.session.name}: run_stage")
+
+    def inbox(self) -> InboxAddress:
+        """Where this module's RPC session takes tensors from peers (``hgrt.rpc.channel``), as
+        this client reaches it, and the token a sender gives first."""
+        sess = self.session.sess
+        text = self._session_call(INBOX_FUNC, "open its inbox")
+        return wire.parse_inbox_address(text, server_host(sess))
+
+    def link(self, to: InboxAddress) -> int:
+        """Connect this module's RPC session to the inbox ``to`` (another board's): the link's
+        id, a stage spec's ``outbox``. A ``RemoteError`` when this board cannot reach it."""
+        return int(self._session_call(OUTBOX_FUNC, f"link to the inbox at {to}", to.host,
+                                      int(to.port), to.token.hex()))
+
+    def unlink(self, link: int) -> None:
+        """Drop the link ``link`` (an unknown id, or a board already gone: nothing to drop)."""
+        try:
+            self._session_call(OUTBOX_CLOSE_FUNC, "drop a link", int(link))
+        except HgrtError:
+            pass
+
+    def _session_call(self, func: str, what: str, *args):
+        """Call the RPC session's global function ``func`` (board-to-board transfer)."""
+        self._check_open()
+        self.session.check(what)
+        try:
+            f = self.session.sess.get_function(func)
+        except Exception as e:  # noqa: BLE001 - an older server: say what to do
+            raise RemoteError(f"{self.session.name}: the server has no {func!r} for "
+                              f"board-to-board transfer (an older hgrt rpc-server?); update "
+                              f"it, or use transfer='client'") from e
+        try:
+            return f(*args)
+        except Exception as e:
+            raise self.session.error(e, what) from e
 
     def _store(self, idx: int, value: Any) -> None:
         """numpy data is sent as bytes (one round trip); a tensor of this RPC session is copied
@@ -442,9 +487,3 @@ def create_remote_on(graph_json: Any, lib, devs: list) -> RemoteGraphModule:
         raise session.error(e, "create") from e
     return RemoteGraphModule(graph, rlib, devs, session, method)
 
-
-def remote_devices(remote: tvm.rpc.RPCSession, devices=None) -> list:
-    """``["cpu:0", "cuda"]`` (or ``"cpu:0,cuda:0"``, or local Devices) -> devices of ``remote``."""
-    if devices is None:
-        return [remote.cpu(0)]
-    return [hdev.runtime_device(d, remote) for d in hdev.device_list(devices)]

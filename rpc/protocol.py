@@ -1,7 +1,10 @@
-"""hgrt's wire protocol over TVM RPC: the functions a server registers, the module methods a
-client may fetch, how an hgrt error crosses, and the ``HOST:PORT`` address form.
+"""hgrt's protocol over TVM RPC: the functions a server registers, the module methods a
+client may fetch, how an hgrt error crosses, and the ``HOST:PORT`` address form. The bytes hgrt
+lays out itself (inbox frames, stage specs and replies, tensors as bytes) are ``hgrt.rpc.wire``.
 
-Client and server both import this module and nothing of each other.
+Client and server both import this module. The client imports the server only to register
+hgrt's functions in its own process, for a ``tvm.rpc.LocalSession``; the server imports nothing
+of the client.
 
 What crosses TVM RPC: str, bytes, scalars, Devices, remote tensors and modules (not lists, dicts
 or local tensors), so configuration and descriptions travel as JSON strings and numpy data as
@@ -12,10 +15,7 @@ raises that class again.
 
 from __future__ import annotations
 
-import math
 import re
-
-import numpy as np
 
 import hgrt.errors as errors
 from hgrt.errors import HgrtError, InputError, RemoteError
@@ -34,21 +34,6 @@ METHODS = ("info", "run", "set_input_bytes", "set_input_tensor", "get_input", "g
 
 ERROR_TAG = "[hgrt:"
 _TAGGED = re.compile(re.escape(ERROR_TAG) + r"(\w+)\] (.*)", re.DOTALL)
-
-
-def arrays_from_bytes(data, types, what: str) -> list[np.ndarray]:
-    """The arrays that ``data`` (the bytes a server returned) holds one after another, each of
-    ``types``' ``(shape, dtype)``: read-only views of ``data``; ``RemoteError`` naming ``what``
-    when the byte count is not theirs (a short or long answer is never read as numbers)."""
-    want = sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in types)
-    if len(data) != want:
-        raise RemoteError(f"{what} returned {len(data)} bytes for outputs of {want}")
-    arrays, at = [], 0
-    for shape, dtype in types:
-        n = math.prod(shape)
-        arrays.append(np.frombuffer(data, np.dtype(dtype), n, at).reshape(shape))
-        at += n * np.dtype(dtype).itemsize
-    return arrays
 
 
 def encode_error(e: BaseException) -> str:

@@ -4,7 +4,8 @@ A client calls ``hgrt.remote.create(graph_json, lib, *devices)`` once; the serve
 ordinary :class:`~hgrt.runtime.executor.GraphModule` there and hands back one function,
 ``method(name) -> Function``. The client fetches each method it uses once, so every later API
 call (``run``, ``set_input``, ...) is exactly one round trip, and ``run()`` never crosses the
-wire per op. What crosses, and how errors do, is hgrt.rpc.protocol; every tensor the client
+wire per op. What crosses, and how errors do, is hgrt.rpc.protocol; the bytes hgrt lays out
+itself (a stage's spec and reply, the inbox's frames) are hgrt.rpc.wire. Every tensor the client
 sends is copied before the call returns (it is a non-owning view).
 """
 
@@ -29,7 +30,7 @@ import tvm
 import tvm_ffi
 
 from hgrt.errors import ClosedError, GraphError, HgrtError, InputError, ParamError, did_you_mean
-from hgrt.rpc import channel
+from hgrt.rpc import channel, wire
 from hgrt.rpc.listen import ListenConfig, RPCServer, parse_allow
 from hgrt.rpc.protocol import (
     CREATE_FUNC,
@@ -135,7 +136,7 @@ class RemoteModuleServer:
         if not isinstance(indices, list) or len(indices) != len(data):
             raise InputError(f"call: {len(data)} inputs sent for indices {str(indices)[:80]}")
         inputs = {i: self._input_array(i, d) for i, d in zip(indices, data, strict=True)}
-        return b"".join(np.ascontiguousarray(out).tobytes() for out in m.infer(inputs))
+        return wire.arrays_to_bytes(m.infer(inputs))
 
     def run_stage(self, seq: int, spec_json: str) -> bytes:
         """One input through this module as a pipeline stage: its tensors ``take``n from the
@@ -143,7 +144,7 @@ class RemoteModuleServer:
         call's own, the tensors ``send`` (the module's ``outputs`` by name, or ones taken) sent
         to the inbox of ``outbox``; the seconds from the tensors' arrival to the last send
         (float64), then the bytes of the tensors ``return``, one after another."""
-        spec = _stage_spec(spec_json)
+        spec = wire.decode_stage_spec(spec_json)
         m = self.live
         stream = str(spec.get("stream", ""))
         got = _inbox().take(int(seq), spec["take"], float(spec.get("timeout",
@@ -161,9 +162,8 @@ class RemoteModuleServer:
                 raise InputError(f"run_stage: no outbox {spec['outbox']} in this RPC session")
             for n in spec["send"]:
                 box.send(int(seq), n, values[n], stream)
-        served = np.float64(time.perf_counter() - t0).tobytes()
-        return served + b"".join(np.ascontiguousarray(values[n]).tobytes()
-                                 for n in spec["return"])
+        return wire.encode_stage_reply(time.perf_counter() - t0,
+                                       [values[n] for n in spec["return"]])
 
     def invoke(self, name: str, args_json: str) -> str:
         """The rest of the module API that crosses as JSON: ``state`` (missing params, unset
@@ -273,19 +273,6 @@ def remote_create(graph_json: str, lib, *devices) -> Any:
     # The returned function keeps `server` (and its module, storage and lib) alive for as long
     # as the client holds it.
     return tvm_ffi.convert(_remote_call(server.method))
-
-
-def _stage_spec(spec_json: str) -> dict:
-    try:
-        spec = json.loads(str(spec_json))
-        for key in ("take", "outputs", "send", "return"):
-            if not isinstance(spec[key], list) or not all(isinstance(n, str) for n in spec[key]):
-                raise TypeError(f"{key} is not a list of names")
-        if not isinstance(spec["inputs"], dict) or not set(spec["inputs"]) <= set(spec["take"]):
-            raise TypeError("inputs is not a map of taken names to input indices")
-    except (ValueError, KeyError, TypeError) as e:
-        raise InputError(f"run_stage: a bad stage description ({e})") from None
-    return spec
 
 
 # The inbox and links of this RPC session's process; only its RPC loop (one thread) uses them.

@@ -61,7 +61,7 @@ def op_cost(call: relax.Call, out_ty, weights: dict[str, np.ndarray]) -> OpCost:
     return OpCost(flops, ins + out, used)
 
 
-def _seconds(cost: OpCost, dev: DeviceSpec, measured: dict) -> float:
+def op_seconds(cost: OpCost, dev: DeviceSpec, measured: dict) -> float:
     rate, bandwidth = RATES[dev.is_gpu]
     got = measured.get(dev.name, {})
     if cost.flops > 2 * cost.nbytes and "flops_per_s" in got:  # a conv / matmul
@@ -132,7 +132,7 @@ def _choose(call, cost: OpCost, devices, where, used, on, budgets, allowed, op, 
         if not allowed(op, dev) or used[d] + extra > budgets.get(d, float("inf")):
             continue
         copies = sum(_copy_seconds(_nbytes(a.ty)) for a in inputs if where[a.name] != d)
-        options.append((_seconds(cost, dev, measured) + copies, d != home, d))
+        options.append((op_seconds(cost, dev, measured) + copies, d != home, d))
     if not options:
         raise BuildError(f"auto placement: no device can hold the weights of {op} within its "
                          f"budget ({ {devices[d].name: used[d] for d in used} } bytes used)")

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from hgrt.errors import InputError, RemoteError
-from hgrt.rpc.channel import FRAME, Inbox, Outbox
+from hgrt.rpc.channel import Inbox, Outbox
+from hgrt.rpc.wire import FRAME
 
 
 def test_tensors_arrive_by_input_and_name_and_are_taken_once():

@@ -209,7 +209,7 @@ def test_returned_bytes_are_read_as_arrays_only_when_their_count_fits():
     """What a server returns (a call's outputs, a pipeline's last stage) is read by one
     decoder: in order, by shape and dtype; a short or long answer is a RemoteError naming who
     answered, never numbers read past the end or left over."""
-    from hgrt.rpc.protocol import arrays_from_bytes
+    from hgrt.rpc.wire import arrays_from_bytes
 
     a = np.arange(6, dtype="float32").reshape(2, 3)
     b = np.array([7, 8], dtype="int64")
