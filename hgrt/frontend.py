@@ -6,8 +6,10 @@ Params are always detached: ``main`` takes the user inputs first (``num_input`` 
 the weights, which come back as numpy arrays keyed by param name, so no weight is baked into
 the compiled library. Small integer initializers (shapes, axes, positions) are the exception:
 they become constants, so that TVM folds the shapes they give at import. An ONNX model is
-prepared for TVM 0.27's import where that import is wrong (``_prepared``), and the warnings
-that import gives on every model hgrt hands it are silenced.
+prepared for TVM 0.27's import where that import is wrong (``_prepared``), its shape
+arithmetic on static shapes folded and its nodes converted by ``hgrt.importer`` (hgrt's
+converters first, then TVM's), and the warnings that import gives on every model hgrt hands it
+are silenced.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from hgrt.errors import BuildError, did_you_mean
+from hgrt.errors import BuildError, HgrtError, did_you_mean
+from hgrt.importer import fold_static_shapes, import_onnx, named_nodes
 from hgrt.relay_passes.inner.simplify import (
     elementwise_through_concats,
     fold_weight_transforms,
@@ -56,6 +59,7 @@ def _prepared(model: Any) -> Any:
     model, original = type(model)(), model
     model.CopyFrom(original)
     graph = model.graph
+    named_nodes(model)  # so that an error can name the node
     inits = {t.name: t for t in graph.initializer}
     # old exporters list initializers as inputs too; TVM's frontend then makes each weight
     # two params, so keep only the true inputs
@@ -160,7 +164,6 @@ def _checked_shapes(model: Any, input_shapes: dict[str, Any] | None) -> dict[str
 
 def _from_onnx(model: Any, input_shapes: dict[str, Any] | None) -> tuple[tvm.IRModule, dict]:
     import onnx
-    from tvm.relax.frontend.onnx import from_onnx
 
     if isinstance(model, (str, os.PathLike)):
         model = onnx.load(os.fspath(model))
@@ -173,8 +176,10 @@ def _from_onnx(model: Any, input_shapes: dict[str, Any] | None) -> tuple[tvm.IRM
             # the model's own input names, as onnxruntime takes them: TVM's identifiers
             # ("x.1" -> "x_1") would let set_input("x_1") write another input of a model that
             # has both
-            mod = from_onnx(_prepared(model), shape_dict=shape_dict or None,
-                            keep_params_in_input=True, sanitize_input_names=False)
+            mod = import_onnx(_prepared(fold_static_shapes(model, shape_dict)),
+                              shape_dict or None)
+    except HgrtError:
+        raise
     except Exception as e:
         op = re.search(r"converting operator (\w+)", printed.getvalue())
         raise BuildError(f"the ONNX frontend cannot import this model"

@@ -88,6 +88,7 @@ def test_the_scan_sees_every_layer():
     assert "hgrt.relay_passes.legalize_and_fuse" in graph and "hgrt.rpc.client" in graph
     assert "hgrt.runtime.executor" in graph["hgrt.rpc.server"]  # edges across folders are seen
     assert "hgrt.relay_passes.util.context" in graph  # and modules of sub-packages
+    assert layer_of("hgrt.importer.rules") == "api" and "hgrt.importer.rules" in graph  # import
 
 
 def test_pyproject_installs_every_package():

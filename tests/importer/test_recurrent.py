@@ -1,0 +1,188 @@
+"""ONNX LSTM, GRU and RNN as hgrt imports them (one call_tir per layer), against onnxruntime
+on graphs of one node, per attribute, on one device and split over cpu:0 / cpu:1; and the ONNX
+node test cases of the three ops (their inputs and numpy reference outputs)."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import time
+
+import numpy as np
+import pytest
+from recurrent_onnx_models import recurrent_inputs, recurrent_model, stacked_lstm
+
+import hgrt
+from hgrt.frontend import import_model
+from hgrt.testing import alternating, input_names, onnx_reference, run_hgrt
+
+
+def _check(model, split: bool = False, inputs=None):
+    inputs = recurrent_inputs(model) if inputs is None else inputs
+    want = onnx_reference(model, inputs)
+    res = hgrt.build(model, ["cpu:0", "cpu:1"], alternating(model)) if split \
+        else hgrt.build(model, ["cpu:0"])
+    got = run_hgrt(res, inputs)
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert np.abs(w).max() > 0.05  # an informative output, not all zeros
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    return res
+
+
+@pytest.mark.slow  # the node cases below run every direction of every op by default
+@pytest.mark.parametrize("direction", ["forward", "reverse", "bidirectional"])
+@pytest.mark.parametrize("op", ["LSTM", "GRU", "RNN"])
+def test_directions(op, direction):
+    _check(recurrent_model(op, direction))
+
+
+@pytest.mark.parametrize("op", ["LSTM", "GRU", "RNN"])
+def test_split_over_two_devices(op):
+    """The Mul before the layer on cpu:0, the layer on cpu:1: its operands are copied."""
+    model = recurrent_model(op, "bidirectional", before=True, initial=True)
+    assert set(alternating(model).overrides.values()) == {"cpu:0", "cpu:1"}
+    _check(model, split=True)
+
+
+SLOW = pytest.mark.slow
+ATTRIBUTES = [
+    ("LSTM", {"clip": 0.7}),
+    pytest.param("GRU", {"clip": 0.5, "direction": "bidirectional"}, marks=SLOW),
+    pytest.param("RNN", {"clip": 0.4}, marks=SLOW),
+    ("LSTM", {"peepholes": True, "initial": True, "direction": "bidirectional"}),
+    ("LSTM", {"input_forget": 1}),
+    ("GRU", {"linear_before_reset": 1, "initial": True}),
+    pytest.param("GRU", {"linear_before_reset": 1, "direction": "bidirectional"}, marks=SLOW),
+    ("LSTM", {"lens": True, "direction": "bidirectional"}),
+    pytest.param("GRU", {"lens": True, "direction": "reverse"}, marks=SLOW),
+    pytest.param("RNN", {"lens": True, "initial": True, "direction": "bidirectional"},
+                 marks=SLOW),
+    ("LSTM", {"bias": False, "outputs": ("Y_h",)}),
+    pytest.param("LSTM", {"outputs": ("Y", "Y_c")}, marks=SLOW),
+    pytest.param("GRU", {"bias": False, "outputs": ("Y",)}, marks=SLOW),
+    pytest.param("RNN", {"activations": ["LeakyRelu"], "activation_alpha": [0.2]}, marks=SLOW),
+    ("RNN", {"activations": ["Relu", "Affine"], "activation_alpha": [0.5],
+             "activation_beta": [0.1], "direction": "bidirectional"}),
+    ("GRU", {"activations": ["HardSigmoid", "Softsign", "Sigmoid", "ThresholdedRelu"],
+             "activation_alpha": [0.3, 0.1], "activation_beta": [0.4],
+             "direction": "bidirectional"}),
+    ("LSTM", {"activations": ["HardSigmoid", "ScaledTanh", "Elu"],
+              "activation_alpha": [0.3, 0.9, 0.8], "activation_beta": [0.4, 1.2]}),
+    pytest.param("LSTM", {"activations": ["Sigmoid", "Softplus", "Tanh", "Sigmoid", "Tanh",
+                                          "Softsign"], "direction": "bidirectional"},
+                 marks=SLOW),
+]
+
+
+def _id(param) -> str:
+    op, attrs = param.values if hasattr(param, "values") else param
+    return f"{op}-{'-'.join(sorted(attrs))}"
+
+
+@pytest.mark.parametrize("op, attrs", ATTRIBUTES, ids=[_id(p) for p in ATTRIBUTES])
+def test_attribute(op, attrs):
+    _check(recurrent_model(op, **attrs))
+
+
+def _transposed(arrays, perms):
+    return [np.transpose(a, p) for a, p in zip(arrays, perms, strict=True)]
+
+
+@pytest.mark.parametrize("op, direction", [("LSTM", "bidirectional"),
+                                           pytest.param("GRU", "forward", marks=SLOW),
+                                           pytest.param("RNN", "reverse", marks=SLOW)])
+def test_batch_first_layout(op, direction):
+    """layout 1 (onnxruntime runs layout 0 only): the oracle is onnxruntime on the same layer in
+    layout 0, its inputs and outputs transposed."""
+    model = recurrent_model(op, direction, layout=1, initial=True)
+    inputs = recurrent_inputs(model)
+    time_first = recurrent_model(op, direction, initial=True)
+    swap = {"X": (1, 0, 2), "initial_h": (1, 0, 2), "initial_c": (1, 0, 2)}
+    want = onnx_reference(time_first, {k: np.transpose(v, swap[k]) for k, v in inputs.items()})
+    want = _transposed(want, [(2, 0, 1, 3)] + [(1, 0, 2)] * (len(want) - 1))
+    got = run_hgrt(hgrt.build(model, ["cpu:0"]), inputs)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_a_layer_is_one_call_whatever_its_length():
+    """One call_tir per layer, and a build time that does not grow with the sequence."""
+    from hgrt.relay_passes.util.relax_util import CALL_TIR, bindings, op_name
+
+    model = recurrent_model("LSTM", "bidirectional", before=True)
+    mod, _ = import_model(model)
+    calls = [b.value for b in bindings(mod["main"]) if op_name(b.value) == CALL_TIR]
+    assert len(calls) == 1
+    assert mod[calls[0].args[0]].attrs["hgrt.recurrent_op"] == "LSTM"
+
+
+# ---- the ONNX node test cases -------------------------------------------------------------------
+
+@functools.cache
+def _node_cases(op: str) -> dict:
+    """The node test cases of ``op`` from the onnx package's case code (the wheel ships the
+    code, not the data): each export function called with its ``expect`` collecting the node,
+    inputs and reference outputs, made into a model as ONNX's own ``expect`` makes it."""
+    from onnx.backend.test.case import node
+
+    module = importlib.import_module(f"onnx.backend.test.case.node.{op.lower()}")
+    cases = {}
+
+    def collect(node_op, inputs, outputs, name, **kwargs):
+        cases[name] = (node_op, inputs, outputs, kwargs)
+
+    original, module.expect = module.expect, collect
+    try:
+        cls = getattr(module, op)
+        for name in sorted(dir(cls)):
+            if name.startswith("export_"):
+                getattr(cls, name)()
+    finally:
+        module.expect = original
+    return {name: _case_model(node, *case) for name, case in cases.items()}
+
+
+def _case_model(node, node_op, inputs, outputs, kwargs):
+    import onnx
+
+    present_in = [x for x in node_op.input if x]
+    present_out = [x for x in node_op.output if x]
+    graph = onnx.helper.make_graph(
+        [node_op], "case",
+        [node._extract_value_info(a, n) for a, n in zip(inputs, present_in, strict=False)],
+        [node._extract_value_info(a, n) for a, n in zip(outputs, present_out, strict=False)])
+    opset = kwargs.get("opset_imports") or [onnx.helper.make_operatorsetid(
+        "", onnx.defs.get_schema(node_op.op_type).since_version)]
+    return onnx.helper.make_model(graph, opset_imports=opset), inputs, outputs
+
+
+NODE_CASES = [(op, name) for op in ("LSTM", "GRU", "RNN") for name in sorted(_node_cases(op))]
+
+
+def test_every_op_has_its_node_cases():
+    ops = [op for op, _ in NODE_CASES]
+    assert {op: ops.count(op) for op in set(ops)} == {"LSTM": 6, "GRU": 6, "RNN": 6}
+
+
+@pytest.mark.parametrize("op, name", NODE_CASES)
+def test_onnx_node_case(op, name):
+    model, inputs, outputs = _node_cases(op)[name]
+    got = run_hgrt(hgrt.build(model, ["cpu:0"]),
+                   dict(zip(input_names(model), inputs, strict=True)))
+    assert len(got) == len(outputs)
+    for g, want in zip(got, outputs, strict=True):
+        np.testing.assert_allclose(g, want, rtol=1e-3, atol=1e-6)
+
+
+def test_build_time_of_a_long_stacked_lstm():
+    """Two stacked bidirectional layers of 32 steps, 64 hidden: the time loop is a TIR loop, so
+    the build takes seconds (an LSTMCell unrolled over 32 steps: 965 nodes, 14.7 s)."""
+    model = stacked_lstm(seq=32, hidden=64, layers=2)
+    inputs = recurrent_inputs(model)
+    t0 = time.perf_counter()
+    res = hgrt.build(model, ["cpu:0"])
+    seconds = time.perf_counter() - t0
+    got = run_hgrt(res, inputs)
+    np.testing.assert_allclose(got[0], onnx_reference(model, inputs)[0], rtol=1e-4, atol=1e-5)
+    assert seconds < 8, seconds
