@@ -230,12 +230,27 @@ def _lifted_constants(mod: tvm.IRModule) -> tuple[tvm.IRModule, dict[str, np.nda
     return mod, {v.name: value for v, value in lifter.lifted}
 
 
+# ops that move a tensor between devices without changing it: a slope placed on another device
+# than its prelu (a Relax module placed by hand) reaches it through one of them
+_MOVES = ("relax.to_vdevice", "relax.hint_on_device")
+
+
+def _through_moves(expr: relax.Expr, var2val: dict) -> relax.Expr | None:
+    """What computes ``expr`` (a Var's bound value), looking through device moves."""
+    value = var2val.get(expr) if isinstance(expr, relax.Var) else None
+    while isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) \
+            and value.op.name in _MOVES:
+        arg = value.args[0]
+        value = var2val.get(arg) if isinstance(arg, relax.Var) else arg
+    return value
+
+
 def _prelu_axis(x: relax.Expr, alpha: relax.Expr, axis: int, var2val: dict) -> int:
     """The axis a ``relax.nn.prelu`` of ``x`` means: its own, except where TVM's ONNX import
     of a per-channel PRelu before opset 7 wrote it (the slope reshaped to 1-D, ``axis`` the
     last, which the slope does not fit, and the channel axis 1, which it does): there 1."""
     shape, slope = static_dims(x.ty), static_dims(alpha.ty)
-    producer = var2val.get(alpha) if isinstance(alpha, relax.Var) else None
+    producer = _through_moves(alpha, var2val)
     if shape is None or slope is None or len(slope) != 1 or len(shape) < 3 \
             or axis != len(shape) - 1 or not (isinstance(producer, relax.Call)
                                               and isinstance(producer.op, tvm.ir.Op)
@@ -255,7 +270,13 @@ class _PreluAxes(relax.PyExprMutator):
         if not (isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.nn.prelu"):
             return super().visit_call_(call)
         axis = int(call.attrs.axis)
-        if _prelu_axis(call.args[0], call.args[1], axis, self.var2val) == axis:
+        meant = _prelu_axis(call.args[0], call.args[1], axis, self.var2val)
+        shape, slope = static_dims(call.args[0].ty), static_dims(call.args[1].ty)
+        if shape is not None and slope is not None and len(slope) == 1 \
+                and slope[0] not in (1, shape[meant]):  # the kernel's bare assert, said here
+            raise BuildError(f"relax.nn.prelu of {call.args[0]} {list(shape)}: its slope of "
+                             f"{slope[0]} values fits no axis it may mean (axis {axis})")
+        if meant == axis:
             return super().visit_call_(call)
         self.rewritten += 1
         return relax.op.nn.prelu(self.visit_expr(call.args[0]), self.visit_expr(call.args[1]),

@@ -139,3 +139,58 @@ def test_an_nn_module_keeps_the_kernels_it_brings():
     res = hgrt.build(net, ["cpu:0"], params={"fc.weight": w}, input_shapes={"x": [1, 4]})
     x = np.ones((1, 4), "float32")
     np.testing.assert_allclose(run_hgrt(res, {"x": x})[0], 2 * (x @ w.T), rtol=1e-6)
+
+
+# ---- a Relax module placed by hand --------------------------------------------------------------
+
+
+def _placed_by_hand(model, first: int):
+    """TVM's Relax module of ``model`` (weights bound as constants), op i placed on
+    cpu:{(i + first) % 2} with ``R.to_vdevice`` where an operand lives on the other device, as
+    a Relax user writes it."""
+    from tvm.relax.frontend.onnx import from_onnx
+
+    from hgrt.devices import parse_devices
+    from hgrt.relay_passes.insert_copies import insert_copies
+    from hgrt.relay_passes.place_devices import op_bindings, place_devices
+    from hgrt.relay_passes.util.context import BuildContext, Weights
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mod = from_onnx(model, sanitize_input_names=False)
+    placement = hgrt.Placement(overrides={n: f"cpu:{(i + first) % 2}"
+                                          for i, (n, _) in enumerate(op_bindings(mod))})
+    ctx = BuildContext(parse_devices(["cpu:0", "cpu:1"]), placement, weights=Weights({}))
+    return insert_copies(place_devices(mod, ctx), ctx)
+
+
+@pytest.mark.parametrize("first", [0, 1])
+@pytest.mark.parametrize("rank", ["1d", "2d", "3d"])
+def test_prelu_whose_slope_sits_on_the_other_device(rank, first):
+    """Before opset 7 the slope is per channel; TVM's import gives it axis -1 after a reshape,
+    which hgrt's import corrects also when the slope reaches the prelu through R.to_vdevice."""
+    import onnx
+
+    case = load_case(f"pytorch-converted/test_PReLU_{rank}_multiparam")
+    mod = _placed_by_hand(onnx.load(case.model_path), first)
+    assert "R.to_vdevice" in mod["main"].script()
+    res = hgrt.build(mod, ["cpu:0", "cpu:1"])
+    main = mod["main"]
+    names = [p.name for p in main.params[:int(main.attrs["num_input"])]]
+    got = run_hgrt(res, dict(zip(names, case_inputs(case).values(), strict=True)))
+    np.testing.assert_allclose(got[0], case.outputs[0], rtol=1e-6, atol=1e-7)
+
+
+def test_prelu_slope_that_fits_no_axis_is_named():
+    from tvm import relax
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((2, 3, 4), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.nn.prelu(x, relax.const(np.ones(5, "float32")),
+                                                   axis=2))
+        bb.emit_func_output(out)
+    with pytest.raises(hgrt.BuildError, match=r"relax.nn.prelu of x \[2, 3, 4\]: its slope of "
+                                              r"5 values fits no axis"):
+        hgrt.build(bb.get(), ["cpu:0"])
