@@ -107,14 +107,19 @@ def test_batch_first_layout(op, direction):
 
 
 def test_a_layer_is_one_call_whatever_its_length():
-    """One call_tir per layer, and a build time that does not grow with the sequence."""
+    """One call_tir per layer, its PrimFunc saying which op it is, and the same module at 8 and
+    at 256 steps but for the sizes."""
     from hgrt.relay_passes.util.relax_util import CALL_TIR, bindings, op_name
 
-    model = recurrent_model("LSTM", "bidirectional", before=True)
-    mod, _ = import_model(model)
-    calls = [b.value for b in bindings(mod["main"]) if op_name(b.value) == CALL_TIR]
-    assert len(calls) == 1
-    assert mod[calls[0].args[0]].attrs["hgrt.recurrent_op"] == "LSTM"
+    def calls(seq):
+        mod, _ = import_model(stacked_lstm(seq=seq, hidden=8, layers=2))
+        found = [b.value for b in bindings(mod["main"]) if op_name(b.value) == CALL_TIR]
+        return mod, found, len(list(bindings(mod["main"])))
+
+    mod, short, n_short = calls(8)
+    _, long, n_long = calls(256)
+    assert len(short) == len(long) == 2 and n_short == n_long
+    assert [str(mod[c.args[0]].attrs["hgrt.recurrent_op"]) for c in short] == ["LSTM", "LSTM"]
 
 
 # ---- the ONNX node test cases -------------------------------------------------------------------
