@@ -42,11 +42,14 @@ import numpy as np
 from hgrt.errors import ClosedError, ExecutionError, HgrtError, InputError, RemoteError
 from hgrt.rpc import channel, wire
 from hgrt.rpc.client import RemoteGraphModule
+from hgrt.rpc.session import describe, session_index
 
 logger = logging.getLogger("hgrt.pipeline")
 DEPTH = 2  # inputs that may wait before each stage
 TRANSFERS = ("auto", "direct", "client")
 SERVED_KEPT = 256  # the latest stage times kept for stage_ms()
+CLOSE_TIMEOUT = 30.0  # seconds close() lets the inputs in flight finish before it stops them
+ABORT_GRACE = 5.0  # seconds a stage has to stop once its stream is aborted
 _SEQ = itertools.count()  # numbers inputs for the boards' inboxes
 FORMAT = 1
 _STOP = object()
@@ -139,7 +142,8 @@ def load_pipeline(directory: str, sessions: list | None = None, devices: list | 
         if direct and transfer == "auto":
             try:
                 return Pipeline(modules, doc, boards, depth, direct=True)
-            except RemoteError as e:  # boards that cannot reach each other (NAT, a tunnel)
+            except Exception as e:  # noqa: BLE001 - boards that cannot reach each other (NAT,
+                #                     a tunnel), an older server, one session for two stages
                 logger.warning("pipeline: board-to-board transfer is not possible (%s); the "
                                "tensors between stages go through this process", e)
                 direct = False
@@ -164,8 +168,6 @@ def pipeline(res: Any, sessions: list | None = None, depth: int = DEPTH,
 def _board_name(session: Any, stage: dict) -> str:
     if session is None:
         return f"this machine ({', '.join(stage['devices'])})"
-    from hgrt.rpc.session import describe
-
     return describe(session)
 
 
@@ -205,6 +207,15 @@ class _Links:
             if not isinstance(m, RemoteGraphModule):
                 raise InputError(f"transfer='direct': stage {k} is not on a board (an RPC "
                                  f"session); use transfer='client'")
+        owner: dict[int, int] = {}
+        for k, m in enumerate(modules):
+            index = session_index(m.devices[0])
+            j = owner.setdefault(index, k)
+            if j != k:
+                raise InputError(f"transfer='direct': stages {j} and {k} are on one RPC session "
+                                 f"({describe(index)}); a board runs one stage of a pipeline: "
+                                 f"give each stage a session of its own, or use "
+                                 f"transfer='client'")
         self.modules, self.boxes, self.client = modules, [], []
         self.stream = secrets.token_hex(8)  # this pipeline's inputs in the boards' inboxes
         try:
@@ -233,9 +244,12 @@ class _Links:
     def feed(self, item: _Item) -> None:
         """Send the model's inputs of ``item`` to the stages that first read them, ahead of
         their turn (a board's inbox holds them until its stage takes them)."""
+        client = self.client
+        if not client:
+            raise ClosedError("the pipeline was closed")
         for k, names in enumerate(self.sends):
             for n in names:
-                self.client[k].send(item.seq, n, item.values[n], self.stream)
+                client[k].send(item.seq, n, item.values[n], self.stream)
 
     def run(self, k: int, item: _Item) -> tuple[float, bytes]:
         return self.modules[k].run_stage(item.seq, self.specs[k])
@@ -253,7 +267,7 @@ class _Links:
             box.close()
         for m, key in zip(self.modules, self.boxes, strict=False):
             m.unlink(key)
-        self.client, self.boxes = [], []
+        self.client, self.boxes, self.modules = [], [], []
 
 
 class Pipeline:
@@ -284,6 +298,9 @@ class Pipeline:
         self._queues = [queue.Queue(maxsize=depth) for _ in modules]
         self._served = [collections.deque(maxlen=SERVED_KEPT) for _ in modules]
         self._lock = threading.Lock()
+        self._space = threading.Condition(self._lock)  # stage 0 took an input: room to submit
+        self._stop_sent = False
+        self._busy: list[_Item | None] = [None] * len(modules)  # the input each stage is on
         self._broken: HgrtError | None = None
         self._closed = False
         self._threads = [threading.Thread(target=self._stage_loop, args=(k,), daemon=True,
@@ -318,20 +335,26 @@ class Pipeline:
         (a list of numpy arrays, in the model's order). Blocks while ``depth`` inputs already
         wait before the first stage. A bad input is refused here, before stage 0."""
         values = self._checked(inputs)
-        with self._lock:
-            self._check_open()
-            fut: Future = Future()
-            fut.set_running_or_notify_cancel()
-            seq = next(self._seq)
-        item = _Item(fut, values, seq)
-        self._queues[0].put(item)
+        fut: Future = Future()
+        fut.set_running_or_notify_cancel()
+        with self._space:  # open and queued under one lock: close() cannot come in between
+            item = _Item(fut, values, next(self._seq))
+            while True:
+                self._check_open()
+                try:
+                    self._queues[0].put_nowait(item)
+                    break
+                except queue.Full:
+                    self._space.wait(0.1)
         if self.links is not None:  # while earlier inputs run: the boards' inboxes hold them
             try:
                 self.links.feed(item)
             except HgrtError as e:  # a board's inbox is gone: every stage stops, saying why
                 with self._lock:
-                    self._broken = self._broken or RemoteError(
-                        f"pipeline input {seq}: sending it to the stages' boards failed: {e}")
+                    if self._broken is None:
+                        self._broken = RemoteError(f"pipeline input {item.seq}: sending it to "
+                                                   f"the stages' boards failed: {e}")
+                        self._broken.__cause__ = e
                 self.links.abort(str(self._broken))
         return fut
 
@@ -361,6 +384,9 @@ class Pipeline:
         q, last = self._queues[k], k == len(self.modules) - 1
         while True:
             item = q.get()
+            if k == 0:
+                with self._space:
+                    self._space.notify_all()
             if item is _STOP:
                 if not last:
                     self._queues[k + 1].put(_STOP)
@@ -368,6 +394,7 @@ class Pipeline:
             if self._broken is not None:
                 _settle(item.future, error=self._broken)
                 continue
+            self._busy[k] = item
             try:
                 if self.links is not None:
                     if not last:  # the next board waits for its tensors while this one works
@@ -395,7 +422,7 @@ class Pipeline:
                           if n in self._keep[k])
             item.values = values
             if last:
-                item.future.set_result([values[n] for n in self.output_names])
+                _settle(item.future, result=[values[n] for n in self.output_names])
             else:
                 self._queues[k + 1].put(item)
 
@@ -439,27 +466,61 @@ class Pipeline:
 
     # ---- closing ---------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the stages (inputs in flight finish first, or fail where a stage broke) and
-        close every stage's module."""
-        with self._lock:
+        """Stop the stages and close every stage's module. The inputs in flight finish first
+        (or fail where a stage broke) within ``CLOSE_TIMEOUT`` seconds; after that they fail
+        with a ``ClosedError`` and the boards' stages that wait for tensors are stopped. The
+        pipeline then lets go of its modules (the RPC sessions stay the caller's). A stage
+        still busy after all that keeps its module open, and close() says so with an
+        ``ExecutionError`` naming it."""
+        with self._space:
             if self._closed:
                 return
             self._closed = True
-        self._queues[0].put(_STOP)
-        for t in self._threads:
-            t.join(timeout=30)
+            self._space.notify_all()
+        stuck = self._stop(time.monotonic() + CLOSE_TIMEOUT)
+        if stuck:  # stop the stream at the boards and fail what waits
+            with self._lock:
+                self._broken = self._broken or ClosedError(
+                    f"the pipeline was closed while stages {stuck} were still busy")
+            if self.links is not None:
+                self.links.abort(str(self._broken))
+            self._drain(len(self._queues) - 1)
+            stuck = self._stop(time.monotonic() + ABORT_GRACE)
+            for k in stuck:  # its input is answered now, whenever the stage comes back
+                if self._busy[k] is not None:
+                    _settle(self._busy[k].future, error=self._broken)
+        closed = ClosedError("the pipeline was closed")
         for q in self._queues:  # an input submitted as close() began: it gets an answer too
             while True:
                 try:
                     item = q.get_nowait()
                 except queue.Empty:
                     break
-                if item is not _STOP and not item.future.done():
-                    item.future.set_exception(ClosedError("the pipeline was closed"))
+                if item is not _STOP:
+                    _settle(item.future, error=closed)
         if self.links is not None:
             self.links.close()
-        for m in self.modules:
-            _close_quietly(m)
+        for k, m in enumerate(self.modules):
+            if k not in stuck:
+                _close_quietly(m)
+        self.modules = [m if k in stuck else None for k, m in enumerate(self.modules)]
+        if stuck:
+            raise ExecutionError(f"pipeline close: stages {stuck} on "
+                                 f"{[self.boards[k] for k in stuck]} did not stop; their "
+                                 f"modules are left open")
+
+    def _stop(self, deadline: float) -> list[int]:
+        """Send the stop behind the inputs in flight and wait for the stages until
+        ``deadline``; the stages still running."""
+        if not self._stop_sent:
+            try:
+                self._queues[0].put(_STOP, timeout=max(0.0, deadline - time.monotonic()))
+                self._stop_sent = True
+            except queue.Full:
+                pass
+        for t in self._threads:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        return [k for k, t in enumerate(self._threads) if t.is_alive()]
 
     def __enter__(self) -> Pipeline:
         return self
@@ -469,5 +530,5 @@ class Pipeline:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "broken" if self._broken else "open"
-        return (f"<hgrt.Pipeline {len(self.modules)} stages on {self.boards}, transfer "
+        return (f"<hgrt.Pipeline {len(self.boards)} stages on {self.boards}, transfer "
                 f"{self.transfer} ({state})>")

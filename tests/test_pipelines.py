@@ -280,3 +280,96 @@ def test_vgg19_over_two_stages_of_80_percent_of_its_weights():
     assert all(p.weight_bytes <= budget for p in res.plans), [p.weight_bytes for p in res.plans]
     with pipeline(res) as p:
         assert_close_to(p(x), reference(model, x))
+
+
+class _Stage:
+    """A stage that adds one to its input; ``gate``: it waits for it first."""
+
+    def __init__(self, gate: threading.Event | None = None) -> None:
+        self.gate, self.closed = gate, False
+
+    def __call__(self, inputs):
+        if self.gate is not None:
+            self.gate.wait(60)
+        return [next(iter(inputs.values())) + 1]
+
+    def configure_calls(self, **kw):
+        pass
+
+    def close(self):
+        self.closed = True
+
+
+def _stages_doc(n: int) -> dict:
+    tensor = {"shape": [2], "dtype": "float32"}
+    return {"stages": [{"inputs": [f"v{k}"], "outputs": [f"v{k + 1}"]} for k in range(n)],
+            "inputs": [{"name": "v0", **tensor}], "outputs": [{"name": f"v{n}", **tensor}]}
+
+
+def _submit_racing(p, x, futures: list, refused: list, go: threading.Event, at: int) -> None:
+    for i in range(250):
+        if i == at:
+            go.set()  # close() starts now, while this thread goes on submitting
+        try:
+            futures.append(p.submit(x))
+        except hgrt.ClosedError:
+            refused.append(i)
+
+
+def test_every_input_submitted_while_the_pipeline_closes_is_answered():
+    """10 000 submits from two threads race a close() in 20 pipelines: each is refused with a
+    ClosedError or answered (right) by the time close() returns; none is left waiting."""
+    from hgrt.pipelines import Pipeline
+
+    x = {"v0": np.zeros(2, "float32")}
+    rng = np.random.default_rng(0)
+    calls = answered = 0
+    for _ in range(20):
+        p = Pipeline([_Stage(), _Stage()], _stages_doc(2), ["a", "b"])
+        futures, refused, go = [], [], threading.Event()
+        threads = [threading.Thread(target=_submit_racing,
+                                    args=(p, x, futures, refused, go, int(rng.integers(250))))
+                   for _ in range(2)]
+        for t in threads:
+            t.start()
+        go.wait(10)
+        p.close()
+        unanswered = sum(not f.done() for f in list(futures))
+        for t in threads:
+            t.join(10)
+        assert unanswered == 0
+        assert all(f.done() for f in futures)  # those submitted after close() returned
+        for f in futures:
+            if f.exception() is None:
+                np.testing.assert_array_equal(f.result()[0], 2.0)
+                answered += 1
+            else:
+                assert isinstance(f.exception(), hgrt.ClosedError)
+        calls += len(futures) + len(refused)
+    assert calls == 10_000 and answered > 0
+
+
+def test_close_is_bounded_and_names_a_stage_that_does_not_stop(monkeypatch):
+    """A stage hung in its call: close() returns within seconds, every input is answered, the
+    other stage's module is closed and the hung one's is left open, and close() says which."""
+    import hgrt.pipelines as pipelines
+
+    monkeypatch.setattr(pipelines, "CLOSE_TIMEOUT", 0.5)
+    monkeypatch.setattr(pipelines, "ABORT_GRACE", 0.5)
+    gate = threading.Event()
+    stages = [_Stage(), _Stage(gate)]
+    p = pipelines.Pipeline(stages, _stages_doc(2), ["board a", "board b"])
+    futures = [p.submit({"v0": np.zeros(2, "float32")}) for _ in range(3)]
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(hgrt.ExecutionError, match=r"stages \[1\] on \['board b'\] did not "
+                                                       r"stop; their modules are left open"):
+            p.close()
+        assert time.monotonic() - t0 < 5
+        assert all(f.done() for f in futures)
+        with pytest.raises(hgrt.ClosedError, match=r"closed while stages \[(0, )?1\] were still"):
+            futures[0].result()
+        assert stages[0].closed and not stages[1].closed
+        assert p.modules[0] is None  # the pipeline lets go of what it closed
+    finally:
+        gate.set()

@@ -1,0 +1,96 @@
+"""A pipeline over ``tvm.rpc.LocalSession``s: board-to-board transfer through the sessions'
+inbox in this process, with the choices ``transfer="auto"`` makes and the races of close()."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import tvm
+
+import hgrt
+from hgrt.pipelines import load_pipeline
+from hgrt.rpc.client import RemoteGraphModule
+from hgrt.testing import conv_model, reference
+
+
+@pytest.fixture(scope="module")
+def conv_pipeline(tmp_path_factory):
+    from hgrt.stages import split
+
+    out = tmp_path_factory.mktemp("local") / "conv"
+    split(conv_model(), 2, kernels="tvm").save(out)
+    return out
+
+
+def _x(seed: int = 0) -> dict:
+    return {"x": np.random.default_rng(seed).standard_normal((1, 3, 8, 8)).astype("float32")}
+
+
+def test_two_stages_on_one_session_are_refused_direct_and_go_through_the_client_on_auto(
+        conv_pipeline, caplog):
+    session = tvm.rpc.LocalSession()
+    with pytest.raises(hgrt.InputError, match="stages 0 and 1 are on one RPC session"):
+        load_pipeline(conv_pipeline, [session, session], transfer="direct")
+    with caplog.at_level("WARNING", logger="hgrt.pipeline"):
+        with load_pipeline(conv_pipeline, [session, session]) as p:
+            assert p.transfer == "client"
+            x = _x()
+            np.testing.assert_allclose(p(x)[0], reference(conv_model(), x)[0], rtol=1e-5,
+                                       atol=1e-5)
+    assert "stages 0 and 1 are on one RPC session" in caplog.text
+
+
+def test_auto_falls_back_on_any_failure_of_a_link(conv_pipeline, monkeypatch, caplog):
+    """A board that cannot link to the next one fails with TVM's own error: 'auto' still goes
+    through the client, 'direct' says why."""
+
+    def no_route(self, to):
+        raise tvm.error.RPCError(f"connect to {to}: no route to host")
+
+    monkeypatch.setattr(RemoteGraphModule, "link", no_route)
+    sessions = [tvm.rpc.LocalSession(), tvm.rpc.LocalSession()]
+    with pytest.raises(tvm.error.RPCError, match="no route to host"):
+        load_pipeline(conv_pipeline, sessions, transfer="direct")
+    with caplog.at_level("WARNING", logger="hgrt.pipeline"):
+        with load_pipeline(conv_pipeline, sessions) as p:
+            assert p.transfer == "client"
+            x = _x(1)
+            np.testing.assert_allclose(p(x)[0], reference(conv_model(), x)[0], rtol=1e-5,
+                                       atol=1e-5)
+    assert "no route to host" in caplog.text
+
+
+def test_submits_racing_close_board_to_board_are_refused_or_answered(conv_pipeline):
+    """Inputs sent to the boards' inboxes while close() runs: each submit is refused with a
+    ClosedError or answered, never an IndexError or a Future left waiting."""
+    x = _x(2)
+    want = None
+    for round_ in range(3):
+        p = load_pipeline(conv_pipeline, [tvm.rpc.LocalSession(), tvm.rpc.LocalSession()],
+                          transfer="direct")
+        want = p(x)[0] if want is None else want
+        futures, errors, go = [], [], threading.Event()
+
+        def feed(p=p, futures=futures, errors=errors, go=go, at=5 + 10 * round_):
+            for i in range(60):
+                if i == at:
+                    go.set()
+                try:
+                    futures.append(p.submit(x))
+                except hgrt.HgrtError as err:
+                    errors.append(err)
+
+        t = threading.Thread(target=feed)
+        t.start()
+        go.wait(30)
+        p.close()
+        t.join(30)
+        assert all(isinstance(e, hgrt.ClosedError) for e in errors), errors[:1]
+        for f in futures:
+            assert f.done()
+            if f.exception() is None:
+                np.testing.assert_array_equal(f.result()[0], want)
+            else:
+                assert isinstance(f.exception(), hgrt.HgrtError), f.exception()
