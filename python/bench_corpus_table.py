@@ -1,0 +1,138 @@
+"""The corpus table: per corpus file, does hgrt import it, are its outputs right (against
+onnxruntime on the same file), build seconds, kernels by provider, and hgrt's run() time
+against onnxruntime's CPU provider at the same thread count.
+
+    python python/bench_corpus_table.py                              # tiny configs, all files
+    python python/bench_corpus_table.py --size real --models resnet.dynamo gpt2.dynamo
+    python python/bench_corpus_table.py --markdown BENCHMARKS.md
+
+Held-out files (kept out of any tuning loop) are listed in a table of their own. "right": max
+|hgrt - onnxruntime| / max |onnxruntime| within 1e-4, or for int8 QDQ files within twice
+onnxruntime's own spread (its int8 kernels against its QDQ-as-float run) with the same top-1.
+The real configs are exported on demand into the corpus cache (the corpus extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import warnings
+from collections import Counter
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import hgrt_runner, max_diff, table, time_against_onnxruntime  # noqa: E402
+
+HEAD = ["| file | family | imports | right | max rel diff | build s | kernels | hgrt ms | ORT ms "
+        "| hgrt/ORT |", "|---|---|---|---|---|---|---|---|---|---|"]
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", choices=("tiny", "real"), default="tiny")
+    p.add_argument("--models", nargs="*", help="corpus files (<model>.<exporter>); default all")
+    p.add_argument("--repeat", type=int, default=10)
+    p.add_argument("--markdown", help="write the table into this markdown file")
+    return p.parse_args()
+
+
+def _file(entry, size: str) -> tuple[str, dict[str, np.ndarray]]:
+    """The ONNX file of ``entry`` at ``size`` and its seeded inputs by ONNX input name."""
+    if size == "tiny":
+        return entry.path, entry.seeded_inputs()
+    from hgrt.corpus import seeded_inputs, spec
+    from hgrt.corpus.generate import real_path
+    from hgrt.corpus.specs import inputs_of
+
+    return real_path(entry.model, entry.exporter), seeded_inputs(
+        inputs_of(spec(entry.model), "real"))
+
+
+def _int8_spread(model, x: dict[str, np.ndarray], want: list[np.ndarray]) -> float:
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    sess = ort.InferenceSession(model.SerializeToString(), opts,
+                                providers=["CPUExecutionProvider"])
+    return max_diff(sess.run(None, x), want)
+
+
+def _right(entry, model, x, got, want) -> tuple[str, float]:
+    diff = max_diff(got, want)
+    if entry.family != "int8":
+        return ("yes" if diff <= 1e-4 else "NO"), diff
+    spread = _int8_spread(model, x, want)
+    top1 = all(np.array_equal(g.argmax(-1), w.argmax(-1)) for g, w in zip(got, want,
+                                                                           strict=True))
+    ok = diff <= max(2 * spread, 1e-6) and top1
+    return f"{'yes' if ok else 'NO'} (ORT's int8 spread {spread:.1e})", diff
+
+
+def bench_one(entry, size: str, repeat: int) -> str:
+    import onnx
+
+    import hgrt
+    from hgrt.frontend import import_model
+    from hgrt.testing import input_names, onnx_reference
+
+    path, x = _file(entry, size)
+    model = onnx.load(path)
+    row = [entry.name, entry.family]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import_model(model)
+    except Exception as e:
+        return "| " + " | ".join(row + [f"no: {type(e).__name__}: {str(e)[:90]}"] +
+                                 ["-"] * 7) + " |"
+    t0 = time.perf_counter()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            res = hgrt.build(model, ["cpu"])
+    except Exception as e:
+        return "| " + " | ".join(row + ["yes", f"build fails: {type(e).__name__}: "
+                                 f"{str(e)[:80]}"] + ["-"] * 6) + " |"
+    build_s = time.perf_counter() - t0
+    kernels = Counter(r.kernels for r in res.placement_report)
+    m = hgrt_runner(res, dict(zip(input_names(model), x.values(), strict=True)))
+    m.run()
+    got = [m.get_output(i).numpy() for i in range(m.get_num_outputs())]
+    right, diff = _right(entry, model, x, got, onnx_reference(model, x))
+    timed = time_against_onnxruntime(m.run, model, x, repeat, rounds=3, pause=0.2)
+    ms = [f"{timed[0] * 1e3:.3f}", f"{timed[1] * 1e3:.3f}", f"{timed[0] / timed[1]:.2f}"] \
+        if timed else ["-", "-", "-"]
+    by = ", ".join(f"{k} {n}" for k, n in sorted(kernels.items()))
+    return "| " + " | ".join(row + ["yes", right, f"{diff:.1e}", f"{build_s:.1f}", by, *ms]) \
+        + " |"
+
+
+def main() -> None:
+    from hgrt.corpus import entries
+
+    args = _parse()
+    chosen = [e for e in entries() if not args.models or e.name in args.models]
+    command = "python python/bench_corpus_table.py" + (
+        f" --size {args.size}" if args.size != "tiny" else "") + (
+        f" --models {' '.join(args.models)}" if args.models else "") + (
+        f" --repeat {args.repeat}" if args.repeat != 10 else "") + (
+        f" --markdown {args.markdown}" if args.markdown else "")
+
+    def rows() -> list[str]:
+        out = {False: [], True: []}
+        for e in chosen:
+            line = bench_one(e, args.size, args.repeat)
+            print(line, flush=True)
+            out[e.held_out].append(line)
+        held = ["", "Held out of tuning:", "", *HEAD, *out[True]] if out[True] else []
+        return out[False] + held
+
+    table(args.markdown, f"bench_corpus_{args.size}", command, HEAD, rows)
+
+
+if __name__ == "__main__":
+    main()
