@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 
+from hgrt import providers
 from hgrt.errors import HgrtError, InputError
 
 log = logging.getLogger("hgrt")
@@ -92,7 +93,7 @@ def _kernels(args: argparse.Namespace):
     winograd = winograd_arg(args)
     if not rules and not overrides and winograd is None:
         return args.kernels
-    from hgrt.relay_passes.claim_onednn import WINOGRAD_SHARE, Kernels
+    from hgrt.relay_passes.util.kernels import WINOGRAD_SHARE, Kernels
 
     return Kernels.of(Kernels(args.kernels, rules=rules, overrides=overrides,  # checked now
                               winograd=WINOGRAD_SHARE if winograd is None else winograd))
@@ -210,18 +211,22 @@ def _compile_stages(args: argparse.Namespace, t0: float) -> int:
 # ---- zoo ----------------------------------------------------------------------------------
 
 def cmd_zoo(args: argparse.Namespace) -> int:
-    import onnx
+    from hgrt.zoo import zoo_listing, zoo_write
 
-    from hgrt.zoo import light_input, light_model
-
-    model = light_model(args.name, seed=args.seed)
-    onnx.save(model, args.output)
-    print(f"light {args.name} with random weights (seed {args.seed}) -> {args.output}")
-    if args.input:
-        for name, value in light_input(model, seed=args.seed + 1).items():
-            np.save(args.input, value)
-            print(f"input {name} {list(value.shape)} -> {args.input}")
-            break
+    if args.list:
+        print("\n".join(zoo_listing()))
+        return 0
+    if not args.name or not args.output:
+        raise InputError("hgrt zoo NAME -o FILE.onnx (or hgrt zoo --list)")
+    what, inputs = zoo_write(args.name, args.output, args.size, args.seed)
+    print(f"{what} -> {args.output}")
+    if args.input:  # the first input as .npy; every input by name as .npz
+        if args.input.endswith(".npz"):
+            np.savez(args.input, **inputs)
+        else:
+            np.save(args.input, next(iter(inputs.values())))
+        print(f"inputs {', '.join(f'{k} {list(v.shape)}' for k, v in inputs.items())} -> "
+              f"{args.input}")
     return 0
 
 
@@ -471,13 +476,16 @@ def _add_tune_command(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_zoo_command(sub: argparse._SubParsersAction) -> None:
-    z = sub.add_parser("zoo", help="write a light zoo model of the onnx wheel with random "
-                                   "weights (squeezenet, resnet50, ...) to try hgrt on")
-    from hgrt.zoo import LIGHT_MODELS
-
-    z.add_argument("name", choices=LIGHT_MODELS)
-    z.add_argument("-o", "--output", required=True, help="the .onnx file to write")
-    z.add_argument("--input", help="also write a random input to this .npy")
+    z = sub.add_parser("zoo", help="write a model to try hgrt on: a light zoo model of the "
+                                   "onnx wheel (squeezenet, resnet50, ...) or a corpus model "
+                                   "(corpus/gpt2.dynamo, ...), random weights; --list")
+    z.add_argument("name", nargs="?", help="a name that --list shows")
+    z.add_argument("--list", action="store_true", help="list the models")
+    z.add_argument("-o", "--output", help="the .onnx file to write")
+    z.add_argument("--size", choices=("tiny", "real"), default="tiny",
+                   help="corpus: the committed tiny config, or the real one (exported on "
+                        "demand: pip install 'hgrt[corpus]')")
+    z.add_argument("--input", help="also write random inputs: the first to a .npy, all to a .npz")
     z.add_argument("--seed", type=at_least(0), default=0)
     z.set_defaults(func=cmd_zoo)
 
@@ -495,22 +503,24 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefer", help="device for ops no rule places")
     p.add_argument("--fallback", help="device for ops the preferred device cannot run")
     p.add_argument("--input-shape", action="append", metavar="NAME=D0,D1,...")
-    p.add_argument("--kernels", choices=("auto", "tvm", "onednn"), default="auto",
-                   help="who computes convolutions and dense layers on x86-64 CPUs (default "
-                        "auto: oneDNN where the onednn extra is installed; tune leaves what "
-                        "oneDNN computes untuned)")
+    choices = providers.kernel_choices()
+    p.add_argument("--kernels", choices=choices, default="auto",
+                   help="who computes the ops a kernel provider can take: tvm, a provider, or "
+                        "auto (default: each provider where it is installed and pays; tune "
+                        "leaves what a provider computes untuned)")
     p.add_argument("--kernels-rule", action="append", metavar="OP=PROVIDER",
                    help="who computes every op matching OP (nn.conv2d, matmul, a pattern): "
-                        "auto, tvm or onednn (repeat)")
+                        f"{', '.join(choices)} (repeat)")
     p.add_argument("--kernels-override", action="append", metavar="NODE=PROVIDER",
                    help="who computes one convolution or matmul (by its binding name, as the "
                         "placement report lists it) (repeat)")
     p.add_argument("--winograd", metavar="all|none|SHARE", default=None,
-                   help="which of oneDNN's 3x3 convolutions run as Winograd where it is faster "
+                   help="which 3x3 convolutions of a provider with Winograd kernels run as "
+                        "Winograd where it is faster "
                         "(its weights take 4x the bytes): all, none, or those whose growth "
                         "stays within SHARE of the model's weight bytes (default 0.1)")
     p.add_argument("--no-winograd", action="store_true",
-                   help="oneDNN's 3x3 convolutions stay direct (--winograd none)")
+                   help="3x3 convolutions stay direct (--winograd none)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import tvm
 
+from hgrt import providers
 from hgrt.devices import DEFAULT_CUDA_ARCH, parse_devices
 from hgrt.frontend import import_model
 from hgrt.graph import Graph
@@ -23,8 +24,6 @@ from hgrt.lifetimes import DeviceMemory, memory_report
 from hgrt.relay_passes.apply_tuning import apply_tuning
 from hgrt.relay_passes.assign_targets import assign_targets
 from hgrt.relay_passes.build_library import build_library
-from hgrt.relay_passes.claim_affine import claim_affine
-from hgrt.relay_passes.claim_onednn import Kernels, claim_onednn
 from hgrt.relay_passes.fold_batch_norm import fold_batch_norm
 from hgrt.relay_passes.graph.assign_streams import assign_streams, check_stream_options
 from hgrt.relay_passes.graph.concat_views import concat_views
@@ -38,30 +37,44 @@ from hgrt.relay_passes.schedule_cpu import schedule_cpu
 from hgrt.relay_passes.schedule_gpu import schedule_gpu
 from hgrt.relay_passes.split_concat import split_concat
 from hgrt.relay_passes.util.context import BuildContext, LoweringOptions, PlacementRow, Weights
+from hgrt.relay_passes.util.kernels import Kernels
 from hgrt.relay_passes.util.pipeline import Pass, check_order, located, run_passes
-from hgrt.runtime import onednn
 
 __all__ = ["BuildResult", "Kernels", "Placement", "build", "lower_model"]
 
-PASSES: tuple[tuple[str, Pass], ...] = (
-    ("place_devices", place_devices),
-    ("insert_copies", insert_copies),
-    ("split_concat", split_concat),
-    ("claim_onednn", claim_onednn),  # lower_model's default kernels="tvm" leaves all to TVM
-    ("fold_batch_norm", fold_batch_norm),
-    ("claim_affine", claim_affine),  # what is left between oneDNN kernels: one oneDNN call
-    ("legalize_and_fuse", legalize_and_fuse),
-    ("assign_targets", assign_targets),  # lower_model stops here unscheduled: what is tuned
-    ("apply_tuning", apply_tuning),
-    ("schedule_cpu", schedule_cpu),
-    ("schedule_gpu", schedule_gpu),  # lower_model(schedule=True) stops here
-    ("build_library", build_library),
-    ("graph_codegen", graph_codegen),
-    ("concat_views", concat_views),  # concats whose pieces are written in place: views
-    ("assign_streams", assign_streams),
-    ("plan_memory", plan_memory),
-)
+def passes() -> tuple[tuple[str, Pass], ...]:
+    """The build's passes, in order, with the passes of each registered kernel provider at its
+    slots (``hgrt.providers.SLOTS``)."""
+    return (
+        ("place_devices", place_devices),
+        ("insert_copies", insert_copies),
+        ("split_concat", split_concat),
+        # each kernel provider's claim passes, in registration order (lower_model's default
+        # kernels="tvm" leaves all to TVM)
+        *(p for provider in providers.registered() for p in provider.compile_passes("claim")),
+        ("fold_batch_norm", fold_batch_norm),
+        *(p for provider in providers.registered() for p in provider.compile_passes("tail")),
+        ("legalize_and_fuse", legalize_and_fuse),
+        ("assign_targets", assign_targets),  # lower_model stops here unscheduled: what is tuned
+        ("apply_tuning", apply_tuning),
+        ("schedule_cpu", schedule_cpu),
+        ("schedule_gpu", schedule_gpu),  # lower_model(schedule=True) stops here
+        ("build_library", build_library),
+        ("graph_codegen", graph_codegen),
+        ("concat_views", concat_views),  # concats whose pieces are written in place: views
+        ("assign_streams", assign_streams),
+        ("plan_memory", plan_memory),
+    )
+
+
+PASSES = passes()  # the passes of the providers registered when hgrt is imported
+_PASSES_OF = providers.registered()
 check_order(PASSES)  # each pass's contract says which passes it needs before it
+
+
+def _passes() -> tuple[tuple[str, Pass], ...]:
+    """``PASSES``, or anew where a provider was registered or removed since."""
+    return PASSES if providers.registered() == _PASSES_OF else passes()
 
 
 @dataclass
@@ -129,10 +142,11 @@ def build(model: Any, devices: Any, placement: Placement | None = None,
     ``streams``: ``{"per_device": n}`` streams per device for independent branches (default
     1; fewer where they would grow a device's pool over 1.10x the sequential plan's, unless
     ``"memory_slack": None``), ``{"single_stream": True}`` for none (everything in node order).
-    ``kernels``: who computes convolutions and dense layers on x86-64 CPUs: ``"onednn"``
-    (the ``onednn`` extra; a BuildError without it), ``"tvm"``, or ``"auto"``: oneDNN where it
-    is installed and runs the op, unless the model is too small to pay for its per-call cost
-    (``claim_onednn.AUTO_MIN_MACS``; the placement report's ``kernels`` column says who got it);
+    ``kernels``: who computes each op: a registered kernel provider (``hgrt.providers.names()``;
+    ``"onednn"`` computes convolutions and dense layers on x86-64 CPUs with the ``onednn`` extra,
+    a BuildError without it), ``"tvm"``, or ``"auto"``: each provider where it is installed and
+    pays (oneDNN: unless the model is too small to pay for its per-call cost; the placement
+    report's ``kernels`` column says who got each op);
     or per op, like a device: ``hgrt.Kernels("onednn", rules={"matmul": "tvm"},
     overrides={"lv12": "tvm"})`` (an override names a conv2d or matmul binding as
     ``print_placement()`` lists it).
@@ -141,9 +155,9 @@ def build(model: Any, devices: Any, placement: Placement | None = None,
     stream_options = check_stream_options(streams)
     mod, ctx = _context(model, devices, placement, params, input_shapes, cuda_arch, verbose,
                         target)
-    ctx.options = LoweringOptions(tuning_db, tuning_verdicts, kernels, onednn)
+    ctx.options = LoweringOptions(tuning_db, tuning_verdicts, kernels)
     ctx.streams = stream_options
-    graph_json = run_passes(mod, ctx, PASSES).to_json()
+    graph_json = run_passes(mod, ctx, _passes()).to_json()
     graph = Graph.from_json(graph_json)  # the runtime's own validation, before anyone ships it
     if verbose:
         ctx.log(f"built in {time.perf_counter() - start:.1f} s")
@@ -170,12 +184,13 @@ def lower_model(model: Any, devices: Any = "cpu", placement: Placement | None = 
     kernels are the ones ``build`` compiles (tuned from ``tuning_db``, else default), e.g. to
     hand to the Relax VM.
     ``kernels``: as ``build``'s; the default ``"tvm"`` leaves every op to TVM kernels (the Relax
-    VM runs no oneDNN kernel), ``"auto"`` / ``"onednn"`` leave out the ops oneDNN computes.
+    VM runs no provider's kernel), ``"auto"`` or a provider leave out the ops it computes.
     """
     mod, ctx = _context(model, devices, placement, params, input_shapes, cuda_arch, verbose)
-    ctx.options = LoweringOptions(tuning_db, kernels=kernels, onednn=onednn)
+    ctx.options = LoweringOptions(tuning_db, kernels=kernels)
     last = "schedule_gpu" if schedule else "assign_targets"
-    mod = run_passes(mod, ctx, PASSES[:[n for n, _ in PASSES].index(last) + 1])
+    order = _passes()
+    mod = run_passes(mod, ctx, order[:[n for n, _ in order].index(last) + 1])
     w = ctx.weights
     return mod, {var: w.values[w.source[name]]
                  for var, name in w.graph_names.items() if name in w.source}

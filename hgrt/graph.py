@@ -1,7 +1,7 @@
 """The hgrt graph: TVM's classic graph-executor JSON, plus a ``device_index`` column and an
 optional ``hgrt`` section with the device-aware memory plan.
 
-Layout (see DESIGN.md, "The graph JSON")::
+Layout (docs/architecture.md, "The graph JSON")::
 
     {"nodes": [{"op": "null", "name": "x", "inputs": []},
                {"op": "tvm_op", "name": "add", "inputs": [[0, 0, 0]],
@@ -31,12 +31,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from hgrt import lifetimes
+from hgrt import lifetimes, providers
 from hgrt.errors import GraphError
 from hgrt.graph_checks import (
-    COPY_FUNC,
-    FORMAT_VERSION,
-    FORMAT_VERSIONS,
     check_edges,
     check_pools,
     check_special_ops,
@@ -46,24 +43,18 @@ from hgrt.graph_checks import (
     concat_problem,
     read_section,
 )
+from hgrt.graph_format import CONCAT_FUNC, COPY_FUNC, FORMAT_VERSION, FORMAT_VERSIONS, NOP_FUNC
 
 __all__ = ["CONCAT_FUNC", "COPY_FUNC", "ELEMWISE_MAX", "FORMAT_VERSION", "FORMAT_VERSIONS",
-           "INJECTIVE", "INPLACE_PROVIDERS", "MAX_ENTRY_BYTES", "NODE_ATTRS", "NOP_FUNC",
-           "ONEDNN_PREFIX", "OPAQUE", "Graph", "Node", "concat_axis", "concat_problem",
-           "dtype_bytes"]
+           "INJECTIVE", "MAX_ENTRY_BYTES", "NODE_ATTRS", "NOP_FUNC", "OPAQUE", "Graph", "Node",
+           "concat_axis", "concat_problem", "dtype_bytes"]
 
 MAX_ENTRY_BYTES = 1 << 48  # one tensor's bytes at most (256 TiB): shapes beyond are refused
-ONEDNN_PREFIX = "hgrt.onednn."  # the functions oneDNN kernels' nodes name (runtime/onednn.py)
-NOP_FUNC = lifetimes.NOP_FUNC
-CONCAT_FUNC = lifetimes.CONCAT_FUNC
 _KNOWN_OPS = ("null", "tvm_op")
 # node attrs hgrt reads, and the form their (string) values must have
 NODE_ATTRS = {"func_name": r"\S+", "num_inputs": r"\d+", "num_outputs": r"\d+",
               "flatten_data": r"[01]", "op_pattern": r"\d", "inplace": r"\d+",
               "flops": r"\d+"}
-# kernel providers whose kernels may be written over an input (``attrs.inplace``): a TVM
-# kernel's schedule may read an input element after writing the output element of its address
-INPLACE_PROVIDERS = ("onednn",)
 # TVM's op pattern kinds (``op_pattern``, a kernel's): up to kInjective a kernel only maps or
 # moves elements (elementwise, broadcast, reshape, transpose, concatenate); above it reduces.
 ELEMWISE_MAX = 1  # kElemWise, kBroadcast: what FuseOps folds into the kernel before
@@ -389,9 +380,11 @@ def _parse_node(nid: int, raw: Any) -> Node:
     if "inplace" in attrs and int(attrs["inplace"]) >= len(inputs):
         raise GraphError(f"{where}: attrs.inplace = {attrs['inplace']} names no input (it has "
                          f"{len(inputs)})")
-    if "inplace" in attrs and attrs.get("provider") not in INPLACE_PROVIDERS:
+    provider = providers.of_node(attrs)
+    if "inplace" in attrs and not (provider and provider.inplace):
+        inplace = [p.name for p in providers.registered() if p.inplace]
         raise GraphError(f"{where}: attrs.inplace on a kernel of provider "
-                         f"{attrs.get('provider', 'tvm')!r}: only {list(INPLACE_PROVIDERS)} "
+                         f"{attrs.get('provider', providers.DEFAULT)!r}: only {inplace} "
                          f"kernels read each element of the input before writing it")
     return Node(op, name, inputs, attrs)
 

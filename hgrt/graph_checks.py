@@ -16,13 +16,10 @@ from typing import Any
 
 from hgrt import lifetimes
 from hgrt.errors import GraphError
-from hgrt.lifetimes import CONCAT_FUNC, NOP_FUNC
+from hgrt.graph_format import CONCAT_FUNC, COPY_FUNC, FORMAT_VERSION, FORMAT_VERSIONS, NOP_FUNC
 
 # the 'hgrt' section's format: 2 where a graph has __concat views (an older hgrt, which would
 # look for a kernel of that name, refuses the version instead); 1 else, as before
-FORMAT_VERSION = 2
-FORMAT_VERSIONS = (1, 2)
-COPY_FUNC = "__copy"  # a node that copies its input to its own device (hgrt.graph's name)
 Graph = Any  # an hgrt.graph.Graph
 Node = Any  # an hgrt.graph.Node
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import tvm
 
-from hgrt import artifacts
+from hgrt import artifacts, providers
 from hgrt import devices as hdev
 from hgrt.api import create_loaded, devices_for
 from hgrt.errors import DeviceError, ProvisionError, did_you_mean
@@ -60,20 +60,11 @@ class Budget:
         return f"{self.name} {_mib(self.free)} of {_mib(self.total)} MiB free"
 
 
-def _winograd_share(graph: Graph, device: int) -> str:
-    """What Winograd convolutions' weights take of a logical device's (oneDNN packs 36
-    numbers per filter where a direct convolution keeps 9), said where there are any."""
-    nbytes = 0
-    for node in graph.nodes:
-        if "(winograd)" in node.attrs.get("onednn_op", "") and len(node.inputs) > 1:
-            blob = graph.entry_id(node.inputs[1][0], node.inputs[1][1])  # (input, blob, ...)
-            if graph.entry_device(blob) == device:
-                nbytes += graph.entry_bytes(blob)
-    if not nbytes:
-        return ""
-    return (f"; {_mib(nbytes)} MiB of the weights are Winograd convolutions' (built with "
-            f"Kernels(..., winograd=False) / --winograd none they take about a quarter of "
-            f"that)")
+def _provider_notes(graph: Graph, device: int) -> str:
+    """What the kernel providers say of a logical device's weights (``device_note``: oneDNN's
+    Winograd convolutions take 4x the bytes of direct ones), where they say anything."""
+    return "".join(p.device_note(graph, device) for p in providers.registered()
+                   if p.device_note is not None)
 
 
 def _mib(nbytes: int) -> str:
@@ -225,6 +216,6 @@ class Host:
                     f"{what} needs {_mib(weights + activations)} MiB on {best.name}: "
                     f"{_mib(weights)} weights + {_mib(activations)} activations; "
                     f"{_mib(best.free)} MiB free (the most of any free {kind} device; {self})"
-                    + _winograd_share(graph, i))
+                    + _provider_notes(graph, i))
             mapping[i] = self._devices.index(best)
         return [mapping[i] for i in range(n)], needs

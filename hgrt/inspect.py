@@ -10,8 +10,10 @@ import shutil
 import subprocess
 from collections import Counter
 
+from hgrt import providers
 from hgrt.graph import CONCAT_FUNC, COPY_FUNC, NOP_FUNC, Graph
-from hgrt.lifetimes import VIEW_FUNCS, group_bytes, memory_report, merged_ranges
+from hgrt.graph_format import VIEW_FUNCS
+from hgrt.lifetimes import group_bytes, memory_report, merged_ranges
 from hgrt.runtime.profiler import op_label
 
 # One colour per device position (Graphviz / matplotlib names).
@@ -46,10 +48,14 @@ def summary(g: Graph) -> dict:
 
 
 def _providers(g: Graph) -> dict[str, int]:
-    """Kernels by provider and the ISA it packed for (``onednn avx512_core: 53``)."""
-    found = Counter(f"{n.attrs['provider']} {n.attrs.get('onednn_isa', '')}".strip()
-                    for n in g.nodes if n.op == "tvm_op" and "provider" in n.attrs)
-    return dict(found)
+    """Kernels by provider and the ISA it packed for (``onednn avx512_core: 53``: the
+    provider's ``isa_attr``)."""
+    def key(attrs: dict) -> str:
+        p = providers.of_node(attrs)
+        isa = attrs.get(p.isa_attr, "") if p is not None and p.isa_attr else ""
+        return f"{attrs['provider']} {isa}".strip()
+    return dict(Counter(key(n.attrs) for n in g.nodes
+                        if n.op == "tvm_op" and "provider" in n.attrs))
 
 
 def _streams(g: Graph, names: list[str]) -> dict[str, dict]:
@@ -68,7 +74,7 @@ def format_summary(s: dict) -> str:
     lines = ["kernels per device:"]
     lines += [f"  {d:<10} {n}" for d, n in s["kernels_per_device"].items()]
     by_provider: dict[str, list] = {}
-    for key, n in s.get("providers", {}).items():  # "onednn avx512_core": packed for that ISA
+    for key, n in s.get("providers", {}).items():  # "<provider> <isa>": packed for that ISA
         provider, _, isa = key.partition(" ")
         row = by_provider.setdefault(provider, [0, []])
         row[0] += n
@@ -76,13 +82,10 @@ def format_summary(s: dict) -> str:
             row[1].append(f"{n} with weights packed for {isa}")
     lines += [f"  of which {p}: {n}" + (f" ({', '.join(packed)})" if packed else "")
               for p, (n, packed) in by_provider.items()]
-    w = s.get("onednn_weights") or {}
-    if w.get("blobs"):
-        mib = 2**20
-        lines.append(f"oneDNN's weights: {w['packed'] / mib:.1f} MiB packed in {w['blobs']} "
-                     f"blobs for {w['plain'] / mib:.1f} MiB of plain weights and biases"
-                     + (f"; {w['winograd']} Winograd convolutions add "
-                        f"{w['winograd_growth'] / mib:.1f} MiB of it" if w["winograd"] else ""))
+    for name, w in (s.get("provider_weights") or {}).items():
+        p = providers.get(name) if name in providers.names() else None
+        if w.get("blobs") and p is not None and p.format_weights is not None:
+            lines.append(p.format_weights(w))
     if s.get("concat_views"):
         lines.append(f"concats written in place by their pieces' kernels: {s['concat_views']}")
     lines.append(f"copies: {s['num_copies']}")
@@ -290,7 +293,6 @@ def draw_memory(g: Graph, device: int, path_png: str) -> str | None:
 def inspect_artifacts(directory: str, out_dir: str | None = None) -> tuple[dict, list[str]]:
     """Summary of the artifacts in ``directory`` and the pictures written for it."""
     from hgrt.artifacts import GRAPH_FILE, PARAMS_FILE, iter_params, paths, read_graph_text
-    from hgrt.relay_passes.util.onednn_blob import blob_bytes
 
     found = paths(directory)
     g = Graph.from_json(read_graph_text(found[GRAPH_FILE]))
@@ -310,5 +312,6 @@ def inspect_artifacts(directory: str, out_dir: str | None = None) -> tuple[dict,
         if png:
             files.append(png)
     s = summary(g)
-    s["onednn_weights"] = blob_bytes(iter_params(found[PARAMS_FILE]))
+    s["provider_weights"] = {p.name: p.summarize_weights(iter_params(found[PARAMS_FILE]))
+                             for p in providers.registered() if p.weights_summary}
     return s, files

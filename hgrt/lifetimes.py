@@ -16,10 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-NOP_FUNC = "__nop"  # hgrt.graph's name of a view node (graph.py imports this module)
-# a concatenation whose pieces their kernels wrote in place, one after another in its bytes
-CONCAT_FUNC = "__concat"
-VIEW_FUNCS = (NOP_FUNC, CONCAT_FUNC)  # nodes that are views of bytes other steps write
+from hgrt.graph_format import CONCAT_FUNC, NOP_FUNC, VIEW_FUNCS
 
 ALIGN = 64  # bytes: every storage of an hgrt memory plan starts at a multiple of this
 Graph = Any  # an hgrt.graph.Graph

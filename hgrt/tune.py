@@ -33,6 +33,7 @@ import tvm
 import tvm_ffi
 from tvm.s_tir import meta_schedule as ms
 
+from hgrt import providers
 from hgrt.api import create
 from hgrt.compiler import build, lower_model
 from hgrt.devices import kind_of
@@ -41,7 +42,7 @@ from hgrt.relay_passes.inner import tuning_db
 from hgrt.relay_passes.inner.cpu_schedule import default_schedule_trace
 from hgrt.relay_passes.util.relax_util import CALL_DPS_PACKED, bindings, callee, op_name, prim_funcs
 
-__all__ = ["TuneSummary", "fuse_for_tuning", "onednn_calls", "tune", "tuning_tasks",
+__all__ = ["TuneSummary", "fuse_for_tuning", "provider_calls", "tune", "tuning_tasks",
            "verify_in_model", "verify_whole_runs"]
 
 # registered in each builder worker by _builder_initializer: tvm.build without the
@@ -66,8 +67,8 @@ def fuse_for_tuning(model: Any, devices: Any = "cpu", placement: Any = None,
                     kernels: Any = "auto") -> tvm.IRModule:
     """A model (ONNX path / ModelProto, Relax IRModule) → the placed, fused module ``build``
     schedules (``hgrt.compiler.lower_model``): same passes, same devices, placement and kernel
-    provider (``kernels``, as ``build``'s: the ops oneDNN computes are no TVM kernels, so there
-    is nothing of them to tune), so the functions, their structural hashes and targets are the
+    provider (``kernels``, as ``build``'s: the ops a provider computes are no TVM kernels, so
+    there is nothing of them to tune), so the functions, their structural hashes and targets are the
     ones ``build`` looks up. A module that is already fused is returned as it is."""
     if isinstance(model, tvm.IRModule) and prim_funcs(model):
         return model
@@ -75,10 +76,11 @@ def fuse_for_tuning(model: Any, devices: Any = "cpu", placement: Any = None,
                        kernels=kernels)[0]
 
 
-def onednn_calls(mod: tvm.IRModule) -> int:
-    """How many calls of ``mod``'s ``main`` go to oneDNN kernels (no TVM kernel to tune)."""
+def provider_calls(mod: tvm.IRModule) -> int:
+    """How many calls of ``mod``'s ``main`` go to a kernel provider's kernels (no TVM kernel to
+    tune)."""
     return sum(1 for b in bindings(mod["main"]) if op_name(b.value) == CALL_DPS_PACKED
-               and callee(b.value)[1].get("provider") == "onednn")
+               and callee(b.value)[1].get("provider") in providers.names())
 
 
 def tuning_tasks(mod: tvm.IRModule, target: tvm.target.Target | str) -> list:
@@ -270,9 +272,9 @@ def tune(model: Any, db_dir: str, trials_per_task: int = 16, *, devices: Any = "
     ``tune`` extra: it learns from each round of ``trials_per_round`` which candidates to
     measure next), ``"random"``, or ``"auto"`` (xgb when xgboost is installed).
     ``kernels``: the provider the model will be built with (``build``'s ``kernels``; default
-    ``"auto"``, as ``build``'s): what oneDNN computes there is not tuned. Tune with the provider
-    you build with: the TVM kernels left in a oneDNN build are not all those of a TVM-only
-    build (the ops between oneDNN kernels run on NHWC tensors there).
+    ``"auto"``, as ``build``'s): what a kernel provider computes there is not tuned. Tune with
+    the provider you build with: the TVM kernels left in a build with a provider are not all
+    those of a TVM-only build (oneDNN's: the ops between its kernels run on NHWC tensors).
     ``verify``: then time each tuned kernel inside the model against the default schedule and
     keep the default where it is faster there (``verify_in_model``).
     """
@@ -281,9 +283,9 @@ def tune(model: Any, db_dir: str, trials_per_task: int = 16, *, devices: Any = "
         cost_model = "xgb" if importlib.util.find_spec("xgboost") else "random"
     mod = fuse_for_tuning(model, devices, placement, params, input_shapes=input_shapes,
                           kernels=kernels)
-    claimed = onednn_calls(mod)
+    claimed = provider_calls(mod)
     if claimed:
-        log(f"kernels={kernels}: {claimed} calls go to oneDNN and are not tuned "
+        log(f"kernels={kernels}: {claimed} calls go to kernel providers and are not tuned "
             f"(tune with kernels='tvm' to tune every op)")
     targets = tuning_db.module_targets(mod)
     if not targets:

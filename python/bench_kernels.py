@@ -83,7 +83,7 @@ def _build(model, target, **kwargs):
 def _providers(asked: list[str] | None, ort_isa: str) -> list[str]:
     """The kernel providers to time; oneDNN's ISA said once (the TVM kernels' is the table's
     ISA column, onnxruntime's the host's)."""
-    from hgrt.runtime import onednn
+    from hgrt.providers.onednn import kernels as onednn
 
     reason = onednn.unavailable_reason()
     if asked is None:
@@ -125,7 +125,7 @@ def _variants(entry, skip_unscheduled: bool, kernels: list[str], db: str | None,
         notes.append(f"oneDNN build {secs:.1f} s, {_claimed(res)}")
         wino = winograd_layers(res)
         if wino:  # the A/B of Winograd: the same build with every convolution direct
-            from hgrt.relay_passes.claim_onednn import Kernels
+            from hgrt.relay_passes.util.kernels import Kernels
 
             res, _ = _build(entry.model, target, kernels=Kernels("onednn", winograd=False))
             runners["onednn_direct"] = hgrt_runner(res, entry.inputs)

@@ -77,7 +77,7 @@ def main(models: list[str]) -> None:
 
 
 def kernels_table(models: list[str]) -> None:
-    from hgrt.relay_passes.claim_onednn import Kernels
+    from hgrt.relay_passes.util.kernels import Kernels
 
     def planned(res) -> int:
         return sum(m.planned_bytes for m in res.memory_report)

@@ -178,12 +178,12 @@ def main() -> None:
     if winograd is not None and args.kernels == "tvm":
         sys.exit("--winograd / --no-winograd: Winograd is oneDNN's (--kernels onednn or auto)")
     if winograd is not None:
-        from hgrt.relay_passes.claim_onednn import Kernels
+        from hgrt.relay_passes.util.kernels import Kernels
 
         kernels = Kernels(args.kernels, winograd=winograd)
     ort_isa = cap_onnxruntime_isa(target, args.cap_onnxruntime)  # before it loads
     if args.kernels != "tvm":
-        from hgrt.runtime import onednn
+        from hgrt.providers.onednn import kernels as onednn
 
         cap_onednn_isa(target)  # before oneDNN loads: one ISA per row
         print(f"hgrt kernels: {args.kernels}; oneDNN {onednn.unavailable_reason() or onednn.isa()}"

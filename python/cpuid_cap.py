@@ -59,7 +59,7 @@ CAPPED = "CPUID capped"  # what cap_onnxruntime's answer says (in brackets) when
 
 
 def _cache() -> Path:
-    from hgrt.runtime.onednn import cache_root  # (one home for hgrt's cache directory)
+    from hgrt.providers.onednn.kernels import cache_root  # (one home for hgrt's cache directory)
 
     return cache_root()
 

@@ -9,15 +9,17 @@ The folder shows the four kinds of file (``tests/test_architecture.py`` keeps it
 - ``relay_passes/graph/``: the pipeline passes on the graph after codegen (``concat_views``,
   ``assign_streams``, ``plan_memory``), one per file, named likewise;
 - ``relay_passes/inner/``: passes that other passes call, in no pipeline of their own
-  (``auto_place``, ``channels_last``, ``onednn_chains``, ``lowering_rewrites``, the default CPU
-  schedule ``cpu_schedule*``, ``prepack_weights``, ``tuning_db``, ``simplify``);
+  (``auto_place``, ``lowering_rewrites``, the default CPU schedule ``cpu_schedule*``,
+  ``prepack_weights``, ``tuning_db``, ``simplify``);
 - ``relay_passes/util/``: helpers that are no pass (``context``, ``pipeline``, ``relax_util``,
-  ``lowered``, ``onednn_blob``, ``onednn_policy``).
+  ``lowered``, ``kernels``).
+
+A kernel provider's passes live in its own folder (``providers/<name>/``) and join the pipeline
+at their slots (``hgrt.compiler.passes``).
 
 Imports point from passes to ``inner/`` to ``util/``, never back.
 """
 
-from hgrt.devices import DeviceSpec, parse_devices
 from hgrt.relay_passes.apply_tuning import apply_tuning
 from hgrt.relay_passes.assign_targets import assign_targets
 from hgrt.relay_passes.build_library import build_library
@@ -32,8 +34,8 @@ from hgrt.relay_passes.util.context import BuildContext, PlacementRow
 from hgrt.relay_passes.util.pipeline import Contract, check_order, contract, run_passes
 
 __all__ = [
-    "BuildContext", "Contract", "DeviceSpec", "Placement", "PlacementRow", "apply_tuning",
+    "BuildContext", "Contract", "Placement", "PlacementRow", "apply_tuning",
     "assign_targets", "build_library", "check_order", "contract", "graph_codegen",
-    "insert_copies", "legalize_and_fuse", "parse_devices", "place_devices", "plan_memory",
+    "insert_copies", "legalize_and_fuse", "place_devices", "plan_memory",
     "run_passes", "schedule_cpu", "schedule_gpu", "verify_memory",
 ]

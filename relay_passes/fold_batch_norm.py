@@ -43,9 +43,10 @@ def _affine(call: relax.Call, values: list[np.ndarray | None], channels: int
     return scale, shift
 
 
-# after claim_onednn: it folds the batch norms after its convolutions into their weights, and
-# keeps the others (NHWC between its kernels)
-@contract(reads={"weights"}, writes={"weights"}, after=("claim_onednn",))
+# after the providers' claim passes (``before=("fold_batch_norm",)``): they fold the batch
+# norms after their convolutions into their weights, and keep the others (oneDNN's: NHWC
+# between its kernels)
+@contract(reads={"weights"}, writes={"weights"}, after=("split_concat",))
 def fold_batch_norm(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     """Fold ``main``'s foldable batch norms (see module doc); ``mod`` untouched if none."""
     func = mod["main"]

@@ -52,10 +52,10 @@ def lowering_passes() -> list[tvm.transform.Pass]:
     ]
 
 
-# after the passes that rewrite Relax ops (they match the ops lowering replaces) and after
-# insert_copies, whose R.to_vdevice on every crossing edge keeps fusion within a device
-@contract(reads={"devices"}, after=("insert_copies", "split_concat", "claim_onednn",
-                                     "fold_batch_norm", "claim_affine"))
+# after the passes that rewrite Relax ops (they match the ops lowering replaces; a kernel
+# provider's claim passes say ``before=("legalize_and_fuse",)``) and after insert_copies, whose
+# R.to_vdevice on every crossing edge keeps fusion within a device
+@contract(reads={"devices"}, after=("insert_copies", "split_concat", "fold_batch_norm"))
 def legalize_and_fuse(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     """``lowering_passes`` under the first device's target; a failure names the op it fails
     on."""

@@ -17,11 +17,10 @@ import tvm
 import tvm_ffi
 
 from hgrt import devices as hdev
+from hgrt import providers
 from hgrt.errors import GraphError
 from hgrt.graph import COPY_FUNC, Graph
 from hgrt.lifetimes import ALIGN, runs, storage_bytes, storage_devices
-from hgrt.runtime.onednn import PREFIX as ONEDNN
-from hgrt.runtime.onednn import kernel_function
 from hgrt.runtime.pools import StoragePools
 from hgrt.runtime.step_loop import StepLoop
 from hgrt.runtime.threads import solo
@@ -39,11 +38,20 @@ class Step(NamedTuple):
     eids: tuple
 
 
+def kernel_function(name: str):
+    """The global function ``name``, a kernel provider's (its runtime loaded first), or None."""
+    provider = providers.of_func(name)
+    runtime = provider.load_runtime() if provider is not None else None
+    if runtime is not None:
+        runtime.load()
+    return tvm.get_global_func(name, allow_missing=True)
+
+
 def _find_function(lib, name: str):
     try:
         return lib.get_function(name, query_imports=True)
     except (AttributeError, RuntimeError):
-        return kernel_function(name)  # a global function: a kernel provider's (oneDNN)
+        return kernel_function(name)  # not in the library: a kernel provider's global function
 
 
 def bind_steps(graph: Graph, lib, storage: StoragePools) -> tuple[Step, ...]:
@@ -66,7 +74,7 @@ def bind_steps(graph: Graph, lib, storage: StoragePools) -> tuple[Step, ...]:
                                  f"{f' and its imports {kinds[1:]}' if kinds[1:] else ''})")
         steps.append(Step(nid, func, tuple(storage.kernel_view(e, flat) for e in eids),
                           tuple(eids)))
-    return _solo_next_to_onednn(graph, steps)
+    return _solo_next_to_providers(graph, steps)
 
 
 # Up to this many bytes of output, an injective kernel gains less from more threads than it
@@ -75,15 +83,14 @@ def bind_steps(graph: Graph, lib, storage: StoragePools) -> tuple[Step, ...]:
 SOLO_MAX_BYTES = 4 << 20
 
 
-def _solo_next_to_onednn(graph: Graph, steps: list[Step]) -> tuple[Step, ...]:
-    """In a graph with oneDNN kernels, the small injective TVM kernels on CPU devices run on
-    their caller's thread alone (``threads.solo``: oneDNN's OpenMP threads still spin on the
-    other cores). Every CPU device of the process shares those cores: light squeezenet split
-    over cpu:0 + cpu:1 (oneDNN convolutions on cpu:1, the bias adds and ReLUs as TVM kernels on
-    cpu:0; 2 vCPUs, AVX-512, ``run(parallel=False)`` median of 100) took 7.1-7.6 ms when only
-    cpu:1's kernels ran solo, 6.1-6.2 ms with cpu:0's too."""
+def _solo_next_to_providers(graph: Graph, steps: list[Step]) -> tuple[Step, ...]:
+    """In a graph with kernels of a provider whose threads spin between kernels
+    (``solo_neighbours``: oneDNN's OpenMP threads), the small injective TVM kernels on CPU
+    devices run on their caller's thread alone (``threads.solo``), on every CPU device: all of
+    the process's CPU devices share the cores those threads spin on."""
     nodes = graph.nodes
-    if not any(nodes[s.node].func_name.startswith(ONEDNN) for s in steps):
+    spinning = [p for p in providers.registered() if p.solo_neighbours]
+    if not any(p.owns(nodes[s.node].func_name) for s in steps for p in spinning):
         return tuple(steps)
 
     def on_cpu(step: Step) -> bool:
@@ -135,7 +142,8 @@ class Frame:
 def zero_copy_view(value: Any, device, shape, dtype: str, align: int = ALIGN):
     """``value`` itself as a kernel argument, when it is C-contiguous, of this shape and dtype,
     on exactly ``device`` and aligned to ``align`` bytes (what TVM kernels assume, unless only
-    oneDNN kernels touch the entry: ``loose_entries``); else None (copy instead)."""
+    kernels that take any alignment touch the entry: ``loose_entries``); else None (copy
+    instead)."""
     if isinstance(value, np.ndarray):
         if (value.dtype != dtype or value.shape != tuple(shape)
                 or not value.flags.c_contiguous or not hdev.is_numpy_device(device)):
@@ -153,14 +161,15 @@ def zero_copy_view(value: Any, device, shape, dtype: str, align: int = ALIGN):
 
 
 def loose_entries(graph: Graph, steps: tuple[Step, ...]) -> frozenset[int]:
-    """Entries that only oneDNN kernels read or write: a caller's buffer bound there need not
-    start at a multiple of ``ALIGN`` bytes (oneDNN's kernels load unaligned; TVM's may assume
-    the alignment the plan gives and fault without it). numpy's own arrays often start at 16
-    bytes: bound, light squeezenet's 600 KB input is read by its first convolution where the
-    caller left it instead of being copied first."""
+    """Entries that only kernels of providers declared ``any_alignment`` read or write (oneDNN's
+    load unaligned): a caller's buffer bound there need not start at a multiple of ``ALIGN``
+    bytes (TVM's kernels may assume the alignment the plan gives and fault without it). numpy's
+    own arrays often start at 16 bytes: such an input is read where the caller left it instead
+    of being copied first."""
     loose: dict[int, bool] = {}
     for s in steps:
-        ours = graph.nodes[s.node].func_name.startswith(ONEDNN)
+        provider = providers.of_func(graph.nodes[s.node].func_name)
+        ours = provider is not None and provider.any_alignment
         for e in s.eids:
             loose[e] = loose.get(e, True) and ours
     return frozenset(e for e, ok in loose.items() if ok)

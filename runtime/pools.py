@@ -14,7 +14,7 @@ from hgrt import devices as hdev
 from hgrt.errors import DeviceError, GraphError
 from hgrt.graph import Graph
 from hgrt.lifetimes import ALIGN, storage_bytes, storage_devices
-from hgrt.runtime import onednn
+from hgrt.providers import forget_memory
 from hgrt.runtime.views import pointer_view
 
 
@@ -47,7 +47,7 @@ class StoragePools:
         self._user_views: dict[int, object] = {}
         if weights is None:  # a module's own pools (a frame's hold no weights): what kernel
             # libraries cache per weight address goes with the memory
-            weakref.finalize(self, onednn.forget, [
+            weakref.finalize(self, forget_memory, [
                 (b.data_ptr(), b.data_ptr() + b.numel() * b.dtype.itemsize)
                 for b in self.buffers if hdev.is_local_cpu(b)])
 

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hgrt import providers
 from hgrt.graph import COPY_FUNC, Graph
-from hgrt.lifetimes import VIEW_FUNCS
+from hgrt.graph_format import VIEW_FUNCS
 from hgrt.runtime.threads import restore_thread_count
 
 
@@ -171,14 +172,16 @@ class ProfileReport:
 
 
 def _label(func: str, is_copy: bool, attrs: dict) -> str:
-    """What a step computes, for tables: a oneDNN kernel by its fused ops (``onednn_op``), a TVM
-    kernel by its function's name (``op_label``)."""
+    """What a step computes, for tables: a provider's kernel by its name and the ops it fused
+    (its ``op_attr``: ``onednn conv2d+relu``), a TVM kernel by its function's name
+    (``op_label``)."""
     if is_copy:
         return "copy"
     if func in VIEW_FUNCS:
         return "view"
-    if attrs.get("provider") == "onednn" and attrs.get("onednn_op"):
-        return f"onednn {attrs['onednn_op']}"
+    provider = providers.of_node(attrs)
+    if provider is not None and provider.op_attr and attrs.get(provider.op_attr):
+        return f"{provider.name} {attrs[provider.op_attr]}"
     return op_label(func)
 
 

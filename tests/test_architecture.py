@@ -1,14 +1,16 @@
 """The layering, kept by a test: imports only point down, and no module imports itself back.
 
-api (create/load, CLI, build, tune) → rpc → runtime → relay_passes → base (graph, devices,
-lifetimes, errors, artifacts). The scan reads every import statement, lazy ones inside
-functions included, and maps folders (and their sub-packages) onto modules as pyproject.toml's
-package-dir does.
+api (create/load, CLI, build, tune) → rpc → providers → runtime → relay_passes → base (graph,
+devices, lifetimes, errors, artifacts, and the kernel providers' registry and declarations).
+The scan reads every import statement, lazy ones inside functions included, and maps folders
+(and their sub-packages) onto modules as pyproject.toml's package-dir does.
 
 Also kept here: the shape of the folder of passes (each pass of ``hgrt.compiler.PASSES`` in a
 file of its own, named after it, in ``relay_passes/`` or, after ``graph_codegen``,
 ``relay_passes/graph/``; nothing else there; ``inner/`` and ``util/`` below the passes) and the
-size of the product's files (600 lines at most) and functions (80 lines at most).
+size of the product's files (600 lines at most) and functions (80 lines at most), and the
+kernel providers' homes: a provider's modules live in ``providers/<name>/``, reach no other
+provider, are reached by nothing but the registry, and no module outside names oneDNN in code.
 """
 
 from __future__ import annotations
@@ -19,19 +21,36 @@ import os
 import tomllib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BASE = {"hgrt.graph", "hgrt.graph_checks", "hgrt.devices", "hgrt.lifetimes", "hgrt.errors",
-        "hgrt.artifacts"}
-LAYERS = ("api", "rpc", "runtime", "relay_passes", "base")  # top to bottom
-PRODUCT = ("hgrt", "relay_passes", "runtime", "rpc")  # folders whose .py files are the product
+BASE = {"hgrt.graph", "hgrt.graph_checks", "hgrt.graph_format", "hgrt.devices", "hgrt.lifetimes",
+        "hgrt.errors", "hgrt.artifacts"}
+PROVIDERS = "hgrt.providers"  # the registry (base), one package per provider
+LAYERS = ("api", "rpc", "providers", "runtime", "relay_passes", "base")  # top to bottom
+PRODUCT = ("hgrt", "relay_passes", "runtime", "rpc", "providers")  # the product's folders
 MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 80
 PASSES_PACKAGE = "hgrt.relay_passes"
 GRAPH_PASSES_PACKAGE = "hgrt.relay_passes.graph"  # the passes after graph_codegen
 
 
+def provider_of(module: str) -> str | None:
+    """The provider whose folder holds ``module`` (``hgrt.providers.onednn.kernels`` ->
+    ``onednn``), or None."""
+    rest = module[len(PROVIDERS) + 1:].split(".") if module.startswith(PROVIDERS + ".") else []
+    return rest[0] if rest and rest[0] != "registry" else None
+
+
+def is_declaration(module: str) -> bool:
+    """The registry and each provider's declaration (its folder's ``__init__``): base layer,
+    what graph validation reads."""
+    return module in (PROVIDERS, f"{PROVIDERS}.registry") or (
+        provider_of(module) is not None and module.count(".") == 2)
+
+
 def layer_of(module: str) -> str:
-    if any(module == b or module.startswith(b + ".") for b in BASE):
+    if any(module == b or module.startswith(b + ".") for b in BASE) or is_declaration(module):
         return "base"
+    if module.startswith(PROVIDERS + "."):
+        return "providers"
     for name in ("rpc", "runtime", "relay_passes"):
         if module == f"hgrt.{name}" or module.startswith(f"hgrt.{name}."):
             return name
@@ -164,6 +183,11 @@ def pass_file_problems(passes: list[tuple[str, str]], files: list[str]) -> list[
     problems = []
     homes = set()
     for i, (name, module) in enumerate(passes):
+        if provider_of(module) is not None:  # a provider's pass: in its folder, named after it
+            home = f"{PROVIDERS}.{provider_of(module)}.{name}"
+            if module != home:
+                problems.append(f"pass {name!r} is defined in {module}, not in {home}")
+            continue
         folder = GRAPH_PASSES_PACKAGE if i > codegen else PASSES_PACKAGE
         want = f"{folder}.{name}"
         homes.add(want)
@@ -266,3 +290,100 @@ def test_the_size_scan_names_the_offenders():
     assert oversized_in_source(long_file, "big.py") == [
         f"big.py: {MAX_FILE_LINES + 1} lines (at most {MAX_FILE_LINES}: split it by idea)"]
     assert oversized_in_source(long_file.rsplit("\n", 1)[0], "big.py") == []
+
+
+# ---- kernel providers --------------------------------------------------------------------------
+
+# Outside its folder, a provider is named in code by nothing but these modules, each for a reason
+# that a registry cannot carry (at most 3):
+PROVIDER_WORD_EXCEPTIONS = {
+    "hgrt.providers": "the registry's one line per built-in provider imports its declaration",
+}
+PROVIDER_WORDS = {"onednn": ("onednn", "dnnl")}
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """ids of the string constants that are docstrings (a module's, class's or function's)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                    and isinstance(body[0].value.value, str):
+                found.add(id(body[0].value))
+    return found
+
+
+def provider_mentions(source: str, words: tuple[str, ...]) -> list[str]:
+    """Where ``source``'s code (docstrings and comments aside) names one of ``words``: a string
+    constant (f-string parts included) or an imported module, as ``line: text``."""
+    tree = ast.parse(source)
+    skip = _docstrings(tree)
+    found = []
+    for node in ast.walk(tree):
+        texts = []
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip:
+            texts = [node.value]
+        elif isinstance(node, ast.Import):
+            texts = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            texts = [node.module or ""] + [a.name for a in node.names]
+        for text in texts:
+            if any(w in text.lower() for w in words):
+                found.append(f"{node.lineno}: {text[:60]!r}")
+    return found
+
+
+def test_no_module_outside_a_provider_names_it_in_code():
+    modules = product_modules()
+    found = []
+    for name, words in PROVIDER_WORDS.items():
+        for module, path in sorted(modules.items()):
+            if provider_of(module) == name or module in PROVIDER_WORD_EXCEPTIONS:
+                continue
+            with open(path) as f:
+                found += [f"{module}:{hit}" for hit in provider_mentions(f.read(), words)]
+    assert found == []
+    assert len(PROVIDER_WORD_EXCEPTIONS) <= 3
+
+
+def test_the_provider_word_scan_can_fail():
+    words = PROVIDER_WORDS["onednn"]
+    assert provider_mentions('"""Docs may say oneDNN."""\nx = 1  # and comments: onednn\n',
+                             words) == []
+    assert provider_mentions('x = "hgrt.onednn.conv2d"\n', words) == ["1: 'hgrt.onednn.conv2d'"]
+    assert provider_mentions('import hgrt.providers.onednn.kernels\n', words) == [
+        "1: 'hgrt.providers.onednn.kernels'"]
+    assert provider_mentions('def f(a):\n    return f"{a} dnnl"\n', words) == ["2: ' dnnl'"]
+
+
+def test_providers_are_reached_only_through_the_registry():
+    """A provider's modules import no other provider's (declarations aside); nothing outside a
+    provider's folder imports its modules but its declaration (the registry finds the rest by
+    name)."""
+    bad = []
+    for src, dsts in import_graph().items():
+        for dst in sorted(dsts):
+            owner = provider_of(dst)
+            if owner is None or is_declaration(dst) or provider_of(src) == owner:
+                continue
+            bad.append(f"{src} imports {dst}")
+    assert bad == []
+
+
+def test_every_registered_provider_has_its_folder_and_its_passes_there():
+    from hgrt import providers
+
+    modules = product_modules()
+    for p in providers.registered():
+        assert f"{PROVIDERS}.{p.name}" in modules, f"provider {p.name!r} has no folder"
+        assert p.runtime is None or provider_of(p.runtime) == p.name
+        for _slot, ref in p.passes:
+            assert provider_of(ref.partition(":")[0]) == p.name, ref
+
+
+def test_the_provider_pass_rule_can_fail():
+    good = [("claim_x", "hgrt.providers.x.claim_x")]
+    assert pass_file_problems(good, []) == []
+    assert pass_file_problems([("claim_x", "hgrt.providers.x.passes")], []) == [
+        "pass 'claim_x' is defined in hgrt.providers.x.passes, not in hgrt.providers.x.claim_x"]

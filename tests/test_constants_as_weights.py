@@ -15,7 +15,7 @@ from onnx import helper
 
 import hgrt
 from hgrt.frontend import import_model, is_weight
-from hgrt.runtime import onednn
+from hgrt.providers.onednn import kernels as onednn
 from hgrt.testing import assert_close_to, reference, run_hgrt, zoo_input, zoo_model
 
 KERNELS = ["tvm"] + (["auto"] if onednn.unavailable_reason() is None else [])

@@ -12,7 +12,7 @@ from hgrt.cli import main
 from hgrt.graph import Graph
 from hgrt.inspect import inspect_artifacts
 from hgrt.lifetimes import align, live_ranges, memory_report
-from hgrt.runtime import onednn
+from hgrt.providers.onednn import kernels as onednn
 from hgrt.testing import GraphBuilder, N, elementwise_lib
 
 

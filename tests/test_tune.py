@@ -24,7 +24,7 @@ from hgrt.relay_passes.inner.tuning_db import (
 from hgrt.testing import run_lowered_vm
 from hgrt.tune import (
     fuse_for_tuning,
-    onednn_calls,
+    provider_calls,
     tune,
     tuning_tasks,
     verify_in_model,
@@ -320,7 +320,7 @@ def _conv_sigmoid():
 
 
 def _needs_onednn():
-    from hgrt.runtime import onednn
+    from hgrt.providers.onednn import kernels as onednn
 
     if onednn.unavailable_reason():
         pytest.skip(f"oneDNN unavailable: {onednn.unavailable_reason()}")
@@ -333,7 +333,7 @@ def test_what_onednn_computes_is_not_tuned():
     model = _conv_sigmoid()
     with_tvm = fuse_for_tuning(model, kernels="tvm")
     with_onednn = fuse_for_tuning(model, kernels="onednn")
-    assert onednn_calls(with_tvm) == 0 and onednn_calls(with_onednn) >= 1
+    assert provider_calls(with_tvm) == 0 and provider_calls(with_onednn) >= 1
     tvm_tasks = [t.task_name for t in tuning_tasks(with_tvm, TARGET)]
     onednn_tasks = [t.task_name for t in tuning_tasks(with_onednn, TARGET)]
     assert any("conv2d" in n for n in tvm_tasks), tvm_tasks
@@ -348,7 +348,7 @@ def test_tune_with_onednn_kernels_tunes_and_verifies_the_rest(tmp_path):
                    log=lines.append)[0]
     assert summary.tasks == len(tuning_tasks(fuse_for_tuning(model, kernels="onednn"), TARGET))
     assert not any("conv2d" in n for n in summary.trials), summary.trials
-    assert any("go to oneDNN and are not tuned" in line for line in lines), lines
+    assert any("go to kernel providers and are not tuned" in line for line in lines), lines
     assert any(line.startswith("verify in the model") for line in lines), lines
     # the database builds a oneDNN model: its TVM kernels tuned, its conv still oneDNN's
     # (tuning_verdicts=False: whether a ~1 us sigmoid tuned beats its default in the model is

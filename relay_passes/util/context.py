@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -28,7 +27,7 @@ class PlacementRow:
     op: str
     device: str
     reason: str
-    kernels: str = "tvm"  # who computes it: "tvm", or "onednn" (claim_onednn)
+    kernels: str = "tvm"  # who computes it: "tvm", or the provider whose claim pass took it
 
 
 @dataclass
@@ -43,8 +42,9 @@ class Placed:
 @dataclass
 class Weights:
     """``values`` from the model (by main param name); insert_copies fills ``source`` and
-    ``graph_names``; claim_onednn and fold_batch_norm add weights of their own (``new_param``)
-    and remove those they replaced; graph_codegen adds the inline constants to all three."""
+    ``graph_names``; the providers' claim passes and fold_batch_norm add weights of their own
+    (``new_param``) and remove those they replaced; graph_codegen adds the inline constants to all
+    three."""
 
     values: dict[str, np.ndarray] = field(default_factory=dict)
     source: dict[str, str] = field(default_factory=dict)  # graph param -> weight it holds
@@ -99,14 +99,13 @@ def param_identifier(name: str, taken: dict[str, str]) -> str:
 
 @dataclass
 class LoweringOptions:
-    """Written by the caller, read by apply_tuning and claim_onednn."""
+    """Written by the caller, read by apply_tuning and the kernel providers' claim passes."""
 
     tuning_db: str | None = None  # MetaSchedule database applied before the default schedules
     tuning_verdicts: bool = True  # honour `hgrt tune`'s "default faster in the model"
-    # kernel provider, read by claim_onednn: "auto" | "tvm" | "onednn", or an
-    # onednn_policy.Kernels (that module imports this one)
+    # who computes each op, read by the providers' claim passes: "auto", "tvm", a provider's
+    # name, or a util.kernels.Kernels (that module imports this one)
     kernels: Any = "tvm"
-    onednn: ModuleType | None = None  # the oneDNN runtime (hgrt.runtime.onednn), from the caller
 
 
 @dataclass

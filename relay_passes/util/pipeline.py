@@ -42,18 +42,21 @@ CONTEXT_FIELDS = tuple(f.name for f in dataclasses.fields(BuildContext))
 class Contract:
     """What a pass does with the build context: the ``BuildContext`` fields it ``reads`` and
     ``writes`` (a field changed in place is written: ``ctx.weights.new_param(...)`` writes
-    ``weights``), and the passes that must have run before it (``after``)."""
+    ``weights``), the passes that must have run before it (``after``) and those of the list
+    that must run after it (``before``: how a kernel provider's pass, which the passes of the
+    house do not name, says where it belongs)."""
 
     reads: frozenset[str] = frozenset()
     writes: frozenset[str] = frozenset()
     after: tuple[str, ...] = ()
+    before: tuple[str, ...] = ()
 
 
 def contract(*, reads: Iterable[str] = (), writes: Iterable[str] = (),
-             after: Sequence[str] = ()) -> Callable[[P], P]:
+             after: Sequence[str] = (), before: Sequence[str] = ()) -> Callable[[P], P]:
     """Declare a pass's ``Contract``; the pass is returned as it is, the contract its
     ``contract`` attribute. A name that is no ``BuildContext`` field is refused at once."""
-    declared = Contract(frozenset(reads), frozenset(writes), tuple(after))
+    declared = Contract(frozenset(reads), frozenset(writes), tuple(after), tuple(before))
     for name in sorted(declared.reads | declared.writes):
         if name not in CONTEXT_FIELDS:
             raise TypeError(f"contract: BuildContext field {did_you_mean(name, CONTEXT_FIELDS)}")
@@ -74,11 +77,15 @@ def contract_of(name: str, fn: Pass) -> Contract:
 
 
 def check_order(passes: Sequence[tuple[str, Pass]]) -> None:
-    """Refuse ``passes`` unless each runs after every pass its contract names in ``after``: a
-    BuildError names the first pass that runs too early, what it needs and why."""
+    """Refuse ``passes`` unless each runs after every pass its contract names in ``after`` and
+    before every pass of the list it names in ``before``: a BuildError names the first pass
+    that runs too early (or too late), what it needs and why."""
     contracts = {name: contract_of(name, fn) for name, fn in passes}
     done: list[str] = []
     for name, _ in passes:
+        late = [p for p in contracts[name].before if p in done]
+        if late:
+            raise BuildError(f"'{name}' must run before '{late[0]}', but it runs after {done}")
         for need in contracts[name].after:
             if need in done:
                 continue

@@ -11,7 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 
 import hgrt
-from hgrt.runtime import onednn
+from hgrt.providers.onednn import kernels as onednn
 from hgrt.testing import build_and_compare, onnx_inputs, reference, run_hgrt
 
 REASON = onednn.unavailable_reason()

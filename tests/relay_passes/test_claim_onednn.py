@@ -15,9 +15,11 @@ from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 
 import hgrt
-from hgrt.relay_passes import claim_onednn as claim
-from hgrt.relay_passes.util import onednn_policy
-from hgrt.runtime import onednn
+from hgrt.providers.onednn import claim_onednn as claim
+from hgrt.providers.onednn import kernels as onednn
+from hgrt.providers.onednn import policy as onednn_policy
+from hgrt.providers.onednn.blob import HEADER_INT64, SLOT, make_header
+from hgrt.relay_passes.util.kernels import WINOGRAD_SHARE, Kernels
 from hgrt.testing import (
     alternating,
     assert_close_to,
@@ -32,7 +34,7 @@ from hgrt.testing import (
 REASON = onednn.unavailable_reason()
 needs_onednn = pytest.mark.skipif(REASON is not None, reason=f"oneDNN unavailable: {REASON}")
 TOL = {"rtol": 1e-4, "atol": 1e-4}
-WINOGRAD_ALL = claim.Kernels("onednn", winograd=True)  # every 3x3 where it is faster
+WINOGRAD_ALL = Kernels("onednn", winograd=True)  # every 3x3 where it is faster
 
 
 def conv_onnx(c=8, oc=16, hw=9, k=3, stride=1, pad=(1, 1, 1, 1), dilation=1, groups=1,
@@ -527,7 +529,7 @@ def test_a_3x3_convolution_between_onednn_kernels_runs_as_winograd(caplog):
     assert middle.attrs["onednn_layouts"] == "acdb, acdb, acdb"
     assert "1 of 1 3x3 convolutions where Winograd F(4x4, 3x3) is faster run as Winograd, " \
         "their weights 0.4 MiB larger" in caplog.text  # 64 x 64 x (36 - 9) floats
-    direct = _check(model, kernels=claim.Kernels("onednn", winograd=False))
+    direct = _check(model, kernels=Kernels("onednn", winograd=False))
     assert _onednn_nodes(direct)[1].attrs["onednn_op"] == "conv2d+bias+add+relu"
     inputs = onnx_inputs(model)
     np.testing.assert_allclose(run_hgrt(res, inputs)[0], run_hgrt(direct, inputs)[0], **TOL)
@@ -565,7 +567,7 @@ def test_a_host_without_room_says_what_winograd_takes():
     with pytest.raises(hgrt.ProvisionError, match=r"needs .* MiB on cpu:0: .*; 0.6 MiB of the "
                        r"weights are Winograd convolutions' \(built with Kernels"):
         hgrt.Host(["cpu:0"], budgets=1 << 16).add("net", res)
-    direct = _check(_winograd_block_onnx(), kernels=claim.Kernels("onednn", winograd=False))
+    direct = _check(_winograd_block_onnx(), kernels=Kernels("onednn", winograd=False))
     with pytest.raises(hgrt.ProvisionError) as e:
         hgrt.Host(["cpu:0"], budgets=1 << 16).add("net", direct)
     assert "Winograd" not in str(e.value)
@@ -575,13 +577,13 @@ NHWC = 1000  # stands for oneDNN's NHWC tag: the rule compares with the tag it i
 
 
 def _header(ic, oc, hw, k=3, stride=1, tags=True, pool=False, n=1):
-    h = claim.make_header("conv2d", (n, ic, hw, hw), (n, oc, hw // stride, hw // stride),
+    h = make_header("conv2d", (n, ic, hw, hw), (n, oc, hw // stride, hw // stride),
                           (k, k), (stride, stride), (k // 2,) * 4)
     if tags:
         for slot in ("src_tag", "dst_tag", "res_tag"):
-            h[claim.SLOT[slot]] = NHWC
+            h[SLOT[slot]] = NHWC
     if pool:
-        h[claim.SLOT["pool_kh"]] = 3
+        h[SLOT["pool_kh"]] = 3
     return h
 
 
@@ -602,15 +604,15 @@ def _header(ic, oc, hw, k=3, stride=1, tags=True, pool=False, n=1):
     (dict(ic=64, oc=64, hw=56, pool=True), False),
 ])
 def test_winograd_is_chosen_where_it_measured_faster(case, pays):
-    assert claim.winograd_pays(_header(**case), nhwc=NHWC) is pays
+    assert onednn_policy.winograd_pays(_header(**case), nhwc=NHWC) is pays
 
 
 @pytest.mark.parametrize("value", ["no", -0.1, None])
 def test_winograd_takes_a_bool_or_a_share(value):
     with pytest.raises(hgrt.BuildError, match=f"winograd={value!r}: True .*, False .* or the "
                        f"share"):
-        claim.Kernels.of(claim.Kernels("onednn", winograd=value))
-    assert claim.Kernels.of(claim.Kernels("onednn", winograd=0.5)).winograd == 0.5
+        Kernels.of(Kernels("onednn", winograd=value))
+    assert Kernels.of(Kernels("onednn", winograd=0.5)).winograd == 0.5
 
 
 @needs_onednn
@@ -626,21 +628,21 @@ def test_by_default_winograd_adds_at_most_its_share_of_the_weights(caplog):
     assert _onednn_nodes(res)[1].attrs["onednn_op"] == "conv2d+bias+add+relu"
     assert "0 of 1 3x3 convolutions where Winograd F(4x4, 3x3) is faster run as Winograd" \
         in caplog.text and "all 1 would add 0.4 MiB" in caplog.text
-    just = claim.Kernels("onednn", winograd=growth / weights)
+    just = Kernels("onednn", winograd=growth / weights)
     assert _onednn_nodes(_check(model, kernels=just))[1].attrs["onednn_op"].startswith(
         "conv2d(winograd)")
-    below = claim.Kernels("onednn", winograd=0.99 * growth / weights)
+    below = Kernels("onednn", winograd=0.99 * growth / weights)
     assert _onednn_nodes(_check(model, kernels=below))[1].attrs["onednn_op"].startswith(
         "conv2d+")
 
 
 def _winograd_growth(res) -> int:
-    return sum((36 - 9) * 4 * h[claim.SLOT["ic"]] * h[claim.SLOT["oc"]]
-               for h in _headers(res) if h[claim.SLOT["algo"]] == 1)
+    return sum((36 - 9) * 4 * h[SLOT["ic"]] * h[SLOT["oc"]]
+               for h in _headers(res) if h[SLOT["algo"]] == 1)
 
 
 def _headers(res):
-    return [v[:claim.HEADER_INT64 * 8].view(np.int64) for v in res.params.values()
+    return [v[:HEADER_INT64 * 8].view(np.int64) for v in res.params.values()
             if v.dtype == np.uint8]
 
 
@@ -660,15 +662,15 @@ def test_the_default_build_plans_at_most_1_1x_the_bytes_of_tvm_kernels(name):
         default = hgrt.build(model, ["cpu"])
         every = hgrt.build(model, ["cpu"], kernels=WINOGRAD_ALL)
         tvm_kernels = hgrt.build(model, ["cpu"], kernels="tvm")
-    assert 0 < _winograd_growth(default) <= claim.WINOGRAD_SHARE * weights
+    assert 0 < _winograd_growth(default) <= WINOGRAD_SHARE * weights
     assert _winograd_growth(every) > _winograd_growth(default)
     assert _planned(default) <= 1.10 * _planned(tvm_kernels)
     assert _planned(every) > 1.10 * _planned(tvm_kernels)  # what the rule is for
     # the largest outputs (most tiles) are taken first
-    taken = sorted(int(h[claim.SLOT["oh"]]) * int(h[claim.SLOT["ow"]])
-                   for h in _headers(default) if h[claim.SLOT["algo"]] == 1)
-    assert taken and taken[-1] == max(int(h[claim.SLOT["oh"]]) * int(h[claim.SLOT["ow"]])
-                                      for h in _headers(every) if h[claim.SLOT["algo"]] == 1)
+    taken = sorted(int(h[SLOT["oh"]]) * int(h[SLOT["ow"]])
+                   for h in _headers(default) if h[SLOT["algo"]] == 1)
+    assert taken and taken[-1] == max(int(h[SLOT["oh"]]) * int(h[SLOT["ow"]])
+                                      for h in _headers(every) if h[SLOT["algo"]] == 1)
     assert_close_to(run_hgrt(default, zoo_input(model)), reference(model, zoo_input(model)),
                     rtol=1e-3)
 

@@ -9,9 +9,10 @@ from tvm import tirx
 
 import hgrt
 from hgrt.compiler import lower_model
+from hgrt.devices import parse_devices
 from hgrt.errors import BuildError
 from hgrt.graph import COPY_FUNC
-from hgrt.relay_passes import BuildContext, Placement, parse_devices, place_devices
+from hgrt.relay_passes import BuildContext, Placement, place_devices
 from hgrt.testing import case_inputs, load_case, run_hgrt
 
 CONV = "pytorch-converted/test_Conv2d"
@@ -130,7 +131,7 @@ def test_the_join_of_two_devices_is_a_kernel_of_its_own(kernels):
     """The add of branch a (cpu:0) and branch b (copied from cpu:1) is not fused into branch
     a's last kernel (nor taken as a oneDNN residual): that kernel would wait for cpu:1 and the
     devices could not overlap. Same numbers as the VM."""
-    from hgrt.runtime import onednn
+    from hgrt.providers.onednn import kernels as onednn
     from hgrt.testing import reference
 
     if kernels == "onednn" and onednn.unavailable_reason():

@@ -8,7 +8,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import hgrt
-from hgrt.runtime import onednn
+from hgrt.providers.onednn import kernels as onednn
 from hgrt.testing import build_and_compare
 
 REASON = onednn.unavailable_reason()

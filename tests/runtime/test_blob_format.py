@@ -1,5 +1,5 @@
-"""The packed-weight blob's header is defined once, in relay_passes/util/onednn_blob.py: the C++
-header the shim compiles (runtime/onednn_blob.h) is what that module generates, every file of
+"""The packed-weight blob's header is defined once, in providers/onednn/blob.py: the C++
+header the shim compiles (providers/onednn/onednn_blob.h) is what that module generates, every file of
 the shim is in the key of its build cache, and the compiled shim reports the format Python
 writes."""
 
@@ -10,17 +10,18 @@ import shutil
 
 import pytest
 
-from hgrt.relay_passes.util import onednn_blob
-from hgrt.runtime import native, onednn
+from hgrt.providers.onednn import blob as onednn_blob
+from hgrt.providers.onednn import kernels as onednn
+from hgrt.runtime import native
 
 RUNTIME = onednn.SOURCES[0].parent
 HEADER = RUNTIME / "onednn_blob.h"
-REGENERATE = "python -m hgrt.relay_passes.util.onednn_blob > runtime/onednn_blob.h"
+REGENERATE = "python -m hgrt.providers.onednn.blob > providers/onednn/onednn_blob.h"
 
 
 def test_the_shim_s_blob_header_is_the_one_onednn_blob_generates():
     assert HEADER.read_text() == onednn_blob.cpp_header(), (
-        f"runtime/onednn_blob.h is not what relay_passes/util/onednn_blob.py generates: "
+        f"providers/onednn/onednn_blob.h is not what providers/onednn/blob.py generates: "
         f"{REGENERATE}")
 
 

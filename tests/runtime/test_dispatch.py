@@ -125,7 +125,7 @@ FORK_CHILD = """
     import numpy as np
     import tvm
     import hgrt
-    from hgrt.runtime import onednn
+    from hgrt.providers.onednn import kernels as onednn
     from hgrt.testing import conv_model, reference
 
     model = conv_model()

@@ -13,8 +13,8 @@ import pytest
 import tvm
 
 from hgrt.errors import GraphError
-from hgrt.relay_passes.claim_onednn import HEADER_VERSION, make_header
-from hgrt.runtime import onednn
+from hgrt.providers.onednn import kernels as onednn
+from hgrt.providers.onednn.blob import HEADER_VERSION, make_header
 from hgrt.runtime.threads import process_threads, set_thread_count
 
 REASON = onednn.unavailable_reason()
@@ -71,7 +71,7 @@ def test_residual_is_a_sum_post_op():
 def test_an_nhwc_residual_is_read_in_place_even_from_the_output_buffer():
     """NHWC in, out and residual: a binary-add post-op reads the residual where it lies (no
     copy into the output first); the residual may be the output buffer itself."""
-    from hgrt.relay_passes.claim_onednn import SLOT
+    from hgrt.providers.onednn.blob import SLOT
 
     x, w, b, _ = _case()
     h = make_header("conv2d", x.shape, (1, 24, 7, 7), post=[("sum", 0, 0), ("relu", 0, 0)])
@@ -94,7 +94,7 @@ def test_a_residual_in_the_output_buffer_in_another_layout_is_read_before_it_is_
         res_layout):
     """NHWC in and out; the residual in the output's own buffer (a plan that wrote the output
     over it), NCHW (reordered into the result: read out first) or NCHW as a plain sum."""
-    from hgrt.relay_passes.claim_onednn import SLOT
+    from hgrt.providers.onednn.blob import SLOT
 
     x, w, b, _ = _case()
     h = make_header("conv2d", x.shape, (1, 24, 7, 7), post=[("sum", 0, 0)])
@@ -198,7 +198,7 @@ def test_without_onednn_a_graph_that_needs_it_is_refused(monkeypatch):
 
 _OTHER_CPU = """
 import sys, numpy as np, tvm
-from hgrt.runtime import onednn
+from hgrt.providers.onednn import kernels as onednn
 x, blob, want, blob2, want2 = (np.load(f"{sys.argv[1]}/{k}.npy")
                                for k in ("x", "blob", "want", "blob2", "want2"))
 t = tvm.runtime.tensor(blob)
@@ -349,7 +349,7 @@ def _conv3x3(x, w, b, pads):
 
 def _winograd(n, ic, oc, hw, pads, post, winograd=True):
     """(x, w, b, blob) of a 3x3 NHWC convolution packed as Winograd (or direct)."""
-    from hgrt.relay_passes.claim_onednn import SLOT
+    from hgrt.providers.onednn.blob import SLOT
 
     x = RNG.standard_normal((n, ic, hw, hw)).astype("float32")
     w = (RNG.standard_normal((oc, ic, 3, 3)) / np.sqrt(9 * ic)).astype("float32")
@@ -403,8 +403,8 @@ def test_winograd_equals_numpy_also_in_place(case):
 
 _WINOGRAD_ISA = """
 import sys, numpy as np, tvm
-from hgrt.runtime import onednn
-from hgrt.relay_passes.claim_onednn import HEADER_INT64, SLOT
+from hgrt.providers.onednn import kernels as onednn
+from hgrt.providers.onednn.blob import HEADER_INT64, SLOT
 x, blob, want, w, b = (np.load(f"{sys.argv[1]}/{k}.npy") for k in ("x", "blob", "want", "w", "b"))
 if sys.argv[2] == "repack":  # as this ISA packs them: another layout than the blob's
     head = blob[:8 * HEADER_INT64].view(np.int64)
@@ -446,7 +446,7 @@ def test_winograd_runs_each_isa_s_transforms_on_weights_packed_for_another(isa, 
 def test_winograd_weights_take_their_own_bytes_not_a_padded_block(oc):
     """oneDNN's own choice for the matmul's weights on AVX-512 pads the output channels to 64
     (densenet121's 32: twice the bytes); hgrt keeps such weights plain (as fast there)."""
-    from hgrt.relay_passes.claim_onednn import SLOT
+    from hgrt.providers.onednn.blob import SLOT
 
     *_, blob = _winograd(1, 128, oc, 16, (1, 1, 1, 1), [("relu", 0, 0)])
     h = blob[:8 * len(SLOT)].view(np.int64)
@@ -458,7 +458,7 @@ def test_winograd_weights_take_their_own_bytes_not_a_padded_block(oc):
 
 
 def test_winograd_refuses_what_it_cannot_compute():
-    from hgrt.relay_passes.claim_onednn import SLOT
+    from hgrt.providers.onednn.blob import SLOT
 
     x, w, b, _ = _case()  # a 1x1 convolution
     h = make_header("conv2d", x.shape, (1, 24, 7, 7))
@@ -488,7 +488,7 @@ def test_winograd_refuses_what_it_cannot_compute():
 
 _WINOGRAD_BLOCKS = """
 import sys, numpy as np, tvm
-from hgrt.runtime import onednn
+from hgrt.providers.onednn import kernels as onednn
 x, blob, want = (np.load(f"{sys.argv[1]}/{k}.npy") for k in ("x", "blob", "want"))
 f = onednn.kernel_function("hgrt.onednn.conv2d")
 tol = dict(rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
@@ -547,7 +547,7 @@ def test_concat_from_two_threads_at_once_keeps_each_its_own_data():
 @pytest.mark.parametrize("slot, value", [("bias_offset", (1 << 63) - 8), ("ic", 1 << 22),
                                          ("wei_bytes", 1 << 62), ("oc", 1 << 61)])
 def test_a_damaged_header_is_an_error_not_a_crash(slot, value):
-    from hgrt.relay_passes.claim_onednn import SLOT
+    from hgrt.providers.onednn.blob import SLOT
 
     x, _, _, blob = _case()
     blob[:512].view(np.int64)[SLOT[slot]] = value  # sums wrapped past int64: a segfault
@@ -568,7 +568,7 @@ def test_a_header_edited_to_another_layout_of_the_same_bytes_fails_its_checksum(
     """The checksum covers the header: a blob whose weight layout is renamed to another that
     fits its bytes (oneDNN's blocked tag to plain ``abcd``) is refused, not re-packed from the
     wrong layout (which ran with wrong numbers while the checksum covered the weights only)."""
-    from hgrt.relay_passes.claim_onednn import SLOT
+    from hgrt.providers.onednn.blob import SLOT
 
     x, w, b, blob = _case()
     head = blob[:512].view(np.int64)

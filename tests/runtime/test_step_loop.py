@@ -15,7 +15,8 @@ import tvm
 from onnx import TensorProto, helper, numpy_helper
 
 import hgrt
-from hgrt.runtime import onednn, step_loop, threads
+from hgrt.providers.onednn import kernels as onednn
+from hgrt.runtime import step_loop, threads
 from hgrt.runtime.dispatch import dispatch
 from hgrt.runtime.step_loop import StepFailed, StepLoop
 from hgrt.testing import onnx_reference

@@ -3,9 +3,9 @@
 A blob is a uint8 weight: a header of ``HEADER_INT64`` int64 slots (``HEADER_SLOTS``, in order),
 the weights in the layout oneDNN chose at build, then the float32 bias. ``make_header`` fills
 what a claimed op computes; the shim's ``pack`` fills the layout slots and the checksum. The
-shim reads the same slots through ``runtime/onednn_blob.h``, which this module generates:
+shim reads the same slots through ``providers/onednn/onednn_blob.h``, which this module generates:
 
-    python -m hgrt.relay_passes.util.onednn_blob > runtime/onednn_blob.h
+    python -m hgrt.providers.onednn.blob > providers/onednn/onednn_blob.h
 
 ``tests/runtime/test_blob_format.py`` fails when that file is not what this module generates,
 and when the compiled shim reports another format (``hgrt.onednn.blob_format``). A slot added
@@ -108,7 +108,7 @@ def blob_bytes(params: Any) -> dict[str, int]:
     return out
 
 
-# ---- the C++ side: runtime/onednn_blob.h ----------------------------------------------------
+# ---- the C++ side: providers/onednn/onednn_blob.h ---------------------------------------
 
 # C++ names: k + CamelCase, parts of one or two letters upper case (kIC, kPoolKH, kPadT); the
 # magic and version slots leave the plain names to the constants
@@ -148,11 +148,12 @@ def blob_format() -> dict[str, int]:
 
 
 def cpp_header() -> str:
-    """The text of ``runtime/onednn_blob.h``: this module's format as the shim's constants and
-    enums (``Slot`` ends with ``kUsedSlots``; ``PostOp`` starts with ``kNoPost``), and the
-    table ``kBlobFormat`` that ``hgrt.onednn.blob_format`` reports (``blob_format()``)."""
-    lines = ["// The packed-weight blob's header, generated from relay_passes/util/onednn_blob.py:",
-             "//   python -m hgrt.relay_passes.util.onednn_blob > runtime/onednn_blob.h",
+    """The text of ``providers/onednn/onednn_blob.h``: this module's format as the shim's
+    constants and enums (``Slot`` ends with ``kUsedSlots``; ``PostOp`` starts with
+    ``kNoPost``), and the table ``kBlobFormat`` that ``hgrt.onednn.blob_format`` reports
+    (``blob_format()``)."""
+    lines = ["// The packed-weight blob's header, generated from providers/onednn/blob.py:",
+             "//   python -m hgrt.providers.onednn.blob > providers/onednn/onednn_blob.h",
              "// Edit that file and generate this one; tests/runtime/test_blob_format.py compares.",
              "#pragma once", "", "#include <cstdint>", "", "namespace hgrt_onednn {", ""]
     for _, ctype, name, value in _constants():

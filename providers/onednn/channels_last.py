@@ -33,9 +33,11 @@ from typing import Any
 import numpy as np
 from tvm import relax
 
-from hgrt.graph import ONEDNN_PREFIX
+from hgrt.providers.onednn import PROVIDER
 from hgrt.relay_passes.util.relax_util import bindings, op_name, per_channel, reads_only_item0
 from hgrt.relay_passes.util.relax_util import float32_shape as _shape
+
+ONEDNN_PREFIX = PROVIDER.func_prefix  # what its kernels' graph nodes call
 
 UNARY = frozenset({"relax.nn.relu", "relax.clip", "relax.sigmoid", "relax.tanh",
                    "relax.nn.silu", "relax.nn.gelu", "relax.exp", "relax.sqrt", "relax.abs",

@@ -1,7 +1,7 @@
 // hgrt's oneDNN kernels: conv2d and dense with fused post-ops, weights packed once at build.
 //
 // A claimed op is called as `fn(x, blob, [residual,] out)`. The blob (a uint8 param) is
-// self-describing: a 512-byte header (int64 slots, laid out in relay_passes/util/onednn_blob.py:
+// self-describing: a 512-byte header (int64 slots, laid out in providers/onednn/blob.py:
 // HEADER_SLOTS, read here through the generated onednn_blob.h), the weights already in the
 // layout oneDNN chose at build (`format_tag::any`), then the fp32 bias. Activations are plain
 // NCHW (N x C for dense) in and out; the kernel reorders them to and from the layout its
@@ -261,7 +261,7 @@ std::string Implementation(const ffi::TensorView& blob) {
 }
 
 // The format of the blob header this library was built with, a `name=value` line per number
-// (relay_passes/util/onednn_blob.py's blob_format(): the test of the format compares the two).
+// (providers/onednn/blob.py's blob_format(): the test of the format compares the two).
 std::string BlobFormat() {
   std::string out;
   for (const BlobFormatEntry& e : kBlobFormat) {

@@ -21,10 +21,11 @@ import numpy as np
 from tvm import relax
 
 from hgrt.errors import BuildError
-from hgrt.relay_passes.inner import channels_last
+from hgrt.providers.onednn import channels_last
+from hgrt.providers.onednn.blob import MAX_POST_OPS, SLOT, make_header
+from hgrt.providers.onednn.policy import runs_onednn
 from hgrt.relay_passes.util.context import BuildContext
-from hgrt.relay_passes.util.onednn_blob import MAX_POST_OPS, SLOT, make_header
-from hgrt.relay_passes.util.onednn_policy import Kernels, runs_onednn
+from hgrt.relay_passes.util.kernels import Kernels
 from hgrt.relay_passes.util.relax_util import (
     MainReader,
     bindings,

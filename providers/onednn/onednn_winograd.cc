@@ -9,7 +9,7 @@
 // K), and the output transform A^T M A, which adds the bias and the post-ops as it writes the
 // NHWC output. (oneDNN 3.2 has no fp32 Winograd of its own: algorithm::convolution_winograd
 // finds no implementation, on AVX2 or AVX-512.) Measured against oneDNN's direct convolution
-// (2 threads, AVX-512 and AVX2; relay_passes/util/onednn_policy.py says where it is chosen):
+// (2 threads, AVX-512 and AVX2; providers/onednn/policy.py says where it is chosen):
 // resnet50's 64 -> 64 3x3 on 56x56 1013 -> 522 us, 256 -> 256 on 14x14 940 -> 469 us; on 7x7
 // (4 tiles) the matmul reads 4x the weights for little work: 894 -> 973 us.
 #include <omp.h>

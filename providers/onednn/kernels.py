@@ -6,10 +6,10 @@ once per machine with ``tvm_ffi.cpp`` (g++ and ninja) into one library in
 moves the cache) and loaded. Loading registers global functions: ``hgrt.onednn.conv2d`` and
 ``hgrt.onednn.dense`` are the kernels that graph nodes name (the executor falls back to
 global functions for names its library lacks, ``kernel_function``); ``hgrt.onednn.pack``
-packs weights at build (``relay_passes/util/onednn_blob.py`` defines the header,
+packs weights at build (``providers/onednn/blob.py`` defines the header,
 ``onednn_blob.h`` is generated from it).
 
->>> from hgrt.runtime import onednn
+>>> from hgrt.providers.onednn import kernels as onednn
 >>> onednn.unavailable_reason() or onednn.isa()  # doctest: +SKIP
 'avx512_core'
 
@@ -32,11 +32,13 @@ import tvm
 import tvm_ffi
 
 from hgrt.errors import GraphError
-from hgrt.graph import ONEDNN_PREFIX as PREFIX
+from hgrt.providers.onednn import PROVIDER
 from hgrt.runtime import native
 from hgrt.runtime.dispatch import dispatch, on_dispatcher
 from hgrt.runtime.native import cache_root
 from hgrt.runtime.threads import process_threads, set_thread_count, use_all_cores
+
+PREFIX = PROVIDER.func_prefix  # what its kernels' graph nodes call
 
 __all__ = ["FUNCTIONS", "INSTALL_HINT", "blob_format", "cache_root", "forget", "implementation",
            "isa", "kernel_function", "layout_name", "load", "nhwc_tag", "pack",
@@ -173,7 +175,7 @@ def nhwc_tag() -> int:
 
 def blob_format() -> dict[str, int]:
     """The blob header's format as the loaded shim was compiled with it, every number by name:
-    what ``relay_passes/util/onednn_blob.py``'s ``blob_format()`` says, when the two agree."""
+    what ``providers/onednn/blob.py``'s ``blob_format()`` says, when the two agree."""
     lines = str(_call("blob_format")).splitlines()
     return {name: int(value) for name, _, value in (line.partition("=") for line in lines)}
 

@@ -37,7 +37,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from hgrt.graph import ONEDNN_PREFIX
+from hgrt.providers.onednn import PROVIDER
 from hgrt.relay_passes.util.context import BuildContext
 from hgrt.relay_passes.util.pipeline import contract
 from hgrt.relay_passes.util.relax_util import (
@@ -52,8 +52,10 @@ from hgrt.relay_passes.util.relax_util import (
 )
 from hgrt.relay_passes.util.relax_util import float32_shape as _shape
 
+ONEDNN_PREFIX = PROVIDER.func_prefix  # what its kernels' graph nodes call
+
 FUNC_NAME = ONEDNN_PREFIX + "affine"
-ACT = {"none": 0, "relu": 1, "clip": 2}  # runtime/onednn_layout.cc AffineAct
+ACT = {"none": 0, "relu": 1, "clip": 2}  # providers/onednn/onednn_layout.cc AffineAct
 LINKS = frozenset({"relax.multiply", "relax.add", "relax.subtract", "relax.divide"})
 ACTIVATIONS = frozenset({"relax.nn.relu", "relax.clip"})
 
@@ -199,7 +201,8 @@ def _params(c: _Chain) -> np.ndarray:
 
 
 # after fold_batch_norm: the batch norms it leaves are the multiplies and adds claimed here
-@contract(reads={"placed", "weights"}, writes={"placed", "weights"}, after=("fold_batch_norm",))
+@contract(reads={"placed", "weights"}, writes={"placed", "weights"},
+          after=("fold_batch_norm", "claim_onednn"), before=("legalize_and_fuse",))
 def claim_affine(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     """Claim the affine chains after oneDNN kernels (see module doc); ``mod`` untouched when
     there are none."""

@@ -1,5 +1,5 @@
-// The packed-weight blob's header, generated from relay_passes/util/onednn_blob.py:
-//   python -m hgrt.relay_passes.util.onednn_blob > runtime/onednn_blob.h
+// The packed-weight blob's header, generated from providers/onednn/blob.py:
+//   python -m hgrt.providers.onednn.blob > providers/onednn/onednn_blob.h
 // Edit that file and generate this one; tests/runtime/test_blob_format.py compares.
 #pragma once
 

@@ -1,4 +1,4 @@
-// hgrt's oneDNN kernels: what the sources of the one library share. runtime/onednn.py compiles
+// hgrt's oneDNN kernels: what the sources of the one library share. providers/onednn/kernels.py compiles
 //   onednn_shim.cc        the conv2d / dense call, the state every kernel shares (engine,
 //                         stream, threads, denormals), argument and header checks, and the
 //                         registration of the global functions
@@ -8,7 +8,7 @@
 //   onednn_layout.cc      the weightless NHWC kernels: concat, pool, shuffle, LRN, affine and
 //                         the reorder back to NCHW
 // into one library. The blob header's slots and codes come from onednn_blob.h, generated from
-// relay_passes/util/onednn_blob.py.
+// providers/onednn/blob.py.
 #pragma once
 
 #include <oneapi/dnnl/dnnl.hpp>

@@ -1,8 +1,7 @@
 """Who computes a build's convolutions and dense layers, oneDNN or TVM: the provider policy
-that ``claim_onednn`` applies.
+that ``claim_onednn`` applies to what ``Kernels`` (``relay_passes/util/kernels.py``) asks.
 
-``Kernels`` says it per op like a device (a provider for the whole build, rules by op,
-overrides by node); ``onednn_runtime`` says whether this build uses oneDNN at all
+``onednn_runtime`` says whether this build uses oneDNN at all
 (``"onednn"`` asked where it cannot run is a ``BuildError``; ``"auto"`` says once why not);
 ``AUTO_MIN_MACS`` is where ``"auto"`` leaves a small model to TVM; ``winograd_pays`` and
 ``choose_winograd`` pick the 3x3 convolutions that run as Winograd F(4x4, 3x3), within
@@ -14,15 +13,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from hgrt.devices import resolve_device
 from hgrt.errors import BuildError
-from hgrt.relay_passes.util.context import BuildContext
-from hgrt.relay_passes.util.onednn_blob import (
+from hgrt.providers.onednn import PROVIDER
+from hgrt.providers.onednn import kernels as runtime
+from hgrt.providers.onednn.blob import (
     HEADER_SLOTS,
     KIND,
     MAX_POST_OPS,
@@ -30,9 +29,10 @@ from hgrt.relay_passes.util.onednn_blob import (
     SLOT,
     winograd_growth,
 )
-from hgrt.relay_passes.util.relax_util import MainReader, match_op_rule
+from hgrt.relay_passes.util.context import BuildContext
+from hgrt.relay_passes.util.kernels import WINOGRAD_SHARE, Kernels
+from hgrt.relay_passes.util.relax_util import MainReader
 
-KERNELS = ("auto", "tvm", "onednn")
 _log = logging.getLogger("hgrt.build")
 _said: set[str] = set()
 # "auto" leaves a model to TVM when all it would claim is fewer multiply-adds than this: a
@@ -40,85 +40,19 @@ _said: set[str] = set()
 # adds reorders at its plain input and output (2 vCPUs, AVX-512: 16->16 3x3 on 8x8, 147k
 # multiply-adds, 6.0 us TVM vs 9.3 us oneDNN; 32->32 3x3 on 16x16, 2.4M, 28.6 vs 28.6 us)
 AUTO_MIN_MACS = 1 << 21
-# by default Winograd's larger weights (4x a convolution's) may add at most this share of the
-# model's weight bytes: the convolutions with the most output tiles first, as they save the
-# most time per byte. Over the zoo this keeps the default build's planned bytes within 1.10x
-# of a build on TVM's kernels (the direct oneDNN build plans 0.77-1.10x of it);
-# ``Kernels(winograd=True)`` takes every convolution where Winograd is faster.
-WINOGRAD_SHARE = 0.10
-
-
-@dataclass
-class Kernels:
-    """Who computes each convolution and dense layer of a build, chosen per op like a device:
-    an ``overrides`` entry for the node (the binding name of its conv2d or matmul, as
-    ``BuildResult.print_placement()`` lists it), else the first of ``rules`` whose op pattern
-    matches (as ``Placement`` rules: ``"nn.conv2d"``, ``"matmul"``, ``"nn.*"``), else
-    ``default``; each one of ``KERNELS``. ``hgrt.build(kernels="onednn")`` is
-    ``Kernels("onednn")``. ``winograd``: oneDNN's 3x3 convolutions between NHWC tensors run as
-    Winograd F(4x4, 3x3) where that measured faster (``winograd_pays``), and their weights then
-    take 4x the bytes (36 numbers per filter instead of 9). A number (default
-    ``WINOGRAD_SHARE``, 0.10) bounds the bytes Winograd adds by that share of the model's
-    weights, the convolutions with the most output tiles first; ``True`` takes every one where
-    it is faster, ``False`` none. The build log says what the choice costs.
-
-    >>> Kernels("onednn", rules={"matmul": "tvm"}, overrides={"lv12": "tvm"})  # doctest: +SKIP
-    """
-
-    default: str = "auto"
-    rules: dict[str, str] = field(default_factory=dict)
-    overrides: dict[str, str] = field(default_factory=dict)
-    winograd: bool | float = WINOGRAD_SHARE
-
-    @classmethod
-    def of(cls, value: Any) -> Kernels:
-        """``value`` (a provider name or a ``Kernels``) as a checked ``Kernels``."""
-        kernels = value if isinstance(value, cls) else cls(value) if isinstance(value, str) \
-            else None
-        if kernels is None:
-            raise BuildError(f"kernels={value!r}: a provider ({list(KERNELS)}) or hgrt.Kernels")
-        for what, table in (("rules", kernels.rules), ("overrides", kernels.overrides)):
-            if not isinstance(table, dict) or not all(isinstance(k, str) for k in table):
-                raise BuildError(f"Kernels {what}={table!r}: a dict from "
-                                 f"{'op pattern' if what == 'rules' else 'node name'} to provider")
-        w = kernels.winograd
-        if not isinstance(w, bool) and not (isinstance(w, int | float) and w >= 0):
-            raise BuildError(f"Kernels winograd={w!r}: True (wherever it is faster), False "
-                             f"(never) or the share of the model's weight bytes it may add "
-                             f"(a number >= 0; default {WINOGRAD_SHARE})")
-        for where, provider in kernels.choices():
-            if provider not in KERNELS:
-                raise BuildError(f"{where}={provider!r}: choose one of {list(KERNELS)}")
-        return kernels
-
-    def choices(self) -> list[tuple[str, str]]:
-        """(where it was said, provider) for the default, each rule and each override."""
-        return [("kernels", self.default),
-                *((f"kernels rule {k!r}", v) for k, v in self.rules.items()),
-                *((f"kernels override {k!r}", v) for k, v in self.overrides.items())]
-
-    def choice(self, node: str, op: str) -> tuple[str, bool]:
-        """The provider of ``node`` (a binding of ``op``) and whether an override named it."""
-        if node in self.overrides:
-            return self.overrides[node], True
-        rule = match_op_rule(op, self.rules)
-        return (self.default if rule is None else self.rules[rule]), False
 
 
 def runs_onednn(ctx: BuildContext, device: int) -> bool:
-    """Whether oneDNN's kernels can run on device ``device`` of the build (an x86-64 CPU)."""
-    d = ctx.devices[device]
-    triple = str(d.target.attrs.get("mtriple", "")) if d.kind == "cpu" else "none"
-    return d.kind == "cpu" and (not triple or triple.startswith("x86_64"))
+    """Whether oneDNN's kernels can run on device ``device`` of the build (``PROVIDER.serves``)."""
+    return PROVIDER.serves(ctx.devices[device])
 
 
 def onednn_runtime(ctx: BuildContext, kernels: Kernels) -> Any | None:
     """The oneDNN runtime when this build uses it, else None (saying why once)."""
-    asked = [(where, p) for where, p in kernels.choices() if p != "tvm"]
+    asked = [(where, p) for where, p in kernels.choices() if p in ("auto", PROVIDER.name)]
     if not asked:
         return None
-    runtime = ctx.options.onednn
-    reason = "no oneDNN runtime given" if runtime is None else runtime.unavailable_reason()
+    reason = runtime.unavailable_reason()
     if reason is None and not any(runs_onednn(ctx, d.index) for d in ctx.devices):
         reason = "no device of this build is an x86-64 CPU"
     if reason is None:

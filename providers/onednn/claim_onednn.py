@@ -26,10 +26,10 @@ other reader. The ExternFunc's attrs become graph node attrs (``provider``, ``on
 ``onednn_isa``, ``onednn_impl``, ``onednn_layouts``, ``flops``, ``inplace``), and the placement
 report's rows of claimed ops say ``kernels: onednn``.
 
-Reads ``ctx.options.kernels`` and ``ctx.options.onednn`` (the runtime side, handed down by the
-caller: ``unavailable_reason()``, ``pack()``, ``isa()``, ``implementation()``,
-``layout_name()``), ``ctx.placed``, ``ctx.placement`` (budgets) and ``ctx.weights``; writes new
-weights to ``ctx.weights`` and the report's ``kernels`` column to ``ctx.placed``.
+Reads ``ctx.options.kernels``, the provider's runtime module (``kernels``:
+``unavailable_reason()``, ``pack()``, ``isa()``, ``implementation()``, ``layout_name()``),
+``ctx.placed``, ``ctx.placement`` (budgets) and ``ctx.weights``; writes new weights to
+``ctx.weights`` and the report's ``kernels`` column to ``ctx.placed``.
 """
 
 from __future__ import annotations
@@ -40,49 +40,34 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from hgrt.graph import ONEDNN_PREFIX
-from hgrt.relay_passes.inner import channels_last
-from hgrt.relay_passes.inner.onednn_chains import (
+from hgrt.providers.onednn import PROVIDER, channels_last
+from hgrt.providers.onednn.blob import (
+    ALGO,
+    SLOT,
+    winograd_growth,
+)
+from hgrt.providers.onednn.chains import (
     Chain,
     ChainGraph,
     check_choices,
     find_chains,
     header,
 )
-from hgrt.relay_passes.util.context import BuildContext
-from hgrt.relay_passes.util.onednn_blob import (
-    ALGO,
-    HEADER_INT64,
-    HEADER_SLOTS,
-    HEADER_VERSION,
-    KIND,
-    MAGIC,
-    MAX_POST_OPS,
-    POST_OP,
-    SLOT,
-    blob_bytes,
-    make_header,
-    winograd_growth,
-)
-from hgrt.relay_passes.util.onednn_policy import (
+from hgrt.providers.onednn.policy import (
     AUTO_MIN_MACS,
-    KERNELS,
-    WINOGRAD_SHARE,
-    Kernels,
     choose_winograd,
     log_winograd,
     onednn_runtime,
     weight_room,
-    winograd_pays,
 )
+from hgrt.relay_passes.util.context import BuildContext
+from hgrt.relay_passes.util.kernels import Kernels
 from hgrt.relay_passes.util.pipeline import contract
 from hgrt.relay_passes.util.relax_util import bindings
 
-# the blob format and the provider policy, re-exported where importers have long found them
-__all__ = ["ALGO", "AUTO_MIN_MACS", "FUNC_NAME", "HEADER_INT64", "HEADER_SLOTS",
-           "HEADER_VERSION", "KERNELS", "KIND", "MAGIC", "MAX_POST_OPS", "POST_OP", "SLOT",
-           "WINOGRAD_SHARE", "Chain", "Kernels", "blob_bytes", "claim_onednn", "find_chains",
-           "header", "make_header", "weight_room", "winograd_growth", "winograd_pays"]
+ONEDNN_PREFIX = PROVIDER.func_prefix  # what its kernels' graph nodes call
+
+__all__ = ["FUNC_NAME", "claim_onednn"]
 
 FUNC_NAME = {kind: ONEDNN_PREFIX + kind for kind in ("conv2d", "dense")}
 
@@ -221,7 +206,8 @@ def _rewrite(func: relax.Function, emitter: _Emitter, drop: set[relax.Var],
 
 # after insert_copies: devices known, weights per device; after split_concat: its halves claimed
 @contract(reads={"devices", "options", "placed", "placement", "weights"},
-          writes={"placed", "weights"}, after=("insert_copies", "split_concat"))
+          writes={"placed", "weights"}, after=("insert_copies", "split_concat"),
+          before=("fold_batch_norm",))
 def claim_onednn(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     """Claim what oneDNN computes (see module doc); ``mod`` untouched when nothing is claimed."""
     kernels = Kernels.of(ctx.options.kernels)

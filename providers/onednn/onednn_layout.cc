@@ -1,4 +1,4 @@
-// hgrt's oneDNN kernels without weights, on the NHWC tensors that relay_passes/inner/channels_last.py
+// hgrt's oneDNN kernels without weights, on the NHWC tensors that providers/onednn/channels_last.py
 // keeps between oneDNN kernels: concat, pooling, channel shuffle, LRN, the per-channel affine
 // of claim_affine, and the reorder back to NCHW. No blob: the shapes are the tensors', the
 // attributes a small tensor; a primitive per shapes, attributes and thread count (Cached).
@@ -179,7 +179,7 @@ void Lrn(const ffi::TensorView& x, const ffi::TensorView& attrs, const ffi::Tens
 // the LAST axis of x (NHWC as channels_last keeps it; any rank >= 1, the leading axes seen as
 // rows). params float32 [3 + 2C]: the activation (0 none, 1 ReLU, 2 clip), its alpha and beta
 // (clip's lower and upper bound), scale[C], shift[C]. A chain of batch norms and scale layers
-// folded at build (relay_passes/claim_affine.py): oneDNN's binary multiply with a binary add
+// folded at build (providers/onednn/claim_affine.py): oneDNN's binary multiply with a binary add
 // and an eltwise post-op, on its OpenMP threads (a lone TVM kernel between oneDNN kernels runs
 // on one thread: threads.solo). x and out may be one buffer.
 enum AffineAct : int64_t { kActNone = 0, kActRelu = 1, kActClip = 2 };
