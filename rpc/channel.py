@@ -16,6 +16,8 @@ abort stops one stream and drops what it sent, never another's.
 
 from __future__ import annotations
 
+import collections
+import errno
 import hmac
 import secrets
 import socket
@@ -28,7 +30,13 @@ import numpy as np
 from hgrt.errors import InputError, RemoteError
 from hgrt.rpc import wire
 
-MAX_READERS = 64  # connections an inbox serves at once
+MAX_READERS = 64  # senders an inbox serves at once
+MAX_PENDING = 64  # connections that have not given the token yet
+HANDSHAKE_TIMEOUT = 5.0  # seconds a connection has, in all, to give the token
+WINDOW = 256  # inputs a stream may have in an inbox at once (a sender beyond waits)
+MAX_HELD = 1 << 30  # bytes an inbox holds at once (a sender beyond waits)
+MAX_STREAMS = 1024  # streams remembered: above, the finished ones are forgotten
+ACCEPT_BACKOFF = 0.05  # seconds the accept loop pauses after a failed accept (no descriptors)
 SESSION_ADDRESS = "127.0.0.1"  # where a session's inbox listens: set to the address its RPC
 #                               connection was reached at, in each session process
 SESSION_ALLOWED: Callable[[str], bool] = lambda host: True  # noqa: E731 - the server's --allow
@@ -42,101 +50,214 @@ def read_frame(conn: socket.socket) -> tuple[int, str, str, np.ndarray]:
     return head.seq, head.stream, head.name, wire.read_payload(conn, head)
 
 
+class _Stream:
+    """One stream's state in an inbox."""
+
+    __slots__ = ("items", "held", "senders", "lost", "aborted", "taken")
+
+    def __init__(self) -> None:
+        self.items: dict[int, dict[str, np.ndarray]] = {}  # seq -> name -> tensor
+        self.held = 0  # bytes in items, and admitted ones on their way
+        self.senders = 0  # open connections that sent this stream a frame
+        self.lost: str | None = None  # its last sender hung up: why nothing more comes (once
+        #                               no sender at all is connected: the client aborts a
+        #                               stream whose board is lost while it is)
+        self.aborted: str | None = None  # its client stopped it: why
+        self.taken: dict[str, int] = {}  # name -> the last input it was taken for: a stage
+        #                                  takes in order, so never for an earlier one again
+
+
 class Inbox:
-    """Where a session's tensors arrive, by stream, input sequence number and name."""
+    """Where a session's tensors arrive, by stream, input sequence number and name.
+
+    What a peer can make it hold is bounded: a connection has ``HANDSHAKE_TIMEOUT`` seconds in
+    all to give the token, at most ``MAX_PENDING`` connections wait for theirs (a new one
+    closes the oldest), ``MAX_READERS`` senders are served at once, a stream holds at most
+    ``WINDOW`` inputs and the inbox ``MAX_HELD`` bytes (a sender beyond that waits, as TCP makes
+    it, until a stage takes what came before). A frame that breaks the rules (malformed, a
+    tensor sent twice, an input already taken) closes its own connection, nothing else."""
 
     def __init__(self, address: str = "127.0.0.1") -> None:
         self.token = secrets.token_bytes(wire.TOKEN_BYTES)
         family = socket.AF_INET6 if ":" in address else socket.AF_INET
         self._sock = socket.create_server((address, 0), family=family)
         self.address, self.port = self._sock.getsockname()[:2]
-        self._items: dict[tuple[str, int], dict[str, np.ndarray]] = {}
+        self._streams: dict[str, _Stream] = {}
+        self._held = 0
+        self._senders = 0  # connections that gave the token and are open
         self._cond = threading.Condition()
-        self._lost: str | None = None  # every sender hung up: why nothing more comes
-        self._aborted: dict[str, str] = {}  # stream -> why its client stopped it
-        self._senders = 0
+        self._closed = False
+        self._pending: dict[socket.socket, float] = {}  # connections yet to give the token
         self._readers = threading.BoundedSemaphore(MAX_READERS)
+        self.refused: collections.deque[str] = collections.deque(maxlen=16)  # latest, why
         threading.Thread(target=self._accept_loop, daemon=True, name="hgrt-inbox").start()
 
     def describe(self) -> str:
         return wire.inbox_address_json(self.address, self.port, self.token)
 
     def _accept_loop(self) -> None:
-        while True:
+        while not self._closed:
             try:
                 conn, peer = self._sock.accept()
-            except OSError:
-                return
-            if not SESSION_ALLOWED(peer[0]) or not self._readers.acquire(blocking=False):
-                conn.close()  # not a peer the server serves, or too many at once
+            except OSError as e:  # out of descriptors, a connection reset before accept
+                if self._closed or e.errno in (errno.EBADF, errno.EINVAL):
+                    return
+                time.sleep(ACCEPT_BACKOFF)
                 continue
+            if not SESSION_ALLOWED(peer[0]):
+                conn.close()  # not a peer the server serves
+                continue
+            with self._cond:
+                if len(self._pending) >= MAX_PENDING:  # the oldest silent one makes room
+                    oldest = min(self._pending, key=self._pending.get)
+                    del self._pending[oldest]
+                    _shut(oldest)
+                self._pending[conn] = time.monotonic()
             threading.Thread(target=self._serve, args=(conn, peer), daemon=True,
                              name="hgrt-inbox-reader").start()
 
     def _serve(self, conn: socket.socket, peer) -> None:
-        try:
-            with conn:
-                try:
-                    conn.settimeout(10.0)
-                    if not hmac.compare_digest(bytes(wire.recv_exact(conn, wire.TOKEN_BYTES)),
-                                               self.token):
-                        return  # not a sender this RPC session handed its token to
-                    conn.settimeout(None)
-                except (OSError, EOFError):
-                    return
+        with conn:
+            try:
+                token = _recv_within(conn, wire.TOKEN_BYTES, HANDSHAKE_TIMEOUT)
+            except (OSError, EOFError):
+                return
+            finally:
+                with self._cond:
+                    self._pending.pop(conn, None)
+            if not hmac.compare_digest(token, self.token):
+                return  # not a sender this RPC session handed its token to
+            if not self._readers.acquire(blocking=False):
+                self.refused.append(f"{peer[0]}:{peer[1]}: {MAX_READERS} senders already")
+                return
+            try:
+                conn.settimeout(None)
                 self._read_all(conn, peer)
-        finally:
-            self._readers.release()
+            finally:
+                self._readers.release()
 
     def _read_all(self, conn: socket.socket, peer) -> None:
+        sent: set[str] = set()  # the streams this connection sent frames of
+        why = None
         with self._cond:
             self._senders += 1
-            self._lost = None  # a sender is here again
-        why = None
         try:
             while True:
-                seq, stream, name, arr = read_frame(conn)
-                with self._cond:
-                    if name == wire.ABORT:
-                        self._aborted[stream] = arr.tobytes().decode(errors="replace")
-                        for key in [k for k in self._items if k[0] == stream]:
-                            del self._items[key]  # what it sent will never be taken
-                    elif stream not in self._aborted:
-                        self._items.setdefault((stream, seq), {})[name] = arr
-                    self._cond.notify_all()
+                head = wire.read_frame_head(conn)
+                st = self._admit(head, sent)
+                try:
+                    arr = wire.read_payload(conn, head)
+                except BaseException:
+                    self._release(st, head)
+                    raise
+                self._store(st, head, arr)
         except wire.PeerClosed:
             pass
-        except Exception as e:  # noqa: BLE001 - a broken stream: say why, keep the inbox
+        except Exception as e:  # noqa: BLE001 - a broken connection: say why, keep the inbox
             why = f"{peer[0]}:{peer[1]}: {type(e).__name__}: {e}"
+            self.refused.append(why)
         finally:
             with self._cond:
                 self._senders -= 1
-                if why is not None:  # the first broken stream says why nothing more comes
-                    self._lost = self._lost or why
-                elif self._senders == 0 and self._lost is None:
-                    self._lost = f"the sender at {peer[0]}:{peer[1]} closed its connection"
+                for name in sent:
+                    st = self._streams[name]
+                    st.senders -= 1
+                    if st.senders == 0 and st.lost is None:
+                        st.lost = why or f"the sender at {peer[0]}:{peer[1]} closed its " \
+                                         f"connection"
                 self._cond.notify_all()
+
+    def _admit(self, head: wire.FrameHead, sent: set[str]) -> _Stream:
+        """The stream of ``head``, room for its payload reserved; waits while the stream or the
+        inbox is full. ``InputError`` for a frame that breaks the rules."""
+        deadline = time.monotonic() + TAKE_TIMEOUT
+        with self._cond:
+            st = self._streams.get(head.stream)
+            if st is None:
+                if len(self._streams) >= MAX_STREAMS:
+                    self._forget_streams()
+                st = self._streams.setdefault(head.stream, _Stream())
+            if head.stream not in sent:
+                sent.add(head.stream)
+                st.senders += 1
+                st.lost = None  # a sender is here again
+            if head.name == wire.ABORT:
+                if head.nbytes > wire.MAX_HEADER:
+                    raise InputError(f"an abort of {head.nbytes} bytes")
+                return st
+            if head.seq <= st.taken.get(head.name, -1):
+                raise InputError(f"input {head.seq} of this stream was already taken")
+            if head.name in st.items.get(head.seq, ()):
+                raise InputError(f"tensor {head.name!r} of input {head.seq} was sent twice")
+            while head.seq not in st.items and len(st.items) >= WINDOW \
+                    or self._held and self._held + head.nbytes > MAX_HELD:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    raise InputError(f"input {head.seq}: the inbox stayed full for "
+                                     f"{TAKE_TIMEOUT:g} s")
+                self._cond.wait(left)
+            st.items.setdefault(head.seq, {})
+            st.held += head.nbytes
+            self._held += head.nbytes
+            return st
+
+    def _release(self, st: _Stream, head: wire.FrameHead) -> None:
+        """Give back the room ``_admit`` reserved for a frame that did not come."""
+        if head.name == wire.ABORT:
+            return
+        with self._cond:
+            st.held -= head.nbytes
+            self._held -= head.nbytes
+            if st.items.get(head.seq) == {}:
+                del st.items[head.seq]
+            self._cond.notify_all()
+
+    def _store(self, st: _Stream, head: wire.FrameHead, arr: np.ndarray) -> None:
+        with self._cond:
+            if head.name == wire.ABORT:
+                st.aborted = arr.tobytes().decode(errors="replace")
+                stored = sum(a.nbytes for got in st.items.values() for a in got.values())
+                st.held -= stored  # what it sent will never be taken
+                self._held -= stored
+                st.items.clear()
+            elif st.aborted is None:
+                st.items.setdefault(head.seq, {})[head.name] = arr
+            else:
+                st.held -= head.nbytes
+                self._held -= head.nbytes
+            self._cond.notify_all()
+
+    def _forget_streams(self) -> None:
+        """Drop the streams that hold nothing and have no sender (finished pipelines)."""
+        for name in [n for n, st in self._streams.items() if not st.items and not st.senders]:
+            del self._streams[name]
 
     def take(self, seq: int, names: list[str], timeout: float = TAKE_TIMEOUT,
              stream: str = "") -> dict:
         """The tensors ``names`` of input ``seq`` of ``stream``, removed from the inbox; waits
         for them."""
         deadline = time.monotonic() + timeout
-        key = (stream, seq)
         with self._cond:
+            st = self._streams.setdefault(stream, _Stream())
             while True:
-                have = self._items.get(key, {})
+                have = st.items.get(seq, {})
                 missing = [n for n in names if n not in have]
                 if not missing:
                     got = {n: have.pop(n) for n in names}
+                    freed = sum(a.nbytes for a in got.values())
+                    st.held -= freed
+                    self._held -= freed
                     if not have:
-                        self._items.pop(key, None)
+                        st.items.pop(seq, None)
+                    for n in names:
+                        st.taken[n] = max(st.taken.get(n, -1), seq)
+                    self._cond.notify_all()
                     return got
-                if stream in self._aborted:
+                if st.aborted is not None:
                     raise RemoteError(f"input {seq}: stopped before {missing} came: "
-                                      f"{self._aborted[stream]}")
-                if self._lost is not None and not self._senders:
-                    raise RemoteError(f"input {seq}: {missing} never came: {self._lost}")
+                                      f"{st.aborted}")
+                if st.lost is not None and not st.senders and not self._senders:
+                    raise RemoteError(f"input {seq}: {missing} never came: {st.lost}")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise RemoteError(f"input {seq}: {missing} did not come within {timeout:g} s")
@@ -144,10 +265,44 @@ class Inbox:
 
     def pending(self) -> int:
         with self._cond:
-            return sum(len(v) for v in self._items.values())
+            return sum(len(v) for st in self._streams.values() for v in st.items.values())
+
+    def held_bytes(self) -> int:
+        """Bytes of tensors the inbox holds (and admitted ones on their way)."""
+        with self._cond:
+            return self._held
 
     def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            for conn in list(self._pending):
+                _shut(conn)
+            self._cond.notify_all()
         self._sock.close()
+
+
+def _shut(conn: socket.socket) -> None:
+    """Wake a thread blocked reading ``conn``: its read ends (its thread closes it)."""
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def _recv_within(conn: socket.socket, n: int, seconds: float) -> bytes:
+    """``n`` bytes from ``conn`` within ``seconds`` in all, however they trickle in."""
+    deadline = time.monotonic() + seconds
+    buf = bytearray()
+    while len(buf) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{len(buf)} of {n} bytes within {seconds:g} s")
+        conn.settimeout(left)
+        chunk = conn.recv(n - len(buf))
+        if not chunk:
+            raise EOFError(f"connection closed after {len(buf)} of {n} bytes")
+        buf += chunk
+    return bytes(buf)
 
 
 class Outbox:

@@ -52,7 +52,7 @@ _handler.setFormatter(logging.Formatter("%(asctime)s.%(msecs)03d %(levelname)s %
 logger.addHandler(_handler)
 logger.propagate = False
 
-HANDSHAKE_TIMEOUT = 10.0  # a client that connects and says nothing must not hold the loop
+HANDSHAKE_TIMEOUT = 5.0  # seconds a client has, in all, for the key exchange (the loop waits)
 MAX_KEY_BYTES = 4096
 PING_PERIOD = 2.0  # seconds between tracker checks while no client comes (TVM's value)
 UNMATCHED_TIMEOUT = 4.0  # a match key handed out but not used this long is replaced (TVM's)
@@ -183,14 +183,14 @@ class TrackerLink:
 # ---- accepting a client -----------------------------------------------------------------------
 def _handshake(conn: socket.socket, addr, matchkey: str, key: str) -> dict | None:
     """TVM's key exchange; the session's options (``-timeout=``), or None when it failed."""
-    conn.settimeout(HANDSHAKE_TIMEOUT)
+    deadline = time.monotonic() + HANDSHAKE_TIMEOUT  # for the whole exchange, not per read
     try:
-        if struct.unpack("<i", rpc_base.recvall(conn, 4))[0] != rpc_base.RPC_MAGIC:
+        if struct.unpack("<i", _recv_by(conn, 4, deadline))[0] != rpc_base.RPC_MAGIC:
             raise OSError("not a TVM RPC client (bad magic)")
-        size = struct.unpack("<i", rpc_base.recvall(conn, 4))[0]
+        size = struct.unpack("<i", _recv_by(conn, 4, deadline))[0]
         if not 0 <= size <= MAX_KEY_BYTES:
             raise OSError(f"a key of {size} bytes")
-        words = rpc_base.recvall(conn, size).decode("utf-8", "replace").split()
+        words = _recv_by(conn, size, deadline).decode("utf-8", "replace").split()
         if not words or words[0] != "client:" + matchkey:
             conn.sendall(struct.pack("<i", rpc_base.RPC_CODE_MISMATCH))
             raise OSError("mismatched key")
@@ -206,6 +206,30 @@ def _handshake(conn: socket.socket, addr, matchkey: str, key: str) -> dict | Non
         return None
     conn.settimeout(None)  # back to a blocking socket: TVM's session loop reads its fd
     return opts
+
+
+def _recv_by(conn: socket.socket, n: int, deadline: float) -> bytes:
+    """``n`` bytes from ``conn`` before ``deadline`` (monotonic), however they trickle in."""
+    buf = bytearray()
+    while len(buf) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"the handshake took over {HANDSHAKE_TIMEOUT:g} s")
+        conn.settimeout(left)
+        chunk = conn.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError(f"closed after {len(buf)} of {n} bytes")
+        buf += chunk
+    return bytes(buf)
+
+
+def session_limit(client_timeout, max_session: float) -> float | None:
+    """Seconds a session may last: the shorter of the client's ``-timeout=`` and the server's
+    cap, each counted only when it is a positive, finite number of seconds (a client's nan,
+    inf or negative asks for nothing); None: no limit."""
+    limits = [t for t in (client_timeout, max_session)
+              if isinstance(t, numbers.Real) and math.isfinite(t) and t > 0]
+    return min(limits) if limits else None
 
 
 def _accept(sock: socket.socket, cfg: ListenConfig, matchkey: str) -> tuple | None:
@@ -305,13 +329,13 @@ def _serve_session(conn: socket.socket, addr, opts: dict, cfg: ListenConfig) -> 
     context = multiprocessing.get_context(session_start_method(cfg.session_start))
     proc = context.Process(target=_session_main, args=(conn, peer, cfg, work))
     proc.start()
-    limits = [t for t in (opts.get("timeout"), cfg.max_session) if t]
-    why = _wait_session(proc, conn, min(limits) if limits else None)
+    limit = session_limit(opts.get("timeout"), cfg.max_session)
+    why = _wait_session(proc, conn, limit)
     if why is not None:
         logger.info("session from %s: %s, killing it", peer, why)
         if why != "its client is gone":
             _ffi_api.ReturnException(conn.fileno(), f"RPCSessionTimeoutError: Your "
-                                     f"{min(limits):g}s session has expired, try to increase "
+                                     f"{limit:g}s session has expired, try to increase "
                                      f"the \"session_timeout\" value.")
         try:
             for child in psutil.Process(proc.pid).children(recursive=True):

@@ -1,0 +1,240 @@
+"""The board network under abuse: peers that hold connections, drip bytes, flood frames or send
+garbage, and clients that ask for odd session lengths. Each test runs the attack, bounded in
+count and time, while a legitimate sender streams inputs, and asserts what that sender sees
+(every input through, in order, right) and what the receiving process holds."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import psutil
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hgrt.errors import InputError
+from hgrt.rpc import channel, wire
+from hgrt.rpc.channel import Inbox, Outbox
+
+MiB = 1 << 20
+
+
+def _stream(inbox: Inbox, n: int, stream: str = "legit", size: int = 256) -> float:
+    """Send ``n`` inputs (input i: ``size`` floats of value i) and take them in order, as a
+    board's stage does; the seconds it took. Fails on a lost, late or wrong input."""
+    box = Outbox("127.0.0.1", inbox.port, inbox.token)
+    t0 = time.monotonic()
+    sender = threading.Thread(target=lambda: [box.send(i, "x", np.full(size, i, "float32"),
+                                                       stream) for i in range(n)])
+    sender.start()
+    for i in range(n):
+        got = inbox.take(i, ["x"], timeout=10, stream=stream)["x"]
+        assert got.shape == (size,) and (got == i).all(), f"input {i} came wrong"
+    sender.join(10)
+    box.close()
+    return time.monotonic() - t0
+
+
+def test_silent_connections_do_not_shut_out_a_sender():
+    """100 connections that never give the token (more than there are slots): a sender with
+    the token is served, its inputs come through in order."""
+    inbox = Inbox()
+    idle = [socket.create_connection(("127.0.0.1", inbox.port)) for _ in range(100)]
+    try:
+        assert _stream(inbox, 200) < 10
+    finally:
+        for s in idle:
+            s.close()
+        inbox.close()
+
+
+def test_a_token_dripped_a_byte_at_a_time_is_cut_off(monkeypatch):
+    monkeypatch.setattr(channel, "HANDSHAKE_TIMEOUT", 1.0)
+    inbox = Inbox()
+    drip = socket.create_connection(("127.0.0.1", inbox.port))
+    drip.settimeout(10)
+    t0 = time.monotonic()
+    closed_at = None
+    for b in inbox.token:  # the right token, too slowly
+        try:
+            drip.sendall(bytes([b]))
+            time.sleep(0.25)
+        except OSError:
+            closed_at = time.monotonic()
+            break
+    if closed_at is None:
+        with pytest.raises((OSError, AssertionError)):
+            drip.sendall(wire.frame_head(0, "x", np.ones(1, "float32"), "legit") + bytes(4))
+            assert drip.recv(1) != b""
+        closed_at = time.monotonic()
+    assert closed_at - t0 < 1.0 + 16 * 0.25
+    assert _stream(inbox, 50) < 10
+    drip.close()
+    inbox.close()
+
+
+def test_a_flood_of_new_inputs_is_held_to_the_window(monkeypatch):
+    """A token holder sends 200 inputs of 256 KiB that no stage takes: the inbox holds at most
+    WINDOW of them (the sender waits); another stream goes on meanwhile."""
+    monkeypatch.setattr(channel, "WINDOW", 8)
+    inbox = Inbox()
+    rss0 = psutil.Process().memory_info().rss
+    flood = Outbox("127.0.0.1", inbox.port, inbox.token)
+    frame = np.zeros(64 * 1024, "float32")  # 256 KiB
+
+    def send_all():
+        try:
+            for i in range(200):
+                flood.send(i, "x", frame, "flood")
+        except Exception:  # noqa: BLE001 - the inbox gives up on it: expected
+            pass
+
+    t = threading.Thread(target=send_all, daemon=True)
+    t.start()
+    time.sleep(1.0)
+    assert _stream(inbox, 100) < 10
+    held = inbox.held_bytes()
+    assert held <= 8 * frame.nbytes, held
+    assert psutil.Process().memory_info().rss - rss0 < 8 * frame.nbytes + 64 * MiB
+    flood.close()
+    inbox.close()
+
+
+def _closed_by_peer(conn: socket.socket) -> bool:
+    """Whether the other end closed ``conn`` (a reset: it closed with our bytes unread)."""
+    try:
+        return conn.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def _raw(inbox: Inbox) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", inbox.port))
+    s.settimeout(10)
+    s.sendall(inbox.token)
+    return s
+
+
+def _frame(seq: int, name: str, value: np.ndarray, stream: str) -> bytes:
+    return wire.frame_head(seq, name, value, stream) + value.tobytes()
+
+
+def test_a_tensor_sent_twice_or_after_its_take_is_refused():
+    inbox = Inbox()
+    one, two = np.ones(4, "float32"), np.full(4, 2.0, "float32")
+    raw = _raw(inbox)
+    raw.sendall(_frame(1, "x", one, "s") + _frame(1, "x", two, "s"))
+    assert _closed_by_peer(raw)  # the second one closed the connection
+    assert "sent twice" in inbox.refused[-1]
+    np.testing.assert_array_equal(inbox.take(1, ["x"], timeout=5, stream="s")["x"], one)
+    raw = _raw(inbox)
+    raw.sendall(_frame(1, "x", two, "s"))  # input 1 was taken: a replay
+    assert _closed_by_peer(raw)
+    assert "already taken" in inbox.refused[-1]
+    assert inbox.pending() == 0
+    assert _stream(inbox, 20, stream="s2") < 10
+    inbox.close()
+
+
+def test_garbage_closes_its_connection_not_a_waiting_stage():
+    """A malformed frame while a stage waits for a tensor whose sender has not connected yet:
+    the stage still gets it when it comes."""
+    inbox = Inbox()
+    raw = _raw(inbox)
+    raw.sendall(struct.pack("<qIQ", 1, 7, 0) + b"garbage")
+    assert _closed_by_peer(raw)
+    box = Outbox("127.0.0.1", inbox.port, inbox.token)
+    threading.Timer(0.3, box.send, (1, "x", np.ones(2, "float32"), "s")).start()
+    np.testing.assert_array_equal(inbox.take(1, ["x"], timeout=5, stream="s")["x"], 1.0)
+    box.close()
+    inbox.close()
+
+
+_OUT_OF_DESCRIPTORS = """
+import resource, socket, numpy as np
+from hgrt.rpc.channel import Inbox, Outbox
+inbox = Inbox()
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+conns = []
+try:
+    for _ in range(80):
+        conns.append(socket.create_connection(("127.0.0.1", inbox.port)))
+except OSError:
+    pass
+import time; time.sleep(0.5)  # the inbox's accept fails meanwhile: EMFILE
+for c in conns:
+    c.close()
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+time.sleep(0.5)
+box = Outbox("127.0.0.1", inbox.port, inbox.token)
+box.send(3, "x", np.arange(4, dtype="float32"), "s")
+print("took", inbox.take(3, ["x"], timeout=10, stream="s")["x"].tolist())
+"""
+
+
+def test_the_inbox_accepts_again_after_running_out_of_descriptors():
+    out = subprocess.run([sys.executable, "-c", _OUT_OF_DESCRIPTORS], capture_output=True,
+                         text=True, timeout=60)
+    assert "took [0.0, 1.0, 2.0, 3.0]" in out.stdout, out.stdout + out.stderr
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prefix=st.binary(min_size=wire.FRAME.size, max_size=wire.FRAME.size),
+       header=st.one_of(st.binary(max_size=200), st.builds(
+           lambda name, dtype, shape, stream: (
+               b'{"name": %s, "dtype": %s, "shape": %s, "stream": %s}'
+               % (name, dtype, shape, stream)),
+           st.sampled_from([b'"x"', b"1", b"null", b"[]"]),
+           st.sampled_from([b'"float32"', b'"object"', b'"<f4"', b"3"]),
+           st.sampled_from([b"[1, 2]", b"[-1]", b"[1e30]", b"[true]", b"{}", b"[[1]]",
+                            b"[4294967297, 2]", b"[0]"]),
+           st.sampled_from([b'"s"', b"1", b"null"]))))
+def test_the_frame_parser_answers_any_bytes_with_a_frame_or_an_input_error(prefix, header):
+    try:
+        head = wire.parse_frame_head(prefix, header)
+    except InputError:
+        return
+    assert head.dtype in wire.DTYPES and len(head.shape) <= wire.MAX_DIMS
+    assert head.nbytes == int(np.prod(head.shape, dtype=np.int64)) * \
+        np.dtype(head.dtype).itemsize <= wire.MAX_PAYLOAD
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(data=st.binary(max_size=300), with_token=st.booleans())
+def test_any_bytes_on_a_connection_leave_the_inbox_serving(inbox_for_fuzz, data, with_token):
+    inbox = inbox_for_fuzz
+    raw = socket.create_connection(("127.0.0.1", inbox.port))
+    try:
+        raw.sendall((inbox.token if with_token else b"") + data)
+    except OSError:
+        pass
+    raw.close()
+    box = Outbox("127.0.0.1", inbox.port, inbox.token)
+    seq = time.monotonic_ns()
+    box.send(seq, "x", np.ones(2, "float32"), f"check-{seq}")
+    assert inbox.take(seq, ["x"], timeout=5, stream=f"check-{seq}")["x"].tolist() == [1.0, 1.0]
+    box.close()
+
+
+@pytest.fixture(scope="module")
+def inbox_for_fuzz():
+    inbox = Inbox()
+    yield inbox
+    inbox.close()
+
+
+@pytest.mark.parametrize("asked, cap, want", [
+    (float("nan"), 3.0, 3.0), (float("inf"), 3.0, 3.0), (-5.0, 3.0, 3.0), (2.0, 3.0, 2.0),
+    (float("nan"), 0.0, None), (None, 0.0, None), (7.0, 0.0, 7.0)])
+def test_a_session_length_counts_only_positive_finite_seconds(asked, cap, want):
+    from hgrt.rpc.listen import session_limit
+
+    assert session_limit(asked, cap) == want
