@@ -1,6 +1,8 @@
 """Model import: ONNX (ModelProto or path) or a Relax IRModule → (IRModule, params), with the
 stacked reductions of TVM's ONNX import made pairwise and computations on weights alone done
-once, here (``relay_passes/inner/simplify.py``).
+once, here (``relay_passes/inner/simplify.py``), and the subgraphs that are one op (Clip, SiLU,
+HardSwish, GELU, LayerNorm) made that op, whatever the exporter wrote
+(``hgrt/importer/patterns.py``).
 
 Params are always detached: ``main`` takes the user inputs first (``num_input`` of them), then
 the weights, which come back as numpy arrays keyed by param name, so no weight is baked into
@@ -27,7 +29,7 @@ import tvm
 from tvm import relax
 
 from hgrt.errors import BuildError, HgrtError, did_you_mean
-from hgrt.importer import fold_static_shapes, import_onnx, named_nodes
+from hgrt.importer import fold_static_shapes, import_onnx, named_nodes, recognised_patterns
 from hgrt.relay_passes.inner.simplify import (
     elementwise_through_concats,
     fold_weight_transforms,
@@ -402,5 +404,6 @@ def import_model(model: Any, params: dict[str, Any] | None = None,
         raise BuildError(f"cannot import a {type(model).__name__}: give an onnx ModelProto, a "
                          f"path to an .onnx file, a Relax IRModule or a "
                          f"tvm.relax.frontend.nn.Module")
-    mod = elementwise_through_concats(inference_dropouts(pairwise_reductions(mod)))
-    return fold_weight_transforms(mod, weights)
+    mod = inference_dropouts(pairwise_reductions(mod))
+    mod, weights = recognised_patterns(*fold_weight_transforms(mod, weights))
+    return elementwise_through_concats(mod), weights
