@@ -4,7 +4,7 @@ against onnxruntime's CPU provider at the same thread count.
 
     python python/bench_corpus_table.py                              # tiny configs, all files
     python python/bench_corpus_table.py --size real --models resnet.dynamo gpt2.dynamo
-    python python/bench_corpus_table.py --markdown BENCHMARKS.md
+    python python/bench_corpus_table.py --exporter dynamo --markdown BENCHMARKS.md
 
 Held-out files (kept out of any tuning loop) are listed in a table of their own. "right": max
 |hgrt - onnxruntime| / max |onnxruntime| within 1e-4, or for int8 QDQ files within twice
@@ -34,6 +34,8 @@ def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", choices=("tiny", "real"), default="tiny")
     p.add_argument("--models", nargs="*", help="corpus files (<model>.<exporter>); default all")
+    p.add_argument("--exporter", choices=("dynamo", "torchscript"),
+                   help="only the files of this exporter")
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--markdown", help="write the table into this markdown file")
     return p.parse_args()
@@ -115,10 +117,12 @@ def main() -> None:
     from hgrt.corpus import entries
 
     args = _parse()
-    chosen = [e for e in entries() if not args.models or e.name in args.models]
+    chosen = [e for e in entries() if (not args.models or e.name in args.models)
+              and (not args.exporter or e.exporter == args.exporter)]
     command = "python python/bench_corpus_table.py" + (
         f" --size {args.size}" if args.size != "tiny" else "") + (
         f" --models {' '.join(args.models)}" if args.models else "") + (
+        f" --exporter {args.exporter}" if args.exporter else "") + (
         f" --repeat {args.repeat}" if args.repeat != 10 else "") + (
         f" --markdown {args.markdown}" if args.markdown else "")
 
