@@ -27,6 +27,9 @@ MAGIC = 0x4C4E4E4454524748  # "HGRTDNNL", little endian
 # edited to another layout of the same bytes ran with wrong numbers)
 HEADER_VERSION = 4
 HEADER_VERSION_WINOGRAD = 5  # a Winograd blob (set at pack): an older shim refuses it
+# a direct blob with a post-op of ELTWISE_POST_OPS (set at pack): an older shim refuses it, and
+# says to rebuild; blobs without one keep version 4 and load as they always did
+HEADER_VERSION_ELTWISE = 6
 HEADER_INT64 = 64  # 512 bytes
 MAX_POST_OPS = 3
 HEADER_SLOTS = ("magic", "version", "kind", "n", "ic", "ih", "iw", "oc", "oh", "ow", "kh", "kw",
@@ -43,7 +46,11 @@ HEADER_SLOTS = ("magic", "version", "kind", "n", "ic", "ih", "iw", "oc", "oh", "
                 "algo")  # a convolution's algorithm: ALGO
 SLOT = {name: i for i, name in enumerate(HEADER_SLOTS)}
 KIND = {"conv2d": 1, "dense": 2}
-POST_OP = {"relu": 1, "clip": 2, "sum": 3}  # 0: none
+# 0: none; alpha, beta as oneDNN's eltwise algorithm takes them (swish: alpha the factor of x
+# in its sigmoid; hardswish: x * clip(alpha * x + beta, 0, 1))
+POST_OP = {"relu": 1, "clip": 2, "sum": 3, "gelu_erf": 4, "gelu_tanh": 5, "swish": 6,
+           "hardswish": 7, "sigmoid": 8, "tanh": 9}
+ELTWISE_POST_OPS = ("gelu_erf", "gelu_tanh", "swish", "hardswish", "sigmoid", "tanh")
 ALGO = {"direct": 0, "winograd": 1}  # oneDNN's direct convolution, or Winograd F(4x4, 3x3)
 assert len(HEADER_SLOTS) <= HEADER_INT64, "the header overflows its bytes"
 
@@ -133,6 +140,7 @@ def _constants() -> list[tuple[str, str, str, int]]:
     return [("magic", "int64_t", "kMagic", MAGIC),
             ("version", "int64_t", "kVersion", HEADER_VERSION),
             ("version_winograd", "int64_t", "kVersionWinograd", HEADER_VERSION_WINOGRAD),
+            ("version_eltwise", "int64_t", "kVersionEltwise", HEADER_VERSION_ELTWISE),
             ("header_int64", "int", "kSlots", HEADER_INT64),
             ("max_post_ops", "int", "kMaxPostOps", MAX_POST_OPS)]
 
@@ -140,7 +148,8 @@ def _constants() -> list[tuple[str, str, str, int]]:
 def blob_format() -> dict[str, int]:
     """Every number of the format by name: what the compiled shim's ``hgrt.onednn.blob_format``
     must report (``slot.<name>``: a slot's position; ``kind.``, ``post_op.``, ``algo.``: codes;
-    ``magic``, ``version``, ``version_winograd``, ``header_int64``, ``max_post_ops``)."""
+    ``magic``, ``version``, ``version_winograd``, ``version_eltwise``, ``header_int64``,
+    ``max_post_ops``)."""
     out = {key: value for key, _, _, value in _constants()}
     for _, _, prefix, items in _enums():
         out.update((f"{prefix}.{name}", value) for name, value in items)

@@ -106,14 +106,22 @@ def _conv2d(g: ChainGraph, b: relax.VarBinding) -> Chain | None:
 
 
 def _dense(g: ChainGraph, b: relax.VarBinding) -> Chain | None:
+    """An activation of any rank times a constant 2-D weight: the leading dimensions are rows
+    of one inner product (a contiguous tensor's bytes are the same either way)."""
     x, w = b.value.args
     xs, out, wv = _shape(x), _shape(b.var), g.value(w)
     if (not _fp32_out(b.value) or not isinstance(x, relax.Var)
-            or x in g.weights or xs is None or out is None or len(xs) != 2 or wv is None
-            or wv.ndim != 2 or wv.dtype != np.float32):
+            or x in g.weights or xs is None or out is None or len(xs) < 2 or wv is None
+            or wv.ndim != 2 or wv.dtype != np.float32 or len(out) != len(xs)
+            or xs[:-1] != out[:-1] or wv.shape != (xs[-1], out[-1])):
         return None
-    return Chain("dense", b, x, np.ascontiguousarray(wv.T), np.zeros(out[1], "float32"),
+    return Chain("dense", b, x, np.ascontiguousarray(wv.T), np.zeros(out[-1], "float32"),
                  [b.var], [w], label=["dense"])
+
+
+def _channel_axis(c: Chain) -> int:
+    """The axis of the chain's output channels: NCHW's 1, a dense layer's last."""
+    return -1 if c.kind == "dense" else 1
 
 
 # ---- chain steps: what a kernel absorbs after its op ---------------------------------------
@@ -126,7 +134,8 @@ def _add(g: ChainGraph, c: Chain, b: relax.VarBinding) -> bool:
     value = g.value(other)
     if value is not None:  # a per-channel weight: into the bias, before any post-op but a
         # sum (it adds either side of a residual: split_concat puts the bias after the sum)
-        bias = None if any(p[0] != "sum" for p in c.post) else per_channel(value, _shape(c.end))
+        bias = None if any(p[0] != "sum" for p in c.post) \
+            else per_channel(value, _shape(c.end), _channel_axis(c))
         if bias is None:
             return False
         c.bias, c.label = c.bias + bias, [*c.label, "bias"]
@@ -151,7 +160,7 @@ def _multiply(g: ChainGraph, c: Chain, b: relax.VarBinding) -> bool:
     value = g.value(other)
     if value is None or c.post or c.residual is not None or _shape(b.var) != _shape(c.end):
         return False
-    scale = per_channel(value, _shape(c.end))
+    scale = per_channel(value, _shape(c.end), _channel_axis(c))
     if scale is None:
         return False
     c.weight = (c.weight * scale.reshape((-1,) + (1,) * (c.weight.ndim - 1))).astype("float32")
@@ -177,7 +186,7 @@ def _batch_norm(g: ChainGraph, c: Chain, b: relax.VarBinding) -> bool:
     values = [g.value(v) for v in call.args[1:]]
     item, unused = _outputs(g, b)
     if (c.post or int(a.axis) != 1 or any(v is None for v in values) or item is None
-            or getattr(a, "training", False)):
+            or getattr(a, "training", False) or (c.kind == "dense" and len(_shape(c.end)) != 2)):
         return False
     channels = _shape(c.end)[1]
     if any(v.size != channels for v in values):  # one value per channel of axis 1
@@ -194,11 +203,20 @@ def _batch_norm(g: ChainGraph, c: Chain, b: relax.VarBinding) -> bool:
     return True
 
 
+# Relax's activations that oneDNN computes as an eltwise post-op: its POST_OP and (alpha, beta)
+ACTIVATIONS = {"relax.nn.relu": ("relu", 0.0, 0.0), "relax.nn.gelu": ("gelu_erf", 0.0, 0.0),
+               "relax.nn.gelu_tanh": ("gelu_tanh", 0.0, 0.0), "relax.nn.silu": ("swish", 1.0, 0.0),
+               "relax.sigmoid": ("sigmoid", 0.0, 0.0), "relax.tanh": ("tanh", 0.0, 0.0)}
+
+
 def _activation(g: ChainGraph, c: Chain, b: relax.VarBinding) -> bool:
-    if len(c.post) >= MAX_POST_OPS:
+    op = op_name(b.value)
+    if len(c.post) >= MAX_POST_OPS or str(b.var.ty.dtype) != "float32":
         return False
-    kind = "relu" if op_name(b.value) == "relax.nn.relu" else "clip"
-    lo, hi = (0.0, 0.0) if kind == "relu" else (scalar(b.value.args[1]), scalar(b.value.args[2]))
+    if op == "relax.clip":
+        kind, lo, hi = "clip", scalar(b.value.args[1]), scalar(b.value.args[2])
+    else:
+        kind, lo, hi = ACTIVATIONS[op]
     c.post.append((kind, lo, hi))
     c.members.append(b.var)
     c.label.append(kind)
@@ -226,7 +244,8 @@ ROOTS: dict[str, Callable[[ChainGraph, relax.VarBinding], Chain | None]] = {
     "relax.nn.conv2d": _conv2d, "relax.matmul": _dense}
 STEPS: dict[str, Callable[[ChainGraph, Chain, relax.VarBinding], bool]] = {
     "relax.add": _add, "relax.multiply": _multiply, "relax.nn.batch_norm": _batch_norm,
-    "relax.nn.relu": _activation, "relax.clip": _activation, "relax.nn.max_pool2d": _max_pool}
+    "relax.clip": _activation, "relax.nn.max_pool2d": _max_pool,
+    **{op: _activation for op in ACTIVATIONS}}
 
 
 def check_choices(func: relax.Function, kernels: Kernels) -> None:
@@ -280,8 +299,8 @@ def find_chains(g: ChainGraph, kernels: Kernels,
                 why = "it is not on an x86-64 CPU" if device is not None else "it has no device"
             else:
                 chain = root(g, b)
-                why = ("oneDNN kernels take float32 NCHW convolutions and 2-D matmuls whose "
-                       "weights are constants")
+                why = ("oneDNN kernels take float32 NCHW convolutions and matmuls of an "
+                       "activation by a constant 2-D weight")
             if chain is None:
                 if named and choice == "onednn":
                     raise BuildError(f"kernels override {b.var.name!r}='onednn': oneDNN cannot "
@@ -295,8 +314,10 @@ def find_chains(g: ChainGraph, kernels: Kernels,
 
 def header(chain: Chain) -> np.ndarray:
     """The blob header of ``chain`` (``make_header`` from its ops' attributes)."""
-    if chain.kind == "dense":
-        return make_header("dense", _shape(chain.x), _shape(chain.end), post=chain.post)
+    if chain.kind == "dense":  # leading dimensions as rows
+        xs, out = _shape(chain.x), _shape(chain.end)
+        return make_header("dense", (int(np.prod(xs[:-1])), xs[-1]),
+                           (int(np.prod(out[:-1])), out[-1]), post=chain.post)
     a = chain.root.value.attrs
     h = make_header("conv2d", _shape(chain.x), _shape(chain.conv_result),
                     chain.weight.shape[2:], a.strides, a.padding, a.dilation, int(a.groups),

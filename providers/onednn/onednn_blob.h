@@ -10,6 +10,7 @@ namespace hgrt_onednn {
 constexpr int64_t kMagic = 0x4c4e4e4454524748;
 constexpr int64_t kVersion = 4;
 constexpr int64_t kVersionWinograd = 5;
+constexpr int64_t kVersionEltwise = 6;
 constexpr int kSlots = 64;
 constexpr int kMaxPostOps = 3;
 constexpr int64_t kHeaderBytes = 8 * static_cast<int64_t>(kSlots);
@@ -79,6 +80,12 @@ enum PostOp : int64_t {
   kRelu = 1,
   kClip = 2,
   kSum = 3,
+  kGeluErf = 4,
+  kGeluTanh = 5,
+  kSwish = 6,
+  kHardswish = 7,
+  kSigmoid = 8,
+  kTanh = 9,
 };
 
 enum Algo : int64_t {
@@ -96,6 +103,7 @@ constexpr BlobFormatEntry kBlobFormat[] = {
     {"magic", kMagic},
     {"version", kVersion},
     {"version_winograd", kVersionWinograd},
+    {"version_eltwise", kVersionEltwise},
     {"header_int64", kSlots},
     {"max_post_ops", kMaxPostOps},
     {"slot.magic", kMagicSlot},
@@ -154,6 +162,12 @@ constexpr BlobFormatEntry kBlobFormat[] = {
     {"post_op.relu", kRelu},
     {"post_op.clip", kClip},
     {"post_op.sum", kSum},
+    {"post_op.gelu_erf", kGeluErf},
+    {"post_op.gelu_tanh", kGeluTanh},
+    {"post_op.swish", kSwish},
+    {"post_op.hardswish", kHardswish},
+    {"post_op.sigmoid", kSigmoid},
+    {"post_op.tanh", kTanh},
     {"algo.direct", kDirect},
     {"algo.winograd", kWinograd},
 };

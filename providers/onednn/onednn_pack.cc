@@ -33,7 +33,7 @@ Header Layout(Header h) {
     chosen = MakeDesc(h, plain).weights_desc();
   }
   h[kWeiTag] = tag;
-  h[kVersionSlot] = h.winograd() ? kVersionWinograd : kVersion;
+  h[kVersionSlot] = h.version();
   h[kWeiOffset] = kHeaderBytes;
   h[kWeiBytes] = static_cast<int64_t>(chosen.get_size());
   h[kBiasOffset] = kHeaderBytes + Round64(h[kWeiBytes]);

@@ -78,6 +78,12 @@ dnnl::primitive_attr Attributes(const Header& h, bool in_place = false) {
     float beta = static_cast<float>(AsDouble(h[kPost0 + 3 * k + 2]));
     if (kind == kRelu) ops.append_eltwise(dnnl::algorithm::eltwise_relu, 0.f, 0.f);
     if (kind == kClip) ops.append_eltwise(dnnl::algorithm::eltwise_clip, alpha, beta);
+    if (kind == kGeluErf) ops.append_eltwise(dnnl::algorithm::eltwise_gelu_erf, 0.f, 0.f);
+    if (kind == kGeluTanh) ops.append_eltwise(dnnl::algorithm::eltwise_gelu_tanh, 0.f, 0.f);
+    if (kind == kSwish) ops.append_eltwise(dnnl::algorithm::eltwise_swish, alpha, 0.f);
+    if (kind == kHardswish) ops.append_eltwise(dnnl::algorithm::eltwise_hardswish, alpha, beta);
+    if (kind == kSigmoid) ops.append_eltwise(dnnl::algorithm::eltwise_logistic, 0.f, 0.f);
+    if (kind == kTanh) ops.append_eltwise(dnnl::algorithm::eltwise_tanh, 0.f, 0.f);
     if (kind == kSum && BinaryResidual(h) && !in_place) {
       ops.append_binary(dnnl::algorithm::binary_add, WithTag(DstDims(h), h[kDstTag]));
     } else if (kind == kSum) {

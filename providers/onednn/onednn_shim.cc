@@ -75,13 +75,17 @@ void CheckTensor(const ffi::TensorView& t, const char* what, DLDataType dtype, i
 void CheckOps(const Header& h) {
   for (int k = 0; k < kMaxPostOps; ++k) {
     int64_t kind = h[kPost0 + 3 * k];
-    if (kind != kNoPost && kind != kRelu && kind != kClip && kind != kSum) {
+    if (kind < kNoPost || kind > kTanh) {
       TVM_FFI_THROW(ValueError) << "oneDNN: unknown post-op " << kind << " in the header";
     }
   }
   if (h[kAlgo] != kDirect && (h[kAlgo] != kWinograd || h[kKind] != kConv2d)) {
     TVM_FFI_THROW(ValueError) << "oneDNN: unknown convolution algorithm " << h[kAlgo]
                               << " in the header";
+  }
+  if (h.winograd() && h.has_eltwise()) {
+    TVM_FFI_THROW(ValueError) << "oneDNN: a Winograd convolution takes relu, clip and sum "
+                                 "post-ops only";
   }
   if (h.winograd() && WinogradProblem(h)) {
     TVM_FFI_THROW(ValueError) << "oneDNN: " << WinogradProblem(h);
@@ -98,7 +102,7 @@ const Header& ReadHeader(const ffi::TensorView& blob) {
   }
   if (h[kMagicSlot] == kMagic) CheckOps(h);  // (a foreign header: the version says so)
   if (h[kMagicSlot] != kMagic ||
-      h[kVersionSlot] != (h[kAlgo] == kWinograd ? kVersionWinograd : kVersion)) {
+      h[kVersionSlot] != h.version()) {
     TVM_FFI_THROW(ValueError) << "oneDNN: the weights are not packed by this hgrt (header "
                                  "version mismatch); rebuild the model";
   }

@@ -56,6 +56,17 @@ struct Header {
     }
     return false;
   }
+  // a post-op past relu, clip and sum (GELU, swish, ...): a blob of its own version
+  bool has_eltwise() const {
+    for (int k = 0; k < kMaxPostOps; ++k) {
+      if (v[kPost0 + 3 * k] >= kGeluErf) return true;
+    }
+    return false;
+  }
+  // the version a blob of this header carries: an older shim refuses what it cannot compute
+  int64_t version() const {
+    return winograd() ? kVersionWinograd : has_eltwise() ? kVersionEltwise : kVersion;
+  }
 };
 
 inline int64_t Round64(int64_t n) { return (n + 63) / 64 * 64; }

@@ -22,6 +22,7 @@ from hgrt.errors import BuildError
 from hgrt.providers.onednn import PROVIDER
 from hgrt.providers.onednn import kernels as runtime
 from hgrt.providers.onednn.blob import (
+    ELTWISE_POST_OPS,
     HEADER_SLOTS,
     KIND,
     MAX_POST_OPS,
@@ -93,6 +94,8 @@ def winograd_pays(h: np.ndarray, nhwc: int) -> bool:
                                        v["dil_w"], v["groups"]) != (3, 3, 1, 1, 1, 1, 1):
         return False
     has_sum = any(v[f"post{k}"] == POST_OP["sum"] for k in range(MAX_POST_OPS))
+    if any(v[f"post{k}"] in (POST_OP[p] for p in ELTWISE_POST_OPS) for k in range(MAX_POST_OPS)):
+        return False  # the Winograd kernels add relu, clip and sum only
     if v["pool_kh"] or v["src_tag"] != nhwc or v["dst_tag"] != nhwc \
             or (has_sum and v["res_tag"] != nhwc):
         return False

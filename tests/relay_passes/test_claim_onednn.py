@@ -18,7 +18,13 @@ import hgrt
 from hgrt.providers.onednn import claim_onednn as claim
 from hgrt.providers.onednn import kernels as onednn
 from hgrt.providers.onednn import policy as onednn_policy
-from hgrt.providers.onednn.blob import HEADER_INT64, SLOT, make_header
+from hgrt.providers.onednn.blob import (
+    HEADER_INT64,
+    HEADER_VERSION,
+    HEADER_VERSION_ELTWISE,
+    SLOT,
+    make_header,
+)
 from hgrt.relay_passes.util.kernels import WINOGRAD_SHARE, Kernels
 from hgrt.testing import (
     alternating,
@@ -262,6 +268,98 @@ def _dense_onnx(gemm: bool):
 def test_dense_with_bias_and_relu_equals_the_relax_vm(gemm):
     (node,) = _onednn_nodes(_check(_dense_onnx(gemm)))
     assert (node.func_name, node.attrs["onednn_op"]) == ("hgrt.onednn.dense", "dense+bias+relu")
+
+
+def _batched_dense_onnx(shape=(2, 5, 32), scale_last=True):
+    """A transformer's linear layer: an N-D activation times a constant weight, a bias, a
+    per-channel scale, a residual add and a relu."""
+    rng = np.random.default_rng(3)
+    k, n = shape[-1], 24
+    inits = [numpy_helper.from_array(rng.standard_normal((k, n)).astype("float32") / 4, "w"),
+             numpy_helper.from_array(rng.standard_normal(n).astype("float32"), "b"),
+             numpy_helper.from_array(rng.uniform(0.5, 2, n if scale_last else (shape[-2], 1))
+                                     .astype("float32"), "s")]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]),
+             helper.make_node("Add", ["m", "b"], ["a"]), helper.make_node("Mul", ["a", "s"], ["c"]),
+             helper.make_node("Add", ["c", "r"], ["d"]), helper.make_node("Relu", ["d"], ["y"])]
+    out = [*shape[:-1], n]
+    graph = helper.make_graph(nodes, "batched_dense", [
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, list(shape)),
+        helper.make_tensor_value_info("r", TensorProto.FLOAT, out)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, out)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape", [(2, 5, 32), (1, 3, 4, 32)], ids=["3-D", "4-D"])
+def test_a_matmul_of_any_rank_by_a_constant_weight_is_one_dense_kernel(shape):
+    model = _batched_dense_onnx(shape)
+    (node,) = _onednn_nodes(_check(model))
+    assert node.attrs["onednn_op"] == "dense+bias+scale+add+relu"
+    placement = hgrt.Placement(rules={"matmul": "cpu:1"}, fallback="cpu:0")
+    assert len(_onednn_nodes(_check(model, ("cpu:0", "cpu:1"), placement))) == 1
+
+
+@needs_onednn
+def test_a_scale_along_another_axis_than_a_dense_layer_s_channels_stays_apart():
+    (node,) = _onednn_nodes(_check(_batched_dense_onnx(scale_last=False)))
+    assert node.attrs["onednn_op"] == "dense+bias"
+
+
+def _activation_onnx(root: str, act: str, opset: int = 20):
+    """A convolution or an N-D dense layer with a bias, then an activation as exporters write
+    it: ``silu`` as x * sigmoid(x), ``gelu`` / ``gelu_tanh`` as ONNX Gelu, else the op."""
+    rng = np.random.default_rng(5)
+    if root == "conv":
+        shape, out = [1, 8, 10, 10], [1, 16, 10, 10]
+        inits = [numpy_helper.from_array(rng.standard_normal((16, 8, 3, 3)).astype("float32")
+                                         / 6, "w"),
+                 numpy_helper.from_array(rng.standard_normal(16).astype("float32"), "b")]
+        nodes = [helper.make_node("Conv", ["x", "w", "b"], ["a"], pads=[1, 1, 1, 1])]
+    else:
+        shape, out = [2, 6, 32], [2, 6, 24]
+        inits = [numpy_helper.from_array(rng.standard_normal((32, 24)).astype("float32") / 4,
+                                         "w"),
+                 numpy_helper.from_array(rng.standard_normal(24).astype("float32"), "b")]
+        nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]),
+                 helper.make_node("Add", ["m", "b"], ["a"])]
+    if act == "silu":
+        nodes += [helper.make_node("Sigmoid", ["a"], ["s"]),
+                  helper.make_node("Mul", ["a", "s"], ["y"])]
+    elif act.startswith("gelu"):
+        nodes.append(helper.make_node("Gelu", ["a"], ["y"],
+                                      approximate="tanh" if act == "gelu_tanh" else "none"))
+    else:
+        nodes.append(helper.make_node(act.capitalize(), ["a"], ["y"]))
+    graph = helper.make_graph(nodes, "act", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, shape)], [helper.make_tensor_value_info(
+            "y", TensorProto.FLOAT, out)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+@needs_onednn
+@pytest.mark.parametrize("root", ["conv", "dense"])
+@pytest.mark.parametrize(("act", "post"), [("silu", "swish"), ("gelu", "gelu_erf"),
+                                           ("gelu_tanh", "gelu_tanh"), ("sigmoid", "sigmoid"),
+                                           ("tanh", "tanh")])
+def test_silu_gelu_sigmoid_and_tanh_are_post_ops(root, act, post):
+    model = _activation_onnx(root, act)
+    (node,) = _onednn_nodes(_check(model))
+    kind = "conv2d" if root == "conv" else "dense"
+    assert node.attrs["onednn_op"] == f"{kind}+bias+{post}"
+    placement = hgrt.Placement(rules={"nn.conv2d": "cpu:1", "matmul": "cpu:1"}, fallback="cpu:0")
+    assert len(_onednn_nodes(_check(model, ("cpu:0", "cpu:1"), placement))) == 1
+
+
+@needs_onednn
+def test_a_blob_with_an_eltwise_post_op_carries_its_own_version():
+    res = _check(_activation_onnx("dense", "gelu"))
+    (blob,) = [v for k, v in res.params.items() if v.dtype == np.uint8]
+    header = blob[:HEADER_INT64 * 8].view(np.int64)
+    assert header[SLOT["version"]] == HEADER_VERSION_ELTWISE != HEADER_VERSION
+    plain = _check(_dense_onnx(gemm=False))
+    (blob,) = [v for k, v in plain.params.items() if v.dtype == np.uint8]
+    assert blob[:HEADER_INT64 * 8].view(np.int64)[SLOT["version"]] == HEADER_VERSION
 
 
 @needs_onednn

@@ -471,7 +471,8 @@ def test_winograd_refuses_what_it_cannot_compute():
     xn, out = _t(x.transpose(0, 2, 3, 1)), _t(np.zeros((1, 6, 6, 8), "float32"))
     for slot, value, match in (("src_tag", 0, "NHWC"), ("ih", -4, "output size"),
                                ("algo", 7, "unknown convolution algorithm 7"),
-                               ("post0", 9, "unknown post-op 9"),
+                               ("post0", 42, "unknown post-op 42"),
+                               ("post0", 4, "Winograd convolution takes relu, clip and sum"),
                                ("wei_bytes", 10 ** 9, "truncated")):
         bad = h.copy()
         bad[SLOT[slot]] = value
