@@ -16,14 +16,11 @@ dispatchers, each the one master of its pools. An idle dispatcher sleeps on a lo
 Dispatchers run no more kernel threads at once than the process may use cores (``_Cores``):
 callers beyond wait their turn instead of sharing the cores by the OS's time slices.
 
-The process's main thread hands off too, and so do oneDNN's weight packing at build and load
-(``onednn._call``): libgomp spins only its throttled count (1000 under OMP_WAIT_POLICY=active)
-once it manages more threads than there are cores, that is, as soon as a second thread has been
-the master of a team of every core. With the main thread running its own calls beside a
-dispatcher, light squeezenet from a worker thread took 1.47x and 1.16x its time from the main
-thread (oneDNN kernels, ``python/bench_serving.py --threads``, Intel Xeon, 2 vCPUs, two runs);
-with one team for the process, 0.99-1.00x, resnet50 1.00-1.03x, at the cost of the hand-off
-(about 0.08 ms more for a loop of runs on the main thread, 3.25 against 3.17 ms).
+The process's main thread hands off too, and so does a kernel provider's weight packing at
+build and load: libgomp spins only its throttled count once more threads than cores have been
+masters of a team of every core, so a main thread running kernels beside a dispatcher would
+slow every call from a worker thread; with one team for the process, a call costs the same
+from any thread, for the price of the hand-off (``python/bench_serving.py --threads``).
 
 After ``fork()`` the child forgets the parent's dispatchers (their threads do not exist there)
 and starts its own on first use; at interpreter exit they are stopped, and a call made after

@@ -29,26 +29,15 @@ import tvm
 from hgrt.devices import usable_cores
 from hgrt.errors import InputError
 
-# How long an idle worker of a TVM pool spins (yielding) before it sleeps; TVM reads it once,
-# when the process's first pool starts, and defaults to 300000 yields (a fraction of a second
-# of a core). A freshly started pool's workers spin that long at once: a stream's pool stole a
-# core from the other stream for the first ~0.3 s (two branches measured 8.9 ms at once vs
-# 4.3 ms), and oneDNN's OpenMP threads run 1.45x slower beside a spinning pool. 10000 yields
-# keeps a chain of short kernels as fast as TVM's default (squeezenet 4.49 vs 4.40-4.54 ms,
-# 2 vCPUs AVX-512) where 0 made it 25 % slower (5.55 ms). Set when hgrt is imported, before
-# TVM's first parallel kernel; a value the user set wins.
-# The same holds the other way round for oneDNN's OpenMP (libgomp) threads: by default they spin
-# 300000 times after each kernel, and a TVM kernel run next got a share of the cores
-# (inception_v1's 13 max pools 0.6 -> 35 ms between oneDNN convolutions). libgomp reads
-# GOMP_SPINCOUNT when it loads, with the oneDNN kernels, after `import hgrt`.
-# libgomp spins only gomp_throttled_spin_count (100 by default, 1000 under
-# OMP_WAIT_POLICY=active, 0 under passive) wherever it manages more threads than there are
-# cores, which is so as soon as any thread but the process's first is an OpenMP master: a
-# dispatcher (``runtime/dispatch.py``) with a team of every core. With 100 spins a team's
-# workers are asleep when the next oneDNN kernel starts (a few us later) and every kernel pays
-# their wake-up: light squeezenet 6.1-6.6 ms where the first thread as master ran 3.0-3.5 ms
-# (Intel Xeon, 2 vCPUs); "active" lets them spin 1000 times (3.1-3.2 ms) and still stops them
-# within microseconds of a call's end. A GOMP_SPINCOUNT or OMP_WAIT_POLICY the user set wins.
+# How long an idle worker spins before it sleeps, for TVM's pools and for the OpenMP (libgomp)
+# teams of the kernel providers: each reads its count once, when its first pool or team
+# starts, so they are set when hgrt is imported (a value the user set wins). Their defaults
+# (300000 spins) let one library's idle workers hold the cores the other library's next kernel
+# needs; none at all makes every short kernel pay its workers' wake-up. libgomp spins only its
+# throttled count once more threads than cores are OpenMP masters (a dispatcher, beside the
+# process's first thread): under OMP_WAIT_POLICY=active that count is 1000, enough to bridge
+# the few microseconds between two kernels of one call. The figures behind these choices are
+# in BENCHMARKS.md ("Spin counts").
 SPIN_COUNT = 10000
 os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", str(SPIN_COUNT))
 os.environ.setdefault("GOMP_SPINCOUNT", str(SPIN_COUNT))
@@ -108,13 +97,9 @@ def restore_thread_count() -> None:
 def solo(func):
     """``func`` (a TVM kernel) run on the calling thread alone, the thread's pool put back after.
 
-    For the element-moving TVM kernels between oneDNN kernels on one device: when oneDNN's
-    kernel returns, its OpenMP threads spin on the other cores (GOMP_SPINCOUNT) and a TVM
-    kernel on two threads waits for a core for its worker: shufflenet's 16 channel shuffles
-    took 150 us each instead of 16 when they were TVM kernels. Measured again once the shuffles
-    became oneDNN's (2 vCPUs, AVX-512, whole-model ``run()`` medians of 40 with these kernels
-    solo vs shared): densenet121 (62 batch-norm + ReLU kernels) 30.1 vs 33.8 ms, shufflenet
-    (3 ReLUs) 2.57 vs 2.81 ms.
+    For the small element-moving TVM kernels beside a provider's kernels whose OpenMP threads
+    spin on the other cores after they return (``solo_neighbours``): a TVM kernel on two
+    threads would wait for a core for its worker longer than it takes alone.
     A kernel that reduces (a pool, LRN) keeps the share: there the spin is small beside it."""
 
     def call(*args):
