@@ -50,7 +50,6 @@ TRANSFERS = ("auto", "direct", "client")
 SERVED_KEPT = 256  # the latest stage times kept for stage_ms()
 CLOSE_TIMEOUT = 30.0  # seconds close() lets the inputs in flight finish before it stops them
 ABORT_GRACE = 5.0  # seconds a stage has to stop once its stream is aborted
-_SEQ = itertools.count()  # numbers inputs for the boards' inboxes
 FORMAT = 1
 _STOP = object()
 
@@ -197,12 +196,27 @@ class _Item:
         self.future, self.values, self.seq = future, values, seq
 
 
+def _tensor_types(modules: list, stages: list[dict],
+                  inputs: dict[str, tuple]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """``(dtype, shape)`` of every tensor that passes between stages, by name: the model's
+    inputs, and each stage's inputs and outputs as its module's graph has them."""
+    types = {n: (np.dtype(d).name, tuple(shape)) for n, (shape, d) in inputs.items()}
+    for m, s in zip(modules, stages, strict=True):
+        g = m.graph
+        shapes, dtypes = m.get_input_info()
+        types.update((n, (str(dtypes[n]), tuple(shapes[n]))) for n in s["inputs"] if n in shapes)
+        for n, (nid, idx, _) in zip(s["outputs"], g.heads, strict=True):
+            e = g.entry_id(nid, idx)
+            types[n] = (str(g.dtypes[e]), tuple(int(d) for d in g.shapes[e]))
+    return types
+
+
 class _Links:
     """Board-to-board transfer: each stage's inbox, each board's link to the next one, the
     client's link to every inbox, and what each stage takes, sends and returns."""
 
-    def __init__(self, modules: list, stages: list[dict], inputs: list[str], outputs: list[str],
-                 keep: list[set[str]]) -> None:
+    def __init__(self, modules: list, stages: list[dict], inputs: dict[str, tuple],
+                 outputs: list[str], keep: list[set[str]], window: int) -> None:
         for k, m in enumerate(modules):
             if not isinstance(m, RemoteGraphModule):
                 raise InputError(f"transfer='direct': stage {k} is not on a board (an RPC "
@@ -240,6 +254,14 @@ class _Links:
                 take, s["outputs"], self.stream, {n: m.get_input_index(n) for n in s["inputs"]},
                 send, wire.NO_LINK if last else self.boxes[k], outputs if last else []))
             arriving = send
+        types = _tensor_types(modules, stages, inputs)
+        try:  # before any tensor is sent: each inbox admits only what its stage takes
+            for m, spec in zip(modules, self.specs, strict=True):
+                m.announce(wire.announcement(spec, {n: types[n] for n in spec["take"]}, window,
+                                             0))
+        except BaseException:
+            self.close()
+            raise
 
     def feed(self, item: _Item) -> None:
         """Send the model's inputs of ``item`` to the stages that first read them, ahead of
@@ -283,7 +305,7 @@ class Pipeline:
                        for t in doc["inputs"]}
         self.output_names = [t["name"] for t in doc["outputs"]]
         self._out_types = [(tuple(t["shape"]), np.dtype(t["dtype"])) for t in doc["outputs"]]
-        self._seq = _SEQ  # one count per process: two pipelines may share a board's inbox
+        self._seq = itertools.count()  # this pipeline's inputs, from 0 (its stream's first)
         # after stage k, the values no later stage (nor the result) reads are dropped
         later: set[str] = set(self.output_names)
         self._keep: list[set[str]] = []
@@ -292,8 +314,11 @@ class Pipeline:
             later |= set(s["inputs"])
         for m in modules:
             m.configure_calls(callers=1)
-        self.links = _Links(modules, self.stages, list(self.inputs), self.output_names,
-                            self._keep) if direct else None
+        # inputs a stage's inbox may hold past its last: what is queued before it and before
+        # every earlier stage, twice over
+        self.links = _Links(modules, self.stages, self.inputs, self.output_names, self._keep,
+                            min(channel.WINDOW, 2 * len(modules) * (depth + 1))) \
+            if direct else None
         self.transfer = "direct" if direct else "client"
         self._queues = [queue.Queue(maxsize=depth) for _ in modules]
         self._served = [collections.deque(maxlen=SERVED_KEPT) for _ in modules]

@@ -12,6 +12,11 @@ An inbox listens on the address its session was reached at, serves only the peer
 ``--allow`` admits and that first send its 16-byte token (handed out through the session), and
 checks every frame (the frame format: ``hgrt.rpc.wire``). A stream is one pipeline's inputs: an
 abort stops one stream and drops what it sent, never another's.
+
+An inbox takes only what its stages announced (``Inbox.announce``: a stage spec through
+``hgrt.remote`` before the stream starts, or a stage's own ``take``): for each tensor name of a
+stream its dtype and shape, and how many inputs ahead of the last one taken may arrive. So what
+a stream holds is at most that window times the announced bytes.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -33,7 +38,8 @@ from hgrt.rpc import wire
 MAX_READERS = 64  # senders an inbox serves at once
 MAX_PENDING = 64  # connections that have not given the token yet
 HANDSHAKE_TIMEOUT = 5.0  # seconds a connection has, in all, to give the token
-WINDOW = 256  # inputs a stream may have in an inbox at once (a sender beyond waits)
+WINDOW = 256  # inputs ahead of the last one taken that an announcement may admit
+ANNOUNCE_TIMEOUT = 10.0  # seconds a frame may wait for its stage's announcement
 MAX_HELD = 1 << 30  # bytes an inbox holds at once (a sender beyond waits)
 MAX_STREAMS = 1024  # streams remembered: above, the finished ones are forgotten
 ACCEPT_BACKOFF = 0.05  # seconds the accept loop pauses after a failed accept (no descriptors)
@@ -42,6 +48,9 @@ SESSION_ADDRESS = "127.0.0.1"  # where a session's inbox listens: set to the add
 SESSION_ALLOWED: Callable[[str], bool] = lambda host: True  # noqa: E731 - the server's --allow
 TAKE_TIMEOUT = 60.0  # seconds a stage waits for its tensors before saying which did not come
 SEND_TIMEOUT = 60.0  # seconds a send may block on a peer that stopped reading
+
+
+Announced = tuple[str, tuple[int, ...]] | None  # (dtype, shape); None: any (a bare take)
 
 
 def read_frame(conn: socket.socket) -> tuple[int, str, str, np.ndarray]:
@@ -53,7 +62,7 @@ def read_frame(conn: socket.socket) -> tuple[int, str, str, np.ndarray]:
 class _Stream:
     """One stream's state in an inbox."""
 
-    __slots__ = ("items", "held", "senders", "lost", "aborted", "taken")
+    __slots__ = ("items", "held", "senders", "lost", "aborted", "taken", "expects", "window")
 
     def __init__(self) -> None:
         self.items: dict[int, dict[str, np.ndarray]] = {}  # seq -> name -> tensor
@@ -65,6 +74,8 @@ class _Stream:
         self.aborted: str | None = None  # its client stopped it: why
         self.taken: dict[str, int] = {}  # name -> the last input it was taken for: a stage
         #                                  takes in order, so never for an earlier one again
+        self.expects: dict[str, Announced] = {}  # name -> what its stage announced
+        self.window: dict[str, int] = {}  # name -> inputs after ``taken`` that may arrive
 
 
 class Inbox:
@@ -72,10 +83,14 @@ class Inbox:
 
     What a peer can make it hold is bounded: a connection has ``HANDSHAKE_TIMEOUT`` seconds in
     all to give the token, at most ``MAX_PENDING`` connections wait for theirs (a new one
-    closes the oldest), ``MAX_READERS`` senders are served at once, a stream holds at most
-    ``WINDOW`` inputs and the inbox ``MAX_HELD`` bytes (a sender beyond that waits, as TCP makes
-    it, until a stage takes what came before). A frame that breaks the rules (malformed, a
-    tensor sent twice, an input already taken) closes its own connection, nothing else."""
+    closes the oldest), ``MAX_READERS`` senders are served at once. A frame is admitted only
+    for a tensor a stage announced (``announce``), of its dtype and shape, for an input within
+    the announced window past the last one taken: a stream holds at most window x announced
+    bytes. A frame that comes before its announcement waits for it (its payload unread) for
+    ``ANNOUNCE_TIMEOUT`` seconds; past ``MAX_HELD`` bytes in all a sender waits, as TCP makes
+    it, until a stage takes. A frame that breaks the rules (malformed, not announced, another
+    type, past the window, a tensor sent twice, an input already taken) closes its own
+    connection, the reason kept in ``refused``, nothing else."""
 
     def __init__(self, address: str = "127.0.0.1") -> None:
         self.token = secrets.token_bytes(wire.TOKEN_BYTES)
@@ -85,6 +100,7 @@ class Inbox:
         self._streams: dict[str, _Stream] = {}
         self._held = 0
         self._senders = 0  # connections that gave the token and are open
+        self._door = 0  # frames waiting for their stage's announcement
         self._cond = threading.Condition()
         self._closed = False
         self._pending: dict[socket.socket, float] = {}  # connections yet to give the token
@@ -167,30 +183,72 @@ class Inbox:
                                          f"connection"
                 self._cond.notify_all()
 
-    def _admit(self, head: wire.FrameHead, sent: set[str]) -> _Stream:
-        """The stream of ``head``, room for its payload reserved; waits while the stream or the
-        inbox is full. ``InputError`` for a frame that breaks the rules."""
-        deadline = time.monotonic() + TAKE_TIMEOUT
+    def announce(self, stream: str, types: Mapping[str, Announced], window: int,
+                 first: int = 0) -> None:
+        """Admit tensors ``types`` (name -> ``(dtype, shape)``, or None: any) of ``stream``,
+        from input ``first`` on and at most ``window`` inputs ahead of the last one taken.
+        Announcing a name again changes nothing; with another type it is an ``InputError``."""
+        if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= WINDOW:
+            raise InputError(f"stream {stream!r}: a window of {window!r} inputs (1 to {WINDOW})")
         with self._cond:
-            st = self._streams.get(head.stream)
+            st = self._streams.get(stream)
             if st is None:
                 if len(self._streams) >= MAX_STREAMS:
                     self._forget_streams()
-                st = self._streams.setdefault(head.stream, _Stream())
-            if head.stream not in sent:
-                sent.add(head.stream)
-                st.senders += 1
-                st.lost = None  # a sender is here again
+                st = self._streams[stream] = _Stream()
+            for name, want in types.items():
+                if name in st.expects:
+                    if st.expects[name] != want:
+                        raise InputError(f"tensor {name!r} of stream {stream!r}: announced as "
+                                         f"{_typed(st.expects[name])}, now {_typed(want)}")
+                    continue
+                st.expects[name] = want
+                st.window[name] = window
+                st.taken.setdefault(name, int(first) - 1)
+            self._cond.notify_all()
+
+    def _announced(self, head: wire.FrameHead) -> _Stream:
+        """The stream of ``head`` once a stage announced its tensor (or, for an abort, any);
+        waits up to ``ANNOUNCE_TIMEOUT`` for that (the caller holds ``_cond``)."""
+        deadline = time.monotonic() + ANNOUNCE_TIMEOUT
+        while True:
+            st = self._streams.get(head.stream)
+            if st is not None and (head.name in st.expects
+                                   or head.name == wire.ABORT and st.expects):
+                return st
+            left = deadline - time.monotonic()
+            if left <= 0 or self._closed:
+                raise InputError(f"tensor {head.name!r} of input {head.seq} of stream "
+                                 f"{head.stream!r}: no stage announced it")
+            self._door += 1
+            try:
+                self._cond.wait(left)
+            finally:
+                self._door -= 1
+
+    def _admit(self, head: wire.FrameHead, sent: set[str]) -> _Stream:
+        """The stream of ``head``, room for its payload reserved; waits while the inbox is
+        full. ``InputError`` for a frame that is not what its stage announced."""
+        with self._cond:
+            st = self._announced(head)
             if head.name == wire.ABORT:
                 if head.nbytes > wire.MAX_HEADER:
                     raise InputError(f"an abort of {head.nbytes} bytes")
-                return st
-            if head.seq <= st.taken.get(head.name, -1):
+                return self._sender_of(st, head, sent)
+            want = st.expects[head.name]
+            if want is not None and (head.dtype, head.shape) != want:
+                raise InputError(f"tensor {head.name!r} of input {head.seq}: "
+                                 f"{_typed((head.dtype, head.shape))}, announced {_typed(want)}")
+            last = st.taken[head.name]
+            if head.seq <= last:
                 raise InputError(f"input {head.seq} of this stream was already taken")
+            if head.seq > last + st.window[head.name]:
+                raise InputError(f"input {head.seq}: beyond the announced window (inputs "
+                                 f"{last + 1} to {last + st.window[head.name]})")
             if head.name in st.items.get(head.seq, ()):
                 raise InputError(f"tensor {head.name!r} of input {head.seq} was sent twice")
-            while head.seq not in st.items and len(st.items) >= WINDOW \
-                    or self._held and self._held + head.nbytes > MAX_HELD:
+            deadline = time.monotonic() + TAKE_TIMEOUT
+            while self._held and self._held + head.nbytes > MAX_HELD:
                 left = deadline - time.monotonic()
                 if left <= 0 or self._closed:
                     raise InputError(f"input {head.seq}: the inbox stayed full for "
@@ -199,7 +257,17 @@ class Inbox:
             st.items.setdefault(head.seq, {})
             st.held += head.nbytes
             self._held += head.nbytes
-            return st
+            return self._sender_of(st, head, sent)
+
+    @staticmethod
+    def _sender_of(st: _Stream, head: wire.FrameHead, sent: set[str]) -> _Stream:
+        """Count the connection among ``st``'s senders once a frame of it was admitted (a
+        refused one never makes its stream lost)."""
+        if head.stream not in sent:
+            sent.add(head.stream)
+            st.senders += 1
+            st.lost = None  # a sender is here again
+        return st
 
     def _release(self, st: _Stream, head: wire.FrameHead) -> None:
         """Give back the room ``_admit`` reserved for a frame that did not come."""
@@ -233,11 +301,18 @@ class Inbox:
             del self._streams[name]
 
     def take(self, seq: int, names: list[str], timeout: float = TAKE_TIMEOUT,
-             stream: str = "") -> dict:
+             stream: str = "", types: Mapping[str, Announced] | None = None,
+             window: int = WINDOW) -> dict:
         """The tensors ``names`` of input ``seq`` of ``stream``, removed from the inbox; waits
-        for them."""
+        for them. Names no stage announced are announced here, from input ``seq`` on: as
+        ``types`` says (a name it lacks is not), or as any tensor when ``types`` is None."""
         deadline = time.monotonic() + timeout
         with self._cond:
+            st = self._streams.get(stream)
+            new = [n for n in names if st is None or n not in st.expects]
+            if new:
+                self.announce(stream, {n: None if types is None else types[n] for n in new
+                                       if types is None or n in types}, window, seq)
             st = self._streams.setdefault(stream, _Stream())
             while True:
                 have = st.items.get(seq, {})
@@ -264,8 +339,10 @@ class Inbox:
                 self._cond.wait(left)
 
     def pending(self) -> int:
+        """Frames in the inbox: held, on their way, or waiting for their announcement."""
         with self._cond:
-            return sum(len(v) for st in self._streams.values() for v in st.items.values())
+            return self._door + sum(len(v) for st in self._streams.values()
+                                    for v in st.items.values())
 
     def held_bytes(self) -> int:
         """Bytes of tensors the inbox holds (and admitted ones on their way)."""
@@ -279,6 +356,10 @@ class Inbox:
                 _shut(conn)
             self._cond.notify_all()
         self._sock.close()
+
+
+def _typed(t: Announced) -> str:
+    return "any tensor" if t is None else f"{t[0]}{list(t[1])}"
 
 
 def _shut(conn: socket.socket) -> None:

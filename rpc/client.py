@@ -342,6 +342,13 @@ class RemoteGraphModule(GraphModuleAPI):
             data = self._call("run_stage", int(seq), wire.encode_stage_spec(spec))
         return wire.decode_stage_reply(data, f"{self.session.name}: run_stage")
 
+    def announce(self, spec: Mapping) -> None:
+        """Tell the session's inbox what the stage of ``spec`` will take (an announcement,
+        ``hgrt.rpc.wire.announcement``): it admits only those tensors, of those types, within
+        the announced window. Before the stream's first tensor is sent."""
+        with self.session.lock:
+            self._call("announce", wire.encode_stage_spec(spec))
+
     def inbox(self) -> InboxAddress:
         """Where this module's RPC session takes tensors from peers (``hgrt.rpc.channel``), as
         this client reaches it, and the token a sender gives first."""

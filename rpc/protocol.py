@@ -30,7 +30,8 @@ OUTBOX_CLOSE_FUNC = "hgrt.remote.outbox_close"  # (id) -> 0
 # The methods of a remote module, fetched once each by the client.
 METHODS = ("info", "run", "set_input_bytes", "set_input_tensor", "get_input", "get_input_bytes",
            "get_input_into", "get_output", "get_output_bytes", "get_output_into", "load_params",
-           "share_params", "benchmark", "close", "run_mode", "infer", "invoke", "run_stage")
+           "share_params", "benchmark", "close", "run_mode", "infer", "invoke", "run_stage",
+           "announce")
 
 ERROR_TAG = "[hgrt:"
 _TAGGED = re.compile(re.escape(ERROR_TAG) + r"(\w+)\] (.*)", re.DOTALL)

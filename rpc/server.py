@@ -147,8 +147,10 @@ class RemoteModuleServer:
         spec = wire.decode_stage_spec(spec_json)
         m = self.live
         stream = str(spec.get("stream", ""))
+        # a stage started unannounced admits its module's inputs, one input at a time
         got = _inbox().take(int(seq), spec["take"], float(spec.get("timeout",
-                                                                   channel.TAKE_TIMEOUT)), stream)
+                                                                   channel.TAKE_TIMEOUT)),
+                            stream, self._input_types(spec), window=1)
         t0 = time.perf_counter()
         outs = m.infer({int(i): got[n] for n, i in spec["inputs"].items()})
         values = {**got, **dict(zip(spec["outputs"], outs, strict=True))}
@@ -164,6 +166,37 @@ class RemoteModuleServer:
                 box.send(int(seq), n, values[n], stream)
         return wire.encode_stage_reply(time.perf_counter() - t0,
                                        [values[n] for n in spec["return"]])
+
+    def announce(self, spec_json: str) -> None:
+        """What the stage of ``spec_json`` (an announcement, ``hgrt.rpc.wire``) will take from
+        the session's inbox: only those tensors, of those types, within its window, are
+        admitted. The types of the module's inputs are the module's own."""
+        spec = wire.decode_stage_spec(spec_json)
+        types, window, first = wire.decode_announcement(spec)
+        own = self._input_types(spec)
+        for name in spec["take"]:
+            said = types.get(name)
+            if name in own and said is not None and said != own[name]:
+                raise InputError(f"announce: tensor {name!r} is {said[0]}{list(said[1])}, the "
+                                 f"module's input is {own[name][0]}{list(own[name][1])}")
+            if name not in own and said is None:
+                raise InputError(f"announce: tensor {name!r} is taken but is no input of the "
+                                 f"module and has no type")
+        _inbox().announce(str(spec.get("stream", "")),
+                          {n: own.get(n) or types[n] for n in spec["take"]}, window, first)
+
+    def _input_types(self, spec: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """``(dtype, shape)`` of the taken tensors that are the module's inputs."""
+        g = self.live.graph
+        out = {}
+        for name, index in spec["inputs"].items():
+            if isinstance(index, bool) or not isinstance(index, int) \
+                    or not 0 <= index < len(g.arg_nodes):
+                raise InputError(f"stage: tensor {name!r} goes to input {index!r}; the graph "
+                                 f"has {len(g.arg_nodes)} inputs")
+            eid = g.entry_id(g.arg_nodes[index])
+            out[name] = (str(g.dtypes[eid]), tuple(int(d) for d in g.shapes[eid]))
+        return out
 
     def invoke(self, name: str, args_json: str) -> str:
         """The rest of the module API that crosses as JSON: ``state`` (missing params, unset

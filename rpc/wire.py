@@ -11,7 +11,11 @@ a change here is a change of what every board reads.
 - **Stage spec** (``run_stage``'s argument): JSON ``{"take", "outputs", "stream", "inputs",
   "send", "outbox", "return"}``, optionally ``"timeout"``: the names taken from the inbox, the
   module's output names, the stream, taken names -> input index, the names sent on, the link
-  they go through (-1: none), the names returned.
+  they go through (-1: none), the names returned. An announcement (``announce``'s argument) is
+  a stage spec with three keys more, ``"types"`` (name -> ``[dtype, shape]`` of the tensors a
+  stage takes that are not inputs of its module), ``"window"`` (how many inputs past the last
+  one taken may arrive) and ``"first"`` (the stream's first input): what the stage's inbox
+  admits. ``run_stage``'s spec never carries them (its bytes are as before).
 - **Stage reply**: the server's seconds from the tensors' arrival to its last send (float64,
   little-endian), then the returned tensors' bytes one after another.
 """
@@ -186,6 +190,37 @@ def stage_spec(take: Sequence[str], outputs: Sequence[str], stream: str,
     return {"take": list(take), "outputs": list(outputs), "stream": stream,
             "inputs": dict(inputs), "send": list(send), "outbox": int(outbox),
             "return": list(returns)}
+
+
+def announcement(spec: Mapping, types: Mapping[str, tuple[str, Sequence[int]]], window: int,
+                 first: int) -> dict:
+    """``spec`` with what its stage's inbox is to admit: ``types`` of the taken tensors that are
+    not the module's inputs (the server knows those), ``window`` inputs ahead, from ``first``."""
+    return {**spec, "types": {n: [str(d), [int(x) for x in shape]]
+                              for n, (d, shape) in types.items()},
+            "window": int(window), "first": int(first)}
+
+
+def decode_announcement(spec: Mapping) -> tuple[dict[str, tuple[str, tuple[int, ...]]], int, int]:
+    """``(types, window, first)`` of a decoded announcement; ``InputError`` saying what is wrong
+    with them."""
+    try:
+        types, window, first = spec["types"], spec["window"], spec["first"]
+        if not isinstance(types, dict) or not all(isinstance(v, list) and len(v) == 2
+                                                  for v in types.values()):
+            raise TypeError("types is not a map of names to [dtype, shape]")
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (window, first)):
+            raise TypeError("window and first are not integers")
+        out = {}
+        for name, (dtype, shape) in types.items():
+            if dtype not in DTYPES or not isinstance(shape, list) or len(shape) > MAX_DIMS \
+                    or not all(isinstance(d, int) and 0 <= d <= MAX_PAYLOAD for d in shape) \
+                    or math.prod(shape) * np.dtype(dtype).itemsize > MAX_PAYLOAD:
+                raise TypeError(f"tensor {name!r}: {dtype!r}{shape!r} is not a tensor type")
+            out[str(name)] = (dtype, tuple(shape))
+    except (KeyError, TypeError, ValueError) as e:
+        raise InputError(f"announce: a bad announcement ({e})") from None
+    return out, window, first
 
 
 def encode_stage_spec(spec: Mapping) -> str:

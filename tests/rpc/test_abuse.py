@@ -28,6 +28,7 @@ MiB = 1 << 20
 def _stream(inbox: Inbox, n: int, stream: str = "legit", size: int = 256) -> float:
     """Send ``n`` inputs (input i: ``size`` floats of value i) and take them in order, as a
     board's stage does; the seconds it took. Fails on a lost, late or wrong input."""
+    inbox.announce(stream, {"x": ("float32", (size,))}, window=channel.WINDOW)
     box = Outbox("127.0.0.1", inbox.port, inbox.token)
     t0 = time.monotonic()
     sender = threading.Thread(target=lambda: [box.send(i, "x", np.full(size, i, "float32"),
@@ -79,11 +80,12 @@ def test_a_token_dripped_a_byte_at_a_time_is_cut_off(monkeypatch):
     inbox.close()
 
 
-def test_a_flood_of_new_inputs_is_held_to_the_window(monkeypatch):
-    """A token holder sends 200 inputs of 256 KiB that no stage takes: the inbox holds at most
-    WINDOW of them (the sender waits); another stream goes on meanwhile."""
-    monkeypatch.setattr(channel, "WINDOW", 8)
+def test_a_flood_of_new_inputs_is_held_to_the_window():
+    """A token holder sends 200 inputs of 256 KiB that no stage takes, on a stream announced 8
+    inputs ahead: the inbox holds 8 of them and closes the connection at the ninth; another
+    stream goes on meanwhile."""
     inbox = Inbox()
+    inbox.announce("flood", {"x": ("float32", (64 * 1024,))}, window=8)
     rss0 = psutil.Process().memory_info().rss
     flood = Outbox("127.0.0.1", inbox.port, inbox.token)
     frame = np.zeros(64 * 1024, "float32")  # 256 KiB
@@ -101,6 +103,7 @@ def test_a_flood_of_new_inputs_is_held_to_the_window(monkeypatch):
     assert _stream(inbox, 100) < 10
     held = inbox.held_bytes()
     assert held <= 8 * frame.nbytes, held
+    assert any("beyond the announced window (inputs 0 to 7)" in r for r in inbox.refused)
     assert psutil.Process().memory_info().rss - rss0 < 8 * frame.nbytes + 64 * MiB
     flood.close()
     inbox.close()
@@ -127,6 +130,7 @@ def _frame(seq: int, name: str, value: np.ndarray, stream: str) -> bytes:
 
 def test_a_tensor_sent_twice_or_after_its_take_is_refused():
     inbox = Inbox()
+    inbox.announce("s", {"x": ("float32", (4,))}, window=4)
     one, two = np.ones(4, "float32"), np.full(4, 2.0, "float32")
     raw = _raw(inbox)
     raw.sendall(_frame(1, "x", one, "s") + _frame(1, "x", two, "s"))

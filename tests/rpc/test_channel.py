@@ -99,6 +99,8 @@ def test_an_abort_stops_one_stream_and_drops_what_it_sent_not_another():
     """Two pipelines on one board: the abort of one fails its waiting stage and drops its
     tensors; the other's tensors stay and its stage goes on."""
     inbox = Inbox()
+    for stream in "ab":
+        inbox.announce(stream, {"x": ("float32", (2,))}, window=4)
     box = Outbox("127.0.0.1", inbox.port, inbox.token)
     box.send(1, "x", np.ones(2, "float32"), stream="a")
     box.send(1, "x", np.full(2, 2.0, "float32"), stream="b")
@@ -120,4 +122,62 @@ def test_a_peer_the_server_does_not_allow_is_closed_at_once(monkeypatch):
     raw.settimeout(5)
     assert raw.recv(1) == b""  # closed before a byte is read
     raw.close()
+    inbox.close()
+
+
+def _refused(inbox: Inbox, frames: bytes) -> str:
+    """Send ``frames`` on a connection of its own: the reason the inbox closed it."""
+    raw = socket.create_connection(("127.0.0.1", inbox.port))
+    raw.settimeout(10)
+    raw.sendall(inbox.token + frames)
+    assert _closed_by_peer(raw)
+    raw.close()
+    return inbox.refused[-1]
+
+
+def _tensor(seq: int, name: str, value: np.ndarray, stream: str = "s") -> bytes:
+    from hgrt.rpc import wire
+
+    return wire.frame_head(seq, name, value, stream) + value.tobytes()
+
+
+def test_an_inbox_admits_only_what_a_stage_announced(monkeypatch):
+    """Announced: tensor x of stream s, float32[4], from input 0, two inputs ahead. Another
+    name, dtype, shape, or an input past the window closes its connection (the reason kept);
+    what was announced comes through on another connection meanwhile."""
+    from hgrt.rpc import channel
+
+    monkeypatch.setattr(channel, "ANNOUNCE_TIMEOUT", 0.3)
+    inbox = Inbox()
+    inbox.announce("s", {"x": ("float32", (4,))}, window=2)
+    x = np.ones(4, "float32")
+    assert "no stage announced it" in _refused(inbox, _tensor(0, "y", x))
+    assert "no stage announced it" in _refused(inbox, _tensor(0, "x", x, stream="other"))
+    assert "announced float32[4]" in _refused(inbox, _tensor(0, "x", x.astype("float64")))
+    assert "announced float32[4]" in _refused(inbox, _tensor(0, "x", np.ones(5, "float32")))
+    assert "beyond the announced window (inputs 0 to 1)" in _refused(inbox, _tensor(2, "x", x))
+    box = Outbox("127.0.0.1", inbox.port, inbox.token)
+    for i in range(6):  # taken as they come: the window moves with the takes
+        box.send(i, "x", x * i, "s")
+        np.testing.assert_array_equal(inbox.take(i, ["x"], timeout=5, stream="s")["x"], x * i)
+    assert inbox.held_bytes() == 0 and inbox.pending() == 0
+    with pytest.raises(InputError, match="announced as float32\\[4\\], now int8\\[4\\]"):
+        inbox.announce("s", {"x": ("int8", (4,))}, window=2)
+    with pytest.raises(InputError, match="a window of 0 inputs"):
+        inbox.announce("t", {"x": None}, window=0)
+    box.close()
+    inbox.close()
+
+
+def test_a_frame_sent_before_its_announcement_waits_for_it():
+    inbox = Inbox()
+    box = Outbox("127.0.0.1", inbox.port, inbox.token)
+    box.send(0, "x", np.full(3, 7.0, "float32"), "late")
+    deadline = time.monotonic() + 5
+    while inbox.pending() == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert inbox.pending() == 1 and inbox.held_bytes() == 0  # at the door, nothing allocated
+    inbox.announce("late", {"x": ("float32", (3,))}, window=1)
+    np.testing.assert_array_equal(inbox.take(0, ["x"], timeout=5, stream="late")["x"], 7.0)
+    box.close()
     inbox.close()

@@ -94,3 +94,36 @@ def test_submits_racing_close_board_to_board_are_refused_or_answered(conv_pipeli
                 np.testing.assert_array_equal(f.result()[0], want)
             else:
                 assert isinstance(f.exception(), hgrt.HgrtError), f.exception()
+
+
+def test_the_boards_inboxes_admit_only_what_the_stages_announced(conv_pipeline):
+    """A direct pipeline announces each stage's tensors: a frame of the pipeline's own stream
+    with another shape, or far past the window, closes its own connection (the inbox says why)
+    and the pipeline's outputs stay right; a stage whose module input disagrees is refused."""
+    import socket
+
+    from hgrt.rpc import server, wire
+
+    x = _x(3)
+    want = reference(conv_model(), x)[0]
+    with load_pipeline(conv_pipeline, [tvm.rpc.LocalSession(), tvm.rpc.LocalSession()],
+                       transfer="direct") as p:
+        inbox = server._inbox()  # the LocalSessions' inbox, in this process
+        stream = p.links.stream
+        for seq, value in ((0, np.ones((1, 3, 8, 9), "float32")),
+                           (10_000, np.ones((1, 3, 8, 8), "float32"))):
+            raw = socket.create_connection(("127.0.0.1", inbox.port))
+            raw.settimeout(10)
+            raw.sendall(inbox.token + wire.frame_head(seq, "x", value, stream) + value.tobytes())
+            try:
+                assert raw.recv(1) == b""  # closed by the inbox
+            except ConnectionResetError:
+                pass  # closed with our payload unread
+            raw.close()
+        assert "announced float32[1, 3, 8, 8]" in inbox.refused[-2]
+        assert "beyond the announced window" in inbox.refused[-1]
+        for y in p.map([x] * 5):
+            np.testing.assert_allclose(y[0], want, rtol=1e-5, atol=1e-5)
+        spec = wire.announcement(p.links.specs[0], {"x": ("float32", (1, 3, 8, 9))}, 4, 0)
+        with pytest.raises(hgrt.InputError, match="the module's input is float32"):
+            p.modules[0].announce(spec)
