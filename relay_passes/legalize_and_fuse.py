@@ -36,6 +36,9 @@ def lowering_passes() -> list[tvm.transform.Pass]:
         # mean, kept N,C,1,1, then flattened: 28 us a run for 4 KB); one becomes a view
         relax.transform.RemoveRedundantReshape(),
         relax.transform.DeadCodeElimination(["main"]),
+        # cumsum, sort, topk, bucketize: LegalizeOps has no rule for them (RoBERTa's
+        # position ids are a cumsum of the input mask)
+        relax.backend.DispatchSortScan(),
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),

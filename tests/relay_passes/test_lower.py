@@ -167,3 +167,30 @@ def relax_free_vars(expr):
     from tvm import relax
 
     return relax.analysis.free_vars(expr)
+
+
+def _cumsums():
+    """x → CumSum(axis 1) → Relu → CumSum(axis 1, exclusive, reverse): two scans of one shape."""
+    from onnx import TensorProto, helper
+
+    axis = helper.make_tensor("axis", TensorProto.INT64, [], [1])
+    nodes = [helper.make_node("CumSum", ["x", "axis"], ["c0"]),
+             helper.make_node("Relu", ["c0"], ["r"]),
+             helper.make_node("CumSum", ["r", "axis"], ["y"], exclusive=1, reverse=1)]
+    graph = helper.make_graph(
+        nodes, "cumsums", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 7, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 7, 3])], [axis])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("placement", ["single", "alternating"])
+def test_a_cumsum_lowers_to_a_kernel(placement):
+    """LegalizeOps has no rule for scans (RoBERTa's position ids are a cumsum of the mask):
+    they reach the graph as kernels, on each device where they are placed."""
+    from hgrt.testing import alternating, build_and_compare
+
+    model = _cumsums()
+    if placement == "single":
+        build_and_compare(model)
+    else:
+        build_and_compare(model, ["cpu:0", "cpu:1"], alternating(model))
