@@ -34,6 +34,7 @@ import queue
 import secrets
 import threading
 import time
+import weakref
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
@@ -175,6 +176,26 @@ def _close_quietly(m: Any) -> None:
         m.close()
     except HgrtError:
         pass
+
+
+def _stage_thread(pipeline: weakref.ref, q: queue.Queue, k: int) -> None:
+    """Stage ``k``'s thread: it holds its pipeline only while it works on an input, so that an
+    unclosed pipeline that nobody holds is collected (its finalizer stops the threads)."""
+    while True:
+        item = q.get()
+        p = pipeline()
+        if p is None or not p._stage_step(k, item):
+            return
+        del p, item
+
+
+def _stop_queues(queues: list[queue.Queue]) -> None:
+    """A pipeline was collected unclosed: its stage threads, idle, stop."""
+    for q in queues:
+        try:
+            q.put_nowait(_STOP)
+        except queue.Full:
+            pass
 
 
 def _settle(fut: Future, *, result: Any = None, error: BaseException | None = None) -> None:
@@ -328,9 +349,13 @@ class Pipeline:
         self._busy: list[_Item | None] = [None] * len(modules)  # the input each stage is on
         self._broken: HgrtError | None = None
         self._closed = False
-        self._threads = [threading.Thread(target=self._stage_loop, args=(k,), daemon=True,
+        # the threads hold the pipeline only while they work on an input: one dropped
+        # unclosed is collected, and its finalizer ends them
+        me = weakref.ref(self)
+        self._threads = [threading.Thread(target=_stage_thread, args=(me, q, k), daemon=True,
                                           name=f"hgrt-pipeline-stage{k}")
-                         for k in range(len(modules))]
+                         for k, q in enumerate(self._queues)]
+        self._finalizer = weakref.finalize(self, _stop_queues, self._queues)
         for t in self._threads:
             t.start()
 
@@ -405,51 +430,55 @@ class Pipeline:
             raise ClosedError("the pipeline is closed")
 
     # ---- the stages ------------------------------------------------------------------------
-    def _stage_loop(self, k: int) -> None:
-        q, last = self._queues[k], k == len(self.modules) - 1
-        while True:
-            item = q.get()
-            if k == 0:
-                with self._space:
-                    self._space.notify_all()
-            if item is _STOP:
-                if not last:
-                    self._queues[k + 1].put(_STOP)
+    def _stage_step(self, k: int, item: Any) -> bool:
+        """Stage ``k``'s work on ``item``, just taken from its queue; False at the stop."""
+        last = k == len(self._queues) - 1
+        if k == 0:
+            with self._space:
+                self._space.notify_all()
+        if item is _STOP:
+            if not last:
+                self._queues[k + 1].put(_STOP)
+            return False
+        if self._broken is not None:
+            _settle(item.future, error=self._broken)
+            return True
+        self._run_item(k, item, last)
+        return True
+
+    def _run_item(self, k: int, item: _Item, last: bool) -> None:
+        """One input through stage ``k``; a failure breaks the pipeline, naming the stage."""
+        self._busy[k] = item
+        try:
+            if self.links is not None:
+                if not last:  # the next board waits for its tensors while this one works
+                    self._queues[k + 1].put(item)
+                served, data = self.links.run(k, item)
+                self._served[k].append(served)
+                if last:
+                    _settle(item.future, result=self._unpack(data))
                 return
-            if self._broken is not None:
-                _settle(item.future, error=self._broken)
-                continue
-            self._busy[k] = item
-            try:
-                if self.links is not None:
-                    if not last:  # the next board waits for its tensors while this one works
-                        self._queues[k + 1].put(item)
-                    served, data = self.links.run(k, item)
-                    self._served[k].append(served)
-                    if last:
-                        _settle(item.future, result=self._unpack(data))
-                    continue
-                t0 = time.perf_counter()
-                outs = self.modules[k]({n: item.values[n] for n in self.stages[k]["inputs"]})
-                self._served[k].append(time.perf_counter() - t0)
-            except BaseException as e:  # noqa: B036 - the stage is gone: stop, say which
-                with self._lock:
-                    first = self._broken is None
-                    err = self._stage_error(k, e) if first else self._broken
-                    self._broken = err
-                _settle(item.future, error=err)
-                if first and self.links is not None:
-                    self.links.abort(str(err))
-                self._drain(k)
-                continue
-            values = {n: v for n, v in item.values.items() if n in self._keep[k]}
-            values.update((n, v) for n, v in zip(self.stages[k]["outputs"], outs, strict=True)
-                          if n in self._keep[k])
-            item.values = values
-            if last:
-                _settle(item.future, result=[values[n] for n in self.output_names])
-            else:
-                self._queues[k + 1].put(item)
+            t0 = time.perf_counter()
+            outs = self.modules[k]({n: item.values[n] for n in self.stages[k]["inputs"]})
+            self._served[k].append(time.perf_counter() - t0)
+        except BaseException as e:  # noqa: B036 - the stage is gone: stop, say which
+            with self._lock:
+                first = self._broken is None
+                err = self._stage_error(k, e) if first else self._broken
+                self._broken = err
+            _settle(item.future, error=err)
+            if first and self.links is not None:
+                self.links.abort(str(err))
+            self._drain(k)
+            return
+        values = {n: v for n, v in item.values.items() if n in self._keep[k]}
+        values.update((n, v) for n, v in zip(self.stages[k]["outputs"], outs, strict=True)
+                      if n in self._keep[k])
+        item.values = values
+        if last:
+            _settle(item.future, result=[values[n] for n in self.output_names])
+        else:
+            self._queues[k + 1].put(item)
 
     def stage_ms(self) -> list[float | None]:
         """Per stage, the median milliseconds of its latest inputs (None: none yet): with

@@ -136,6 +136,13 @@ class _Session:
         except Exception:
             return False
 
+    def detached(self) -> _Session:
+        """This session's name and state, without the connection (a closed module's)."""
+        out = object.__new__(_Session)
+        out.sess, out.index, out.name, out.lost, out.lock = None, self.index, self.name, \
+            self.lost, self.lock
+        return out
+
     def check(self, what: str) -> None:
         if self.lost is not None:
             raise RemoteError(f"{self.name}: cannot {what}, the session was lost earlier "
@@ -229,6 +236,7 @@ class RemoteGraphModule(GraphModuleAPI):
                         "drops a session's modules when the session ends", self,
                         self.session.lost)
             self._method, self._unfreed = None, None
+            self._let_go()
             return
         try:
             close = close or self._method("close")
@@ -248,8 +256,16 @@ class RemoteGraphModule(GraphModuleAPI):
                 self._methods = {"close": close} if close is not None else {}
             else:
                 self._method = None
+                self._let_go()
             raise self._unfreed from e
         self._method, self._unfreed = None, None
+        self._let_go()
+
+    def _let_go(self) -> None:
+        """Hold nothing of the RPC session any more (the caller's to drop: once it does, the
+        server is free for the next client); names stay for messages."""
+        self.session = self.session.detached()
+        self.devices = [tvm.runtime.Device(d.dlpack_device_type(), d.index) for d in self.devices]
 
     # ---- running --------------------------------------------------------------------------
     def run(self, parallel: bool | None = None, **inputs) -> None:
