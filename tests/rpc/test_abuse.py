@@ -5,6 +5,7 @@ count and time, while a legitimate sender streams inputs, and asserts what that 
 
 from __future__ import annotations
 
+import json
 import socket
 import struct
 import subprocess
@@ -242,3 +243,170 @@ def test_a_session_length_counts_only_positive_finite_seconds(asked, cap, want):
     from hgrt.rpc.listen import session_limit
 
     assert session_limit(asked, cap) == want
+
+
+# ---- a real board server under attack while a pipeline streams through it ------------------
+ATTACK_SECONDS = 1.5  # each attack runs at most this long (and a bounded count of tries)
+PER_ATTACKER = 64 * MiB  # what the board's processes may grow by per attack, beyond the window
+
+
+@pytest.fixture(scope="module")
+def board_pipeline(rpc_env, tmp_path_factory):
+    """A two-stage pipeline of conv_model on two real `hgrt rpc-server`s (board-to-board), its
+    inputs, and the outputs of a clean run of them."""
+    import hgrt.rpc
+    from hgrt.pipelines import load_pipeline
+    from hgrt.stages import split
+    from hgrt.testing import conv_model
+
+    out = tmp_path_factory.mktemp("abuse") / "conv"
+    split(conv_model(), 2, kernels="tvm").save(out)
+    keys = ("abuse-a", "abuse-b")
+    procs = [rpc_env.start_server(k) for k in keys]
+    sessions = [hgrt.rpc.connect(tracker=rpc_env.tracker, key=k, timeout=30) for k in keys]
+    p = load_pipeline(out, sessions, transfer="direct")
+    rng = np.random.default_rng(9)
+    xs = [{"x": rng.standard_normal((1, 3, 8, 8)).astype("float32")} for _ in range(16)]
+    clean = [y[0] for y in p.map(xs)]
+    yield p, procs, xs, clean
+    p.close()
+
+
+def _board_rss(proc) -> int:
+    """Resident bytes of a board server and its session processes."""
+    total = 0
+    for q in proc.tree():
+        try:
+            total += q.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def _rpc_port(session) -> int:
+    import re
+
+    from hgrt.rpc.session import describe
+
+    return int(re.search(r"server [\d.]+:(\d+)", describe(session)).group(1))
+
+
+def _bounded(attack, *args) -> None:
+    """Run ``attack`` until ATTACK_SECONDS or its own count ends it; OSErrors are expected."""
+    deadline = time.monotonic() + ATTACK_SECONDS
+    for _ in range(200):
+        if time.monotonic() > deadline:
+            return
+        try:
+            if attack(*args, deadline) is False:
+                return
+        except OSError:
+            pass
+
+
+def _drip_handshake(where, rpc_port, deadline) -> bool:
+    """TVM RPC's magic and a key length, then the key a byte at a time."""
+    s = socket.create_connection(("127.0.0.1", rpc_port), timeout=2)
+    with s:
+        s.sendall(struct.pack("<ii", 0xFF271, 100))
+        while time.monotonic() < deadline:
+            s.sendall(b"k")
+            time.sleep(0.2)
+    return False
+
+
+def _idle_without_token(where, rpc_port, deadline) -> bool:
+    conns = [socket.create_connection((where.host, where.port), timeout=2) for _ in range(100)]
+    time.sleep(max(0.0, min(1.0, deadline - time.monotonic())))
+    for c in conns:
+        c.close()
+    return False
+
+
+def _with_token(where, frames: bytes) -> None:
+    s = socket.create_connection((where.host, where.port), timeout=2)
+    with s:
+        s.sendall(where.token + frames)
+        try:
+            s.recv(1)  # until the inbox closes it
+        except OSError:
+            pass
+
+
+def _new_sequence_numbers(where, stream, deadline) -> bool:
+    _with_token(where, b"".join(_frame(10_000 + i, "x", np.ones((1, 3, 8, 8), "float32"), stream)
+                                for i in range(50)))
+    return True
+
+
+def _oversized(where, stream, deadline) -> bool:
+    head = json.dumps({"name": "x", "dtype": "float32", "shape": [1 << 30],
+                       "stream": stream}).encode()
+    _with_token(where, struct.pack("<qIQ", 5, len(head), 4 << 30) + head + bytes(1 << 16))
+    return True
+
+
+def _replayed(where, stream, deadline) -> bool:
+    frame = _frame(0, "x", np.ones((1, 3, 8, 8), "float32"), stream)  # input 0: taken long ago
+    _with_token(where, frame + frame)
+    return True
+
+
+def _malformed(where, stream, deadline) -> bool:
+    _with_token(where, struct.pack("<qIQ", 1, 9, 3) + b"{not json")
+    return True
+
+
+ATTACKS = {"dripping handshake": _drip_handshake, "idle without the token": _idle_without_token,
+           "new sequence numbers": _new_sequence_numbers, "oversized frames": _oversized,
+           "duplicates": _replayed, "malformed frames": _malformed}
+
+
+def _stream_under_attack(board_pipeline, n: int) -> None:
+    """``n`` inputs through the pipeline while each attack runs in turn at the boards: none
+    lost, in order, equal to the clean run, none waits over 10 s; the boards' memory grows by
+    less than the window's bytes + PER_ATTACKER per attack."""
+    p, procs, xs, clean = board_pipeline
+    inboxes = [m.inbox() for m in p.modules]
+    stream = p.links.stream
+    rss0 = max(_board_rss(q) for q in procs)
+    peak = [rss0]
+    got, waits, done = [], [], threading.Event()
+
+    def legit():
+        for i in range(n):
+            t0 = time.monotonic()
+            got.append(p.submit(xs[i % len(xs)]).result(timeout=30)[0])
+            waits.append(time.monotonic() - t0)
+        done.set()
+
+    t = threading.Thread(target=legit, daemon=True)
+    t.start()
+    rounds = 0
+    while not done.is_set() or rounds == 0:
+        for name, attack in ATTACKS.items():
+            for k, where in enumerate(inboxes):
+                arg = _rpc_port(p.modules[k].session.sess) if name == "dripping handshake" \
+                    else stream
+                _bounded(attack, where, arg)
+                peak.append(max(_board_rss(q) for q in procs))
+        rounds += 1
+    t.join(60)
+    window = 2 * len(p.modules) * (p.depth + 1) * xs[0]["x"].nbytes
+    assert len(got) == n, f"{n - len(got)} inputs lost"
+    for i, y in enumerate(got):
+        np.testing.assert_array_equal(y, clean[i % len(xs)], err_msg=f"input {i}")
+    assert max(waits) < 10, max(waits)
+    assert max(peak) - rss0 < window + PER_ATTACKER * len(ATTACKS), (max(peak) - rss0) / MiB
+    assert p.transfer == "direct" and p._broken is None
+
+
+@pytest.mark.rpc
+def test_a_pipeline_on_real_boards_streams_through_each_attack(board_pipeline):
+    _stream_under_attack(board_pipeline, 60)
+
+
+@pytest.mark.rpc
+@pytest.mark.slow
+def test_a_thousand_inputs_stream_through_the_attacks(board_pipeline):
+    _stream_under_attack(board_pipeline, 1000)
