@@ -1,6 +1,7 @@
 """The rewrites of hgrt's own that ``legalize_and_fuse`` runs among TVM's lowering passes
-(``lowering_passes``): a reshape kernel that makes a graph output becomes a view, and an
-elementwise op joining two devices' branches stays a kernel of its own.
+(``lowering_passes``): TVM's reshape views with their readers kept connected, a reshape kernel
+that makes a graph output becomes a view, and an elementwise op joining two devices' branches
+stays a kernel of its own.
 """
 
 from __future__ import annotations
@@ -17,6 +18,32 @@ from hgrt.relay_passes.util.relax_util import (
     op_name,
     prim_funcs,
 )
+
+
+@tvm.transform.module_pass(opt_level=0, name="hgrt.RewriteDataflowReshape")
+def rewrite_dataflow_reshape(mod: tvm.IRModule, _ctx=None) -> tvm.IRModule:
+    """TVM's RewriteDataflowReshape (reshape kernels become ``R.reshape``, views), with the
+    readers of each rewritten variable reconnected: where the reshape's type differs from the
+    kernel's (an identity ``nn.pad`` whose output type has no vdevice, of a tensor that has
+    one), TVM binds a new variable but leaves the readers on the old, now undefined one
+    (MobileNetV2's zero pads)."""
+    before = mod["main"]
+    mod = relax.transform.RewriteDataflowReshape()(mod)
+    main = mod["main"]
+    if not any(isinstance(v, relax.DataflowVar) for v in relax.analysis.free_vars(main)):
+        return mod
+    old, new = list(bindings(before)), list(bindings(main))
+    assert len(old) == len(new), "RewriteDataflowReshape rewrites bindings one for one"
+    renamed = {o.var: n.var for o, n in zip(old, new, strict=True) if not o.var.same_as(n.var)}
+
+    @relax.expr_functor.mutator
+    class _Reconnect(relax.PyExprMutator):
+        def visit_dataflow_var_(self, var: relax.DataflowVar) -> relax.Expr:
+            return renamed.get(var, var)
+
+    out = mod.clone()
+    out["main"] = _Reconnect(mod).visit_expr(main)
+    return out
 
 
 @tvm.transform.module_pass(opt_level=0, name="hgrt.ReshapeOutputsAsViews")

@@ -103,3 +103,30 @@ def test_a_reshape_kernel_that_became_a_view_is_not_built():
     m.run(x=x)
     want = np.full((1, 5), x.mean(axis=(2, 3)).sum(), "float32")  # ones @ the pooled vector
     np.testing.assert_allclose(m.get_output(0).numpy(), want, rtol=1e-5)
+
+
+def _conv_zero_pad_conv():
+    """a = Conv 1x1 with bias(x); y = Conv 1x1(Pad of zeros(a)) + a: the pad is an identity
+    kernel of its own (the first conv has two readers), which TVM's RewriteDataflowReshape turns
+    into a view whose type differs from the kernel's (the bias gives ``a`` a vdevice)."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((4, 3, 1, 1)).astype("float32"), "w0"),
+             numpy_helper.from_array(rng.standard_normal((4, 4, 1, 1)).astype("float32"), "w1"),
+             numpy_helper.from_array(rng.standard_normal(4).astype("float32"), "b0"),
+             numpy_helper.from_array(np.zeros(8, "int64"), "pads")]
+    nodes = [helper.make_node("Conv", ["x", "w0", "b0"], ["a"]),
+             helper.make_node("Pad", ["a", "pads"], ["b"]),
+             helper.make_node("Conv", ["b", "w1"], ["c"]),
+             helper.make_node("Add", ["c", "a"], ["y"])]
+    graph = helper.make_graph(nodes, "zero_pad", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, [1, 3, 5, 5])], [helper.make_tensor_value_info(
+            "y", TensorProto.FLOAT, [1, 4, 5, 5])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_zero_pad_that_became_a_view_keeps_its_reader():
+    """The conv after a zero pad reads the view (MobileNetV2's exports have such pads)."""
+    from hgrt.testing import build_and_compare
+
+    res = build_and_compare(_conv_zero_pad_conv(), kernels="tvm")
+    assert any(n.attrs.get("func_name") == NOP_FUNC for n in res.graph.nodes)
