@@ -8,7 +8,8 @@ mask of ``ConstantOfShape(Shape(ids))``), and TVM's import keeps them as run-tim
 
 Folding alternates with ONNX shape inference (a Reshape whose target became a constant has a
 static shape the next round) until nothing changes. A node is evaluated by ONNX's reference
-evaluator at the model's opset; one that fails there, a random or control-flow node, one of
+evaluator at the model's opset (``REFERENCE_OPSET``: a few at a later one, which computes them
+alike); one that fails there, a random or control-flow node, one of
 another domain and one whose result would exceed ``MAX_ELEMENTS`` (weights stay what they are:
 ``fold_weight_transforms`` handles those after import) is left alone.
 """
@@ -58,9 +59,18 @@ def _constants(model: Any) -> dict[str, Any]:
     return found
 
 
+# ops whose reference implementation starts at a later opset than the ops' earlier versions
+# it computes alike (for the types those allow): evaluated at that opset
+REFERENCE_OPSET = {"DequantizeLinear": 19, "QuantizeLinear": 19}
+
+
 def _evaluate(node: Any, values: dict[str, np.ndarray], opsets: list) -> list[np.ndarray]:
     from onnx import helper
     from onnx.reference import ReferenceEvaluator
+
+    at_least = REFERENCE_OPSET.get(node.op_type, 0)
+    opsets = [helper.make_opsetid(o.domain, max(o.version, at_least))
+              if o.domain in ("", "ai.onnx") else o for o in opsets]
 
     names = [i for i in node.input if i]
     graph = helper.make_graph(
@@ -91,17 +101,44 @@ def _folded(node: Any, shapes: dict, values: dict, opsets: list) -> list[np.ndar
         return None
 
 
+def _sequence_length(node: Any, producer: dict, shapes: dict, values: dict
+                     ) -> list[np.ndarray] | None:
+    """The length of a sequence ``SplitToSequence`` made of a tensor of static shape, which
+    its shape and its split's shape (or scalar value) give; else None."""
+    split = producer.get(node.input[0])
+    if split is None or split.op_type != "SplitToSequence" or split.input[0] not in shapes:
+        return None
+    dims = shapes[split.input[0]]
+    axis = next((a.i for a in split.attribute if a.name == "axis"), 0)
+    if not -len(dims) <= axis < len(dims):
+        return None
+    dim = dims[axis]
+    sizes = split.input[1] if len(split.input) > 1 else ""
+    if not sizes:  # chunks of one
+        return [np.array(dim, "int64")]
+    if len(shapes.get(sizes, [None, None])) == 1:  # one chunk per size given
+        return [np.array(shapes[sizes][0], "int64")]
+    if sizes in values and np.ndim(values[sizes]) == 0 and int(values[sizes]) > 0:
+        return [np.array(-(-dim // int(values[sizes])), "int64")]
+    return None
+
+
 def _fold_round(model: Any, shapes: dict, values: dict, keep: set[str]) -> bool:
-    """One pass over the nodes in order, each foldable one replaced by Constant nodes."""
+    """One pass over the nodes in order, each foldable one replaced by Constant nodes (a graph
+    output only where it is a sequence's length: a scalar of the shapes alone)."""
     from onnx import helper, numpy_helper
 
     opsets = list(model.opset_import)
     changed = False
     nodes = list(model.graph.node)
+    producer = {o: n for n in nodes for o in n.output}
     del model.graph.node[:]
     for node in nodes:
-        outs = None if any(o in keep for o in node.output) else \
-            _folded(node, shapes, values, opsets)
+        if node.op_type == "SequenceLength" and node.domain in ("", "ai.onnx"):
+            outs = _sequence_length(node, producer, shapes, values)
+        else:
+            outs = None if any(o in keep for o in node.output) else \
+                _folded(node, shapes, values, opsets)
         if outs is None or any(np.asarray(o).size > MAX_ELEMENTS for o in outs):
             model.graph.node.append(node)
             continue
@@ -134,6 +171,12 @@ def _without_dead_nodes(model: Any) -> None:
     unread = [t for t in model.graph.initializer if t.name not in needed]
     for t in unread:
         model.graph.initializer.remove(t)
+    # an initializer that old exporters also list as a graph input goes with it: else the
+    # input would stay, a user input no node reads
+    gone = {t.name for t in unread}
+    listed = [i for i in model.graph.input if i.name in gone]
+    for i in listed:
+        model.graph.input.remove(i)
 
 
 def fold_static_shapes(model: Any, input_shapes: dict[str, list[int]] | None = None) -> Any:

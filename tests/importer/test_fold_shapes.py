@@ -83,9 +83,27 @@ def position_ids():
          ("neg", np.array(-10.0, "float32"))])
 
 
+def quantized_pad_value():
+    """A Pad whose constant value is quantized and dequantized (a QDQ model's padded conv, as
+    onnxruntime's quantize_static writes it): TVM's Pad needs the value as a constant."""
+    return _model([
+        helper.make_node("QuantizeLinear", ["value", "scale", "zp"], ["q"]),
+        helper.make_node("DequantizeLinear", ["q", "scale", "zp"], ["dq"]),
+        helper.make_node("Pad", ["x", "pads", "dq"], ["y"], mode="constant")],
+        [("x", TensorProto.FLOAT, [2, 5])], ["y"],
+        [("value", np.array(0.5, "float32")), ("scale", np.array(0.25, "float32")),
+         ("zp", np.array(0, "int8")), ("pads", _i64(0, 1, 1, 2))])
+
+
 MODELS = {"scalar_constant_of_shape": scalar_constant_of_shape,
           "reshape_by_shape_chain": reshape_by_shape_chain, "channel_split": channel_split,
-          "position_ids": position_ids}
+          "position_ids": position_ids, "quantized_pad_value": quantized_pad_value}
+
+
+def test_a_dequantized_constant_folds_at_opset_17():
+    """ONNX's reference evaluator has DequantizeLinear from opset 19 only; it folds anyway."""
+    folded = fold_static_shapes(quantized_pad_value())
+    assert [n.op_type for n in folded.graph.node] == ["Constant", "Pad"]
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
