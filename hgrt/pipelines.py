@@ -257,7 +257,9 @@ class _Links:
             inboxes = [m.inbox() for m in modules]
             for k in range(len(modules) - 1):
                 self.boxes.append(modules[k].link(inboxes[k + 1]))
-            self.client = [channel.Outbox(*where) for where in inboxes]
+            # each must answer as the inbox: over an SSH tunnel, the address a board gives is
+            # its own loopback, which here is this machine's (another service, or nothing)
+            self.client = [channel.Outbox(*where, verify=True) for where in inboxes]
             self.inboxes = [str(where) for where in inboxes]
         except BaseException:
             self.close()

@@ -147,8 +147,12 @@ class Inbox:
                 self.refused.append(f"{peer[0]}:{peer[1]}: {MAX_READERS} senders already")
                 return
             try:
+                conn.settimeout(HANDSHAKE_TIMEOUT)
+                conn.sendall(wire.token_ack(self.token))  # the sender may check it is us
                 conn.settimeout(None)
                 self._read_all(conn, peer)
+            except OSError:
+                return
             finally:
                 self._readers.release()
 
@@ -389,18 +393,29 @@ def _recv_within(conn: socket.socket, n: int, seconds: float) -> bytes:
 class Outbox:
     """A connection to another RPC session's inbox; ``send`` is thread-safe."""
 
-    def __init__(self, host: str, port: int, token: bytes, timeout: float = 10.0) -> None:
+    def __init__(self, host: str, port: int, token: bytes, timeout: float = 10.0,
+                 verify: bool = False) -> None:
+        """``verify``: wait (up to ``HANDSHAKE_TIMEOUT``) for the inbox's acknowledgement of
+        the token; a ``RemoteError`` when what answers at that address is not the inbox (an
+        unrelated service on a tunnel's local port, say)."""
         if len(token) != wire.TOKEN_BYTES:
             raise InputError(f"an inbox token is {wire.TOKEN_BYTES} bytes, got {len(token)}")
         self.where = f"{host}:{port}"
         try:
             self._sock = socket.create_connection((host, int(port)), timeout=timeout)
-            self._sock.settimeout(SEND_TIMEOUT)  # a peer that stops reading fails the send
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             self._sock.sendall(token)
-        except OSError as e:
+            ack = _recv_within(self._sock, wire.TOKEN_BYTES, HANDSHAKE_TIMEOUT) if verify \
+                else None
+            self._sock.settimeout(SEND_TIMEOUT)  # a peer that stops reading fails the send
+        except (OSError, EOFError) as e:
+            self.close()
             raise RemoteError(f"cannot reach the inbox at {self.where}: {e}") from e
+        if ack is not None and not hmac.compare_digest(ack, wire.token_ack(token)):
+            self.close()
+            raise RemoteError(f"what answers at {self.where} is not the session's inbox (it "
+                              f"did not acknowledge the token)")
         self._lock = threading.Lock()
 
     def send(self, seq: int, name: str, value: np.ndarray, stream: str = "") -> None:
@@ -421,6 +436,7 @@ class Outbox:
 
     def close(self) -> None:
         try:
-            self._sock.close()
+            if hasattr(self, "_sock"):
+                self._sock.close()
         except OSError:
             pass

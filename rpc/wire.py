@@ -2,7 +2,12 @@
 pipeline stage's spec and its reply, tensors as bytes. Senders and receivers import this module;
 a change here is a change of what every board reads.
 
-- **Inbox connection**: the sender's 16-byte token, then frames. A frame is ``<q I Q`` (input
+Version 2 (``VERSION``): an inbox answers a valid token with ``token_ack(token)`` (16 bytes),
+so that a sender can tell an hgrt inbox from an unrelated service at that address; what a sender
+writes is as in version 1.
+
+- **Inbox connection**: the sender's 16-byte token (answered by the inbox's 16-byte
+  acknowledgement, which a sender may wait for), then frames. A frame is ``<q I Q`` (input
   sequence number, header length, payload bytes), a JSON header ``{"name", "dtype", "shape",
   "stream"}``, then the payload (the tensor's bytes, C order). A frame named ``__abort__`` stops
   its stream (payload: why, UTF-8).
@@ -22,6 +27,8 @@ a change here is a change of what every board reads.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import math
 import socket
@@ -33,6 +40,7 @@ import numpy as np
 
 from hgrt.errors import InputError, RemoteError
 
+VERSION = 2  # of what is on an inbox connection (see the module doc)
 FRAME = struct.Struct("<qIQ")
 SECONDS = struct.Struct("<d")
 TOKEN_BYTES = 16
@@ -59,6 +67,12 @@ class InboxAddress(NamedTuple):
 
     def __str__(self) -> str:
         return f"{self.host}:{self.port}"
+
+
+def token_ack(token: bytes) -> bytes:
+    """What an inbox answers a sender that gave ``token``: only an inbox knows the token before
+    the sender sends it, and no other service computes this from it."""
+    return hmac.new(token, b"hgrt inbox", hashlib.sha256).digest()[:TOKEN_BYTES]
 
 
 # ---- tensors as bytes ----------------------------------------------------------------------

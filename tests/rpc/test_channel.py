@@ -49,9 +49,13 @@ def test_a_sender_without_the_token_is_dropped():
 def _closed_by_peer(conn: socket.socket) -> bool:
     """Whether the other end closed ``conn`` (a reset: it closed with our bytes unread)."""
     try:
-        return conn.recv(1) == b""
+        while conn.recv(4096):  # the inbox's acknowledgement of the token, then the end
+            pass
+        return True
     except ConnectionResetError:
         return True
+    except TimeoutError:
+        return False
 
 
 def _frame(header: bytes, payload: int, declared: int | None = None) -> bytes:
@@ -180,4 +184,27 @@ def test_a_frame_sent_before_its_announcement_waits_for_it():
     inbox.announce("late", {"x": ("float32", (3,))}, window=1)
     np.testing.assert_array_equal(inbox.take(0, ["x"], timeout=5, stream="late")["x"], 7.0)
     box.close()
+    inbox.close()
+
+
+def test_a_verifying_sender_tells_the_inbox_from_another_service(monkeypatch):
+    """An inbox acknowledges the token; a sender that asks for it is refused by a listener that
+    is not an inbox (silent, or answering something else), within the handshake's time."""
+    from hgrt.rpc import channel
+
+    monkeypatch.setattr(channel, "HANDSHAKE_TIMEOUT", 0.5)
+    inbox = Inbox()
+    Outbox("127.0.0.1", inbox.port, inbox.token, verify=True).close()
+    other = socket.create_server(("127.0.0.1", 0))
+    port = other.getsockname()[1]
+    answer = threading.Thread(target=lambda: [other.accept()[0].sendall(b"SSH-2.0-x" * 2),
+                                              other.accept()], daemon=True)
+    answer.start()
+    with pytest.raises(RemoteError, match="not the session's inbox"):
+        Outbox("127.0.0.1", port, inbox.token, verify=True)
+    t0 = time.monotonic()
+    with pytest.raises(RemoteError, match="cannot reach the inbox"):
+        Outbox("127.0.0.1", port, inbox.token, verify=True)  # accepted, never answered
+    assert time.monotonic() - t0 < 5
+    other.close()
     inbox.close()

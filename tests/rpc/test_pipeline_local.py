@@ -116,7 +116,8 @@ def test_the_boards_inboxes_admit_only_what_the_stages_announced(conv_pipeline):
             raw.settimeout(10)
             raw.sendall(inbox.token + wire.frame_head(seq, "x", value, stream) + value.tobytes())
             try:
-                assert raw.recv(1) == b""  # closed by the inbox
+                while raw.recv(4096):  # the token's acknowledgement, then closed by the inbox
+                    pass
             except ConnectionResetError:
                 pass  # closed with our payload unread
             raw.close()
@@ -127,3 +128,28 @@ def test_the_boards_inboxes_admit_only_what_the_stages_announced(conv_pipeline):
         spec = wire.announcement(p.links.specs[0], {"x": ("float32", (1, 3, 8, 9))}, 4, 0)
         with pytest.raises(hgrt.InputError, match="the module's input is float32"):
             p.modules[0].announce(spec)
+
+
+def test_an_inbox_address_that_is_another_service_falls_back_to_the_client(
+        conv_pipeline, monkeypatch, caplog):
+    """Over an SSH tunnel a board's inbox address is its own loopback, here this machine's:
+    a silent local listener there is not taken for the inbox; 'auto' goes through the client."""
+    import socket
+
+    from hgrt.rpc import channel
+    from hgrt.rpc.wire import InboxAddress
+
+    monkeypatch.setattr(channel, "HANDSHAKE_TIMEOUT", 0.5)
+    unrelated = socket.create_server(("127.0.0.1", 0))
+    real = RemoteGraphModule.inbox
+    monkeypatch.setattr(RemoteGraphModule, "inbox", lambda self: InboxAddress(
+        "127.0.0.1", unrelated.getsockname()[1], real(self).token))
+    sessions = [tvm.rpc.LocalSession(), tvm.rpc.LocalSession()]
+    with caplog.at_level("WARNING", logger="hgrt.pipeline"):
+        with load_pipeline(conv_pipeline, sessions) as p:
+            assert p.transfer == "client"
+            x = _x(4)
+            np.testing.assert_allclose(p(x)[0], reference(conv_model(), x)[0], rtol=1e-5,
+                                       atol=1e-5)
+    assert "not the session's inbox" in caplog.text or "cannot reach the inbox" in caplog.text
+    unrelated.close()
