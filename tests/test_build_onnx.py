@@ -123,9 +123,11 @@ def test_full_backend_sweep(form):
     for row in unexplained:
         print("UNEXPLAINED", row)
     assert not unexplained
-    # onnx: the 15 others: 13 the frontend cannot import, 2 with a data-dependent shape
-    # (refused); relax: TVM's import without hgrt's preparation takes fewer
-    assert min(passed.values()) >= {"onnx": 125, "relax": 121}[form], passed
+    # onnx: the 13 others: 6 string normalisers (no string tensors), 2 Gradient (training),
+    # 4 Expand whose target shape is a run-time input and 1 model with a symbolic input
+    # dimension (hgrt plans memory at build: refused, naming the shape); relax: TVM's import
+    # without hgrt's preparation and converters takes fewer
+    assert min(passed.values()) >= {"onnx": 127, "relax": 123}[form], passed
 
 
 def _check_light(name: str) -> None:

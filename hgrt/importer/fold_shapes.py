@@ -106,18 +106,18 @@ def _sequence_length(node: Any, producer: dict, shapes: dict, values: dict
     """The length of a sequence ``SplitToSequence`` made of a tensor of static shape, which
     its shape and its split's shape (or scalar value) give; else None."""
     split = producer.get(node.input[0])
-    if split is None or split.op_type != "SplitToSequence" or split.input[0] not in shapes:
+    if split is None or split.op_type != "SplitToSequence":
         return None
-    dims = shapes[split.input[0]]
+    sizes = split.input[1] if len(split.input) > 1 else ""
+    if sizes and len(shapes.get(sizes, [None, None])) == 1:  # one chunk per size given
+        return [np.array(shapes[sizes][0], "int64")]
+    dims = shapes.get(split.input[0])
     axis = next((a.i for a in split.attribute if a.name == "axis"), 0)
-    if not -len(dims) <= axis < len(dims):
+    if dims is None or not -len(dims) <= axis < len(dims):
         return None
     dim = dims[axis]
-    sizes = split.input[1] if len(split.input) > 1 else ""
     if not sizes:  # chunks of one
         return [np.array(dim, "int64")]
-    if len(shapes.get(sizes, [None, None])) == 1:  # one chunk per size given
-        return [np.array(shapes[sizes][0], "int64")]
     if sizes in values and np.ndim(values[sizes]) == 0 and int(values[sizes]) > 0:
         return [np.array(-(-dim // int(values[sizes])), "int64")]
     return None

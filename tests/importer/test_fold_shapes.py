@@ -164,3 +164,59 @@ def test_scalar_constant_of_shape_converts_without_folding():
     x = np.random.default_rng(2).standard_normal((2, 5)).astype("float32")
     got = run_relax_vm(mod, [x])
     np.testing.assert_allclose(got[0], onnx_reference(model, {"x": x})[0], rtol=1e-6)
+
+
+@pytest.mark.parametrize(("split", "want"), [(None, 4), ("sizes", 3), ("chunk", 2)])
+def test_a_sequence_length_of_a_split_tensor_folds_even_as_an_output(split, want):
+    inputs = [("x", TensorProto.FLOAT, [2, 3, 4])]
+    args, inits = ["x"], []
+    if split == "sizes":  # one chunk per size given: the sizes' shape says how many
+        inputs.append(("s", TensorProto.INT64, [3]))
+        args.append("s")
+    elif split == "chunk":  # chunks of 3 of an axis of 4: two
+        inits.append(("s", _i64(3).reshape(())))
+        args.append("s")
+    nodes = [helper.make_node("SplitToSequence", args, ["seq"], axis=-1),
+             helper.make_node("SequenceLength", ["seq"], ["n"]),
+             helper.make_node("Relu", ["x"], ["y"])]
+    model = _model(nodes, inputs, ["n", "y"], inits, opset=12)
+    model.graph.output[0].type.tensor_type.elem_type = TensorProto.INT64
+    folded = fold_static_shapes(model)
+    assert [n.op_type for n in folded.graph.node] == ["Constant", "Relu"]
+    feed = {"x": np.random.default_rng(0).standard_normal((2, 3, 4)).astype("float32")}
+    if split == "sizes":
+        feed["s"] = _i64(1, 1, 2)
+    for res in (hgrt.build(model, ["cpu:0"]),
+                hgrt.build(model, ["cpu:0", "cpu:1"],
+                           hgrt.Placement(rules={"nn.relu": "cpu:1"}, fallback="cpu:0"))):
+        got = run_hgrt(res, feed)
+        assert int(got[0]) == want == int(onnx_reference(model, feed)[0])
+        np.testing.assert_array_equal(got[1], np.maximum(feed["x"], 0))
+
+
+def test_an_initializer_listed_as_an_input_leaves_with_the_nodes_that_read_it():
+    """Old exporters list initializers as inputs: once a transpose of one folds, neither the
+    initializer nor its input entry is left (the model's inputs stay its real ones)."""
+    w = np.random.default_rng(1).standard_normal((5, 4)).astype("float32")
+    nodes = [helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]),
+             helper.make_node("MatMul", ["x", "wt"], ["y"])]
+    model = _model(nodes, [("x", TensorProto.FLOAT, [2, 4]), ("w", TensorProto.FLOAT, [5, 4])],
+                   ["y"], [("w", w)], opset=9)
+    folded = fold_static_shapes(model)
+    assert [i.name for i in folded.graph.input] == ["x"]
+    x = np.random.default_rng(2).standard_normal((2, 4)).astype("float32")
+    got = run_hgrt(hgrt.build(model, ["cpu"]), {"x": x})
+    np.testing.assert_allclose(got[0], x @ w.T, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("starts", "ends", "axes"), [
+    ([1], [3], [0]), ([-3, 0], [2**63 - 1, -1], [1, 2]), ([0, 1], [1, 10], None)])
+def test_slice_before_opset_10_takes_its_bounds_from_attributes(starts, ends, axes):
+    attrs = {"starts": starts, "ends": ends} | ({"axes": axes} if axes is not None else {})
+    model = _model([helper.make_node("Slice", ["x"], ["y"], **attrs)],
+                   [("x", TensorProto.FLOAT, [4, 5, 6])], ["y"], opset=9)
+    x = np.random.default_rng(3).standard_normal((4, 5, 6)).astype("float32")
+    want = onnx_reference(model, {"x": x})[0]
+    for res in (hgrt.build(model, ["cpu:0"]),
+                hgrt.build(model, ["cpu:0", "cpu:1"], alternating(model))):
+        np.testing.assert_array_equal(run_hgrt(res, {"x": x})[0], want)
