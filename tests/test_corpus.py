@@ -55,20 +55,7 @@ def test_the_manifest_holds_every_model_by_both_exporters():
         assert os.path.getsize(e.path) < MAX_BYTES, e.name
 
 
-# tiny files whose op types are not yet the real config's (the dynamo exporter folds small
-# constants only: what its real config computes at run time, the tiny one has folded)
-OP_TYPES_DIFFER = {
-    "swin.dynamo": "the real config has Equal, Expand, Not, Where that the tiny one folds",
-    "opt.dynamo": "the real config has And that the tiny one folds",
-    "gpt_neo.dynamo": "the real config has And, Slice that the tiny one folds",
-    "lstm.dynamo": "the real config has Concat, Slice, Unsqueeze that the tiny one folds",
-    "gru.dynamo": "the real config has Concat, Unsqueeze that the tiny one folds",
-}
-
-
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=[pytest.mark.xfail(reason=OP_TYPES_DIFFER[n], strict=True)]
-                 if n in OP_TYPES_DIFFER else []) for n in sorted(ENTRIES)])
+@pytest.mark.parametrize("name", sorted(ENTRIES))
 def test_the_tiny_file_has_the_real_configs_op_types(name):
     """The tiny config exercises every op type of the real one (the manifest holds what the real
     config's export gave; the file is read again here)."""

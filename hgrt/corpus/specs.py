@@ -67,23 +67,26 @@ SPECS: tuple[Spec, ...] = (
          {"image_size": 32, "patch_size": 8, "hidden_size": 32, "num_hidden_layers": 2,
           "num_attention_heads": 2, "intermediate_size": 64, "num_labels": 10},
          {"num_labels": 1000}, _image(32, 224)),
+    # tiny: a shifted-window mask of 32 * 32 * 4 * 4 elements, which the dynamo exporter
+    # keeps a computation (Equal, Not, Where) as at 224 (it folds inputs of up to 8192)
     Spec("swin", "encoder", "SwinForImageClassification",
-         {"image_size": 32, "patch_size": 4, "embed_dim": 8, "depths": [2, 2, 2],
-          "num_heads": [1, 2, 4], "window_size": 2, "num_labels": 10, **_EAGER},
-         {"num_labels": 1000, **_EAGER}, _image(32, 224)),
-    # decoders at a static length, no cache
+         {"image_size": 64, "patch_size": 2, "embed_dim": 8, "depths": [2, 2, 2],
+          "num_heads": [1, 2, 4], "window_size": 4, "num_labels": 10, **_EAGER},
+         {"num_labels": 1000, **_EAGER}, _image(64, 224)),
+    # decoders at a static length, no cache; tiny at 128 tokens too: the dynamo exporter
+    # keeps the (128, 128) causal mask a computation (And), as at the real config
     Spec("opt", "decoder", "OPTForCausalLM",
          {"vocab_size": 256, "hidden_size": 32, "num_hidden_layers": 2,
-          "num_attention_heads": 2, "ffn_dim": 64, "max_position_embeddings": 64,
+          "num_attention_heads": 2, "ffn_dim": 64, "max_position_embeddings": 256,
           "word_embed_proj_dim": 32},
-         {}, _ids(8, 256, 128, 50272)),
+         {}, _ids(128, 256, 128, 50272)),
     Spec("gpt_neo", "decoder", "GPTNeoForCausalLM",
          {"vocab_size": 256, "hidden_size": 32, "num_layers": 2, "num_heads": 2,
-          "attention_types": [[["global", "local"], 1]], "max_position_embeddings": 64,
+          "attention_types": [[["global", "local"], 1]], "max_position_embeddings": 256,
           "window_size": 4},
          {"num_layers": 12, "attention_types": [[["global", "local"], 6]], "hidden_size": 768,
           "num_heads": 12, "vocab_size": 50257, "max_position_embeddings": 2048,
-          "window_size": 256}, _ids(8, 256, 128, 50257)),
+          "window_size": 256}, _ids(128, 256, 128, 50257)),
     Spec("llama", "decoder", "LlamaForCausalLM",
          {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64},
@@ -128,16 +131,18 @@ SPECS: tuple[Spec, ...] = (
          {"stages": [116, 232, 464], "repeats": [4, 8, 4], "conv5": 1024, "num_labels": 1000},
          {"tiny": [("x", [1, 3, 32, 32], "float32", 0)],
           "real": [("x", [1, 3, 224, 224], "float32", 0)]}),
-    # recurrent: 2 layers each; the LSTM bidirectional, the GRU given its initial state
+    # recurrent: 2 layers each; the LSTM bidirectional, the GRU given its initial state; tiny
+    # hidden sizes whose recurrent weights (4 or 3 gates * hidden * hidden) exceed the 8192
+    # elements the dynamo exporter folds: their gate reordering stays Concat, Slice, Unsqueeze
     Spec("lstm", "recurrent", "LSTM",
-         {"input_size": 8, "hidden_size": 16, "bidirectional": True, "num_labels": 10},
+         {"input_size": 8, "hidden_size": 48, "bidirectional": True, "num_labels": 10},
          {"input_size": 128, "hidden_size": 256, "bidirectional": True, "num_labels": 10},
          {"tiny": [("x", [1, 8, 8], "float32", 0)],
           "real": [("x", [1, 32, 128], "float32", 0)]}),
     Spec("gru", "recurrent", "GRU",
-         {"input_size": 8, "hidden_size": 16, "num_labels": 10},
+         {"input_size": 8, "hidden_size": 64, "num_labels": 10},
          {"input_size": 128, "hidden_size": 256, "num_labels": 10},
-         {"tiny": [("x", [1, 8, 8], "float32", 0), ("h0", [2, 1, 16], "float32", 0)],
+         {"tiny": [("x", [1, 8, 8], "float32", 0), ("h0", [2, 1, 64], "float32", 0)],
           "real": [("x", [1, 32, 128], "float32", 0), ("h0", [2, 1, 256], "float32", 0)]}),
     Spec("rnn", "recurrent", "RNN",
          {"input_size": 8, "hidden_size": 16, "num_labels": 10},
