@@ -5,6 +5,9 @@ against onnxruntime's CPU provider at the same thread count.
     python python/bench_corpus_table.py                              # tiny configs, all files
     python python/bench_corpus_table.py --size real --models resnet.dynamo gpt2.dynamo
     python python/bench_corpus_table.py --exporter dynamo --markdown BENCHMARKS.md
+    python python/bench_corpus_table.py --size real --kernels tvm        # TVM's kernels only
+    python python/bench_corpus_table.py --size real --target 'cpu=llvm -mcpu=haswell' \
+        --cap-onnxruntime                                    # AVX2 against AVX2 onnxruntime
 
 Held-out files (kept out of any tuning loop) are listed in a table of their own. "right": max
 |hgrt - onnxruntime| / max |onnxruntime| within 1e-4, or for int8 QDQ files within twice
@@ -38,6 +41,14 @@ def _parse() -> argparse.Namespace:
                    help="only the files of this exporter")
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--markdown", help="write the table into this markdown file")
+    p.add_argument("--kernels", choices=("auto", "tvm", "onednn"), default="auto",
+                   help="hgrt.build's kernels (default auto)")
+    p.add_argument("--target", action="append", metavar="KIND=TARGET",
+                   help="build the CPU for another target, e.g. 'cpu=llvm -mcpu=haswell' (an "
+                        "AVX2 build; oneDNN capped to its ISA)")
+    from bench_common import add_onnxruntime_cap_option
+
+    add_onnxruntime_cap_option(p)
     return p.parse_args()
 
 
@@ -74,7 +85,7 @@ def _right(entry, model, x, got, want) -> tuple[str, float]:
     return f"{'yes' if ok else 'NO'} (ORT's int8 spread {spread:.1e})", diff
 
 
-def bench_one(entry, size: str, repeat: int) -> str:
+def bench_one(entry, size: str, repeat: int, kernels: str = "auto", target=None) -> str:
     import onnx
 
     import hgrt
@@ -95,7 +106,7 @@ def bench_one(entry, size: str, repeat: int) -> str:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            res = hgrt.build(model, ["cpu"])
+            res = hgrt.build(model, ["cpu"], kernels=kernels, target=target)
     except Exception as e:
         return "| " + " | ".join(row + ["yes", f"build fails: {type(e).__name__}: "
                                  f"{str(e)[:80]}"] + ["-"] * 6) + " |"
@@ -117,6 +128,12 @@ def main() -> None:
     from hgrt.corpus import entries
 
     args = _parse()
+    from bench_common import cap_onednn_isa, cap_onnxruntime_isa, parse_target_args
+
+    target = parse_target_args(args.target)
+    ort_isa = cap_onnxruntime_isa(target, args.cap_onnxruntime)  # before onnxruntime loads
+    cap_onednn_isa(target)  # before oneDNN loads: one ISA per row
+    print(f"hgrt kernels {args.kernels}, target {target or 'this host'}; onnxruntime {ort_isa}")
     chosen = [e for e in entries() if (not args.models or e.name in args.models)
               and (not args.exporter or e.exporter == args.exporter)]
     command = "python python/bench_corpus_table.py" + (
@@ -124,18 +141,23 @@ def main() -> None:
         f" --models {' '.join(args.models)}" if args.models else "") + (
         f" --exporter {args.exporter}" if args.exporter else "") + (
         f" --repeat {args.repeat}" if args.repeat != 10 else "") + (
+        f" --kernels {args.kernels}" if args.kernels != "auto" else "") + "".join(
+        f" --target '{t}'" for t in args.target or ()) + (
+        " --cap-onnxruntime" if args.cap_onnxruntime else "") + (
         f" --markdown {args.markdown}" if args.markdown else "")
 
     def rows() -> list[str]:
         out = {False: [], True: []}
         for e in chosen:
-            line = bench_one(e, args.size, args.repeat)
+            line = bench_one(e, args.size, args.repeat, args.kernels, target)
             print(line, flush=True)
             out[e.held_out].append(line)
         held = ["", "Held out of tuning:", "", *HEAD, *out[True]] if out[True] else []
         return out[False] + held
 
-    table(args.markdown, f"bench_corpus_{args.size}", command, HEAD, rows)
+    block = f"bench_corpus_{args.size}" + (f"_{args.kernels}" if args.kernels != "auto" else "") \
+        + ("_target" if target else "")
+    table(args.markdown, block, command, HEAD, rows)
 
 
 if __name__ == "__main__":
