@@ -8,12 +8,12 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 
 import hgrt
+from hgrt.devices import parse_devices
 from hgrt.errors import BuildError, DeviceError
 from hgrt.relay_passes import (
     BuildContext,
     Placement,
     insert_copies,
-    parse_devices,
     place_devices,
 )
 from hgrt.relay_passes.util.context import Weights
