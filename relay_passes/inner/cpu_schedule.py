@@ -53,6 +53,8 @@ from hgrt.relay_passes.inner.cpu_schedule_conv import (
     schedule_conv,
     schedule_pointwise,
 )
+from hgrt.relay_passes.inner.cpu_schedule_matmul import schedule_matmul
+from hgrt.relay_passes.inner.cpu_schedule_rows import schedule_rows
 from hgrt.relay_passes.util.relax_util import SCHEDULED_ATTR, func_target, is_scheduled, prim_funcs
 
 __all__ = ["ScheduleReport", "default_schedule_trace", "schedule_cpu_functions"]
@@ -70,6 +72,10 @@ class ScheduleReport:
     tiled: list[str] = field(default_factory=list)  # anchor reduction got a register tile
     scheduled: list[str] = field(default_factory=list)  # all scheduled functions
     skipped: dict[str, str] = field(default_factory=dict)  # name → why it was left as it is
+    # name → the rules its blocks got: "rows" (the whole function, row by row), "conv",
+    # "matmul", "window", "tile" (the generic register tile), "reduction" (outer loops
+    # parallel only), "spatial"
+    rules: dict[str, list[str]] = field(default_factory=dict)
     not_cpu: list[str] = field(default_factory=list)  # another target's, untouched
     # name → (parameter position, lanes, layout): a weight it reads packed (``prepack_weights``)
     prepacked: dict[str, tuple[int, int, str]] = field(default_factory=dict)
@@ -112,14 +118,29 @@ def _on_copy(sch: s_tir.Schedule, name: str, schedule, *args
     return (trial, done) if done else None
 
 
+def _rows(sch: s_tir.Schedule, isa: VectorISA, cores: int) -> s_tir.Schedule | None:
+    """A copy of ``sch`` scheduled row by row (``schedule_rows``), or None where that does
+    not apply."""
+    trial = sch.copy()
+    try:
+        return trial if schedule_rows(trial, isa, cores) else None
+    except (*SCHEDULE_ERRORS, CannotSchedule):
+        return None
+
+
 def _default_schedule(func: tirx.PrimFunc, isa: VectorISA, cores: int = 1,
-                      weights: frozenset[int] = frozenset()
+                      weights: frozenset[int] = frozenset(), rules: set[str] | None = None
                       ) -> tuple[s_tir.Schedule, bool, tuple[int, int, str] | None]:
     """The default schedule of ``func``, whether a register tile was used, and the weight
-    parameter that takes a packed layout (``schedule_conv``), if any."""
+    parameter that takes a packed layout (``schedule_conv``, ``schedule_matmul``), if any;
+    ``rules`` gets the rules its blocks got (``ScheduleReport.rules``)."""
+    rules = set() if rules is None else rules
     if (op := _scalar_only_call(func)) is not None:
         raise CannotSchedule(f"calls {op}, which LLVM cannot emit on vectors")
     sch = s_tir.Schedule(func)
+    if (rows := _rows(sch, isa, cores)) is not None:
+        rules.add("rows")
+        return rows, False, None
     prepacked = None
     inline_producers(sch)
     tiled = False
@@ -132,16 +153,24 @@ def _default_schedule(func: tirx.PrimFunc, isa: VectorISA, cores: int = 1,
         how: tuple[int, int, str] | bool = False
         conv = (_on_copy(sch, name, schedule_pointwise, isa, cores, weights)
                 or _on_copy(sch, name, schedule_conv, isa, cores, weights))
+        rule = "conv"
         if conv is not None:
             sch, how = conv
+        elif (mm := _on_copy(sch, name, schedule_matmul, isa, cores, weights)) is not None:
+            sch, how, rule = *mm, "matmul"
         elif (window := _on_copy(sch, name, schedule_window)) is not None:
-            sch = window[0]
-        elif not (how := schedule_anchor(sch, b, isa, weights)):
+            sch, rule = window[0], "window"
+        elif (how := schedule_anchor(sch, b, isa, weights)):
+            rule = "tile"
+        else:
             schedule_reduction_plain(sch, sch.get_sblock(name))
+            rule = "reduction"
+        rules.add(rule)
         if how:
             tiled = True
             if isinstance(how, tuple) and prepacked is not None:
-                return _default_schedule(func, isa, cores, frozenset())  # one packed per func
+                rules.clear()  # one packed weight per function
+                return _default_schedule(func, isa, cores, frozenset(), rules)
             if isinstance(how, tuple):
                 prepacked = how
         done.add(name)
@@ -152,6 +181,7 @@ def _default_schedule(func: tirx.PrimFunc, isa: VectorISA, cores: int = 1,
         if STAGED in sch.get(b).annotations:
             continue  # scheduled with its convolution
         schedule_spatial(sch, b, isa.lanes())
+        rules.add("spatial")
     return sch, tiled, prepacked
 
 
@@ -179,8 +209,10 @@ def schedule_cpu_functions(mod: tvm.IRModule, target: tvm.target.Target | str | 
         if is_scheduled(func):
             continue  # already scheduled (a tuned function from a database, say)
         try:
+            rules: set[str] = set()
             sch, tiled, packed = _default_schedule(func, vector_isa(ftarget), _cores(ftarget),
-                                                   frozenset((weights or {}).get(name, ())))
+                                                   frozenset((weights or {}).get(name, ())),
+                                                   rules)
         except (*SCHEDULE_ERRORS, CannotSchedule) as e:
             report.skipped[name] = str(e).strip().splitlines()[0][:200] if str(e) else "error"
             continue
@@ -191,6 +223,7 @@ def schedule_cpu_functions(mod: tvm.IRModule, target: tvm.target.Target | str | 
             scheduled = peel_ragged_tiles(scheduled)
         new.update_func(new.get_global_var(name), scheduled.with_attr(SCHEDULED_ATTR, True))
         report.scheduled.append(name)
+        report.rules[name] = sorted(rules)
         if tiled:
             report.tiled.append(name)
         if packed is not None:

@@ -23,7 +23,7 @@ from hgrt.devices import VectorISA
 # a kernel with fewer output elements than this runs serial: a parallel launch costs µs
 MIN_PARALLEL_WORK = 4096
 MAX_TILE_ROWS = 8  # rows of the register tile (× one or more vectors of lanes)
-_get_realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
+get_realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
 # a primitive that does not apply raises ScheduleError (a RuntimeError); TVM's own checks too
 SCHEDULE_ERRORS = (RuntimeError, ValueError)
 
@@ -36,7 +36,7 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _vector_factor(n: int, lanes: int) -> int | None:
+def vector_factor(n: int, lanes: int) -> int | None:
     """Vector width for a loop of extent ``n``: a divisor of ``n``, at most one register or a
     whole number of registers (LLVM widens a 13-lane vector to one masked register but splits
     a 27-lane one into pieces), at least 4 lanes.
@@ -71,7 +71,7 @@ def iter_loops(sch: s_tir.Schedule, block_rv) -> list[tuple[str, tirx.Var, objec
     """``(kind, block var, loop rv, extent)`` per loop when loops map 1:1 onto block vars."""
     block = sch.get(block_rv)
     loops = sch.get_loops(block_rv)
-    values = list(_get_realize(sch, block_rv).iter_values)
+    values = list(get_realize(sch, block_rv).iter_values)
     if len(loops) != len(block.iter_vars) or len(values) != len(loops):
         return None
     out = []
@@ -121,7 +121,7 @@ def _parallel_outer(sch: s_tir.Schedule, loops: list, extents: list[int], total:
 
 def _vectorize_last(sch: s_tir.Schedule, loop, extent: int, lanes: int):
     """Vectorize ``loop`` (split off a vector-sized inner part); returns the outer rest."""
-    vf = _vector_factor(extent, lanes)
+    vf = vector_factor(extent, lanes)
     if vf == extent:
         sch.vectorize(loop)
         return None
@@ -252,7 +252,7 @@ def schedule_anchor(sch: s_tir.Schedule, block_rv, isa: VectorISA,
     vi = nonunit[-1]
     vvar, _, vext = spatial[vi]
     vec_reads = _vector_reads(block, vvar)
-    vf = _vector_factor(vext, isa.lanes())
+    vf = vector_factor(vext, isa.lanes())
     if vec_reads is None or vf is None:
         return False
     ri, rf = _register_rows(spatial, vi, vf, isa, vec_reads)

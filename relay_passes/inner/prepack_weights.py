@@ -56,9 +56,13 @@ def _value_key(p: relax.Var, ctx: BuildContext) -> str | None:
 
 
 def pack_columns(w: np.ndarray, cols: int) -> np.ndarray:
-    """``(K, N)`` -> ``(N // cols, K, cols)``: each tile of ``cols`` columns contiguous."""
+    """``(K, N)`` -> ``(ceil(N / cols), K, cols)``: each tile of ``cols`` columns contiguous,
+    the last one zero-padded when ``cols`` does not divide ``N``."""
     k, n = w.shape
-    return np.ascontiguousarray(w.reshape(k, n // cols, cols).transpose(1, 0, 2))
+    tiles = -(-n // cols)
+    if tiles * cols != n:
+        w = np.concatenate([w, np.zeros((k, tiles * cols - n), w.dtype)], axis=1)
+    return np.ascontiguousarray(w.reshape(k, tiles, cols).transpose(1, 0, 2))
 
 
 PACKS = {"oc": pack_output_channels, "col": pack_columns}  # layout -> how to pack

@@ -1,0 +1,121 @@
+"""The default CPU schedule of transformers' kernels: N-D and batched matrix products (a weight,
+two activations, a transposed operand, broadcast batch dims, a ragged last column tile),
+LayerNorm and Softmax. Each gets its rule (``ScheduleReport.rules``), not the fallback, and
+gives onnxruntime's numbers built with TVM kernels on one CPU and split over cpu:0 / cpu:1,
+for this host and for an AVX2 target."""
+
+import warnings
+
+import numpy as np
+import pytest
+import tvm
+from onnx import TensorProto, helper, numpy_helper
+
+import hgrt
+from hgrt.relay_passes.inner.cpu_schedule import schedule_cpu_functions
+from hgrt.relay_passes.inner.prepack_weights import pack_columns
+from hgrt.testing import fused_module, onnx_reference, run_hgrt
+
+RNG = np.random.default_rng(7)
+HASWELL = {"cpu": {"kind": "llvm", "mcpu": "haswell", "num-cores": 2}}
+SPLIT = {"rules": {"matmul": "cpu:1", "nn.*": "cpu:1"}}
+
+
+def _model(nodes, inputs: dict, weights: dict | None = None):
+    g = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, a.shape)
+                     for n, a in inputs.items()],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w, n) for n, w in (weights or {}).items()])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 20)])
+
+
+def _x(*shape):
+    return RNG.standard_normal(shape).astype("float32")
+
+
+def _linear_gelu(n: int):
+    """(2, 24, 64) x (64, n) weight, + bias, GELU: a transformer's MLP."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]),
+             helper.make_node("Add", ["m", "b"], ["a"]),
+             helper.make_node("Gelu", ["a"], ["y"])]
+    return _model(nodes, {"x": _x(2, 24, 64)}, {"w": _x(64, n), "b": _x(n)})
+
+
+def _attention():
+    """softmax(Q K^T + mask) V with K transposed in the graph, V broadcast over the batch."""
+    nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["q", "kt"], ["s"]),
+             helper.make_node("Add", ["s", "mask"], ["sm"]),
+             helper.make_node("Softmax", ["sm"], ["p"], axis=-1),
+             helper.make_node("MatMul", ["p", "v"], ["y"])]
+    return _model(nodes, {"q": _x(2, 3, 32, 16), "k": _x(2, 3, 48, 16),
+                          "mask": _x(1, 1, 32, 48), "v": _x(3, 48, 40)})
+
+
+def _layer_norm():
+    nodes = [helper.make_node("LayerNormalization", ["x", "g", "b"], ["n"], axis=-1),
+             helper.make_node("Neg", ["n"], ["y"])]  # (on cpu:0 when split)
+    return _model(nodes, {"x": _x(3, 17, 96)}, {"g": _x(96), "b": _x(96)})
+
+
+MODELS = {"linear_ragged": lambda: _linear_gelu(200), "linear": lambda: _linear_gelu(128),
+          "attention": _attention, "layer_norm": _layer_norm}
+# the rule each kernel of a model's op kind must get
+RULES = {"matmul": "matmul", "softmax": "rows", "layer_norm": "rows"}
+
+
+def _inputs(model) -> dict:
+    return {i.name: _x(*[d.dim_value for d in i.type.tensor_type.shape.dim])
+            for i in model.graph.input}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_each_kernel_gets_its_rule_not_the_fallback(name):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mod, _ = fused_module(MODELS[name]())
+    target = tvm.target.Target({"kind": "llvm", "mcpu": "haswell", "num-cores": 2})
+    _, report = schedule_cpu_functions(mod, target)
+    assert report.skipped == {}
+    checked = 0
+    for func, rules in report.rules.items():
+        for op, rule in RULES.items():
+            if op in func:
+                assert rule in rules, (func, rules)
+                assert "reduction" not in rules, (func, rules)
+                checked += 1
+    assert checked >= (2 if name == "attention" else 1), report.rules
+
+
+@pytest.mark.parametrize("target", [None, HASWELL], ids=["host", "avx2"])
+@pytest.mark.parametrize("placement", ["single", "split"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_outputs_match_onnxruntime(name, placement, target):
+    model = MODELS[name]()
+    x = _inputs(model)
+    devices, rules = (["cpu:0"], None) if placement == "single" else (["cpu:0", "cpu:1"], SPLIT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = hgrt.build(model, devices, rules, kernels="tvm", target=target)
+    if placement == "split":
+        assert {r.device for r in res.placement_report} == {"cpu:0", "cpu:1"}
+    got = run_hgrt(res, x)[0]
+    np.testing.assert_allclose(got, onnx_reference(model, x)[0], rtol=2e-5, atol=2e-5)
+
+
+def test_a_ragged_weight_is_packed_padded_to_whole_tiles():
+    """GPT-2's head has 50257 columns, which no vector divides: its weight is packed into
+    whole column tiles, the last one zero-padded, and the padding never reaches the output."""
+    model = _linear_gelu(200)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = hgrt.build(model, ["cpu"], kernels="tvm")
+    packed = [v.shape for k, v in res.params.items() if "_col" in k]
+    assert len(packed) == 1
+    tiles, k, vf = packed[0]
+    assert k == 64 and tiles * vf > 200 > (tiles - 1) * vf
+    w = _x(5, 200)
+    p = pack_columns(w, 64)
+    assert p.shape == (4, 5, 64) and not p[3, :, 8:].any()
+    np.testing.assert_array_equal(p[3, :, :8], w[:, 192:])
