@@ -26,6 +26,7 @@ from hgrt.errors import ClosedError, DeviceError, GraphError, HgrtError, ParamEr
 from hgrt.graph import Graph
 from hgrt.rpc import session as sessions
 from hgrt.rpc import wire
+from hgrt.rpc.inbox_call import CallTransfer
 from hgrt.rpc.protocol import (
     CREATE_FUNC,
     INBOX_FUNC,
@@ -137,7 +138,7 @@ class _Session:
             return False
 
     def detached(self) -> _Session:
-        """This session's name and state, without the connection (a closed module's)."""
+        """The RPC session's name and state, without the connection (a closed module's)."""
         out = object.__new__(_Session)
         out.sess, out.index, out.name, out.lost, out.lock = None, self.index, self.name, \
             self.lost, self.lock
@@ -173,6 +174,7 @@ class RemoteGraphModule(GraphModuleAPI):
         self._device_bytes = info["device_bytes"]
         self._server_repr = info["repr"]
         self._run = self._fetch("run")
+        self._transfer = CallTransfer(isinstance(session.sess, tvm.rpc.LocalSession))
 
     # ---- plumbing -------------------------------------------------------------------------
     def _fetch(self, name: str):
@@ -264,6 +266,7 @@ class RemoteGraphModule(GraphModuleAPI):
     def _let_go(self) -> None:
         """Hold nothing of the RPC session any more (the caller's to drop: once it does, the
         server is free for the next client); names stay for messages."""
+        self._transfer.close()
         self.session = self.session.detached()
         self.devices = [tvm.runtime.Device(d.dlpack_device_type(), d.index) for d in self.devices]
 
@@ -328,15 +331,15 @@ class RemoteGraphModule(GraphModuleAPI):
         return self.infer({**(inputs or {}), **kw}, out=out)
 
     def infer(self, inputs: Mapping, out: list | None = None) -> list:
-        """One round trip: the inputs go, the outputs come back; the server runs the call in a
-        frame of its own, so what ``set_input`` set stays as it was."""
+        """One call: the inputs go, the outputs come back; the server runs the call in a frame
+        of its own, so what ``set_input`` set stays as it was. The inputs travel through the
+        session's inbox where this client reaches it, else through TVM RPC (``transfer``)."""
         self._check_open()
         items = self._call_inputs(inputs)
         outs = self._call_outputs(out)
-        blobs = [np.ascontiguousarray(v.numpy() if isinstance(v, tvm.runtime.Tensor) else v)
-                 .tobytes() for _, v in items]
-        with self.session.lock:
-            data = self._call("infer", json.dumps([i for i, _ in items]), *blobs)
+        arrays = [(i, np.ascontiguousarray(v.numpy() if isinstance(v, tvm.runtime.Tensor)
+                                           else v)) for i, v in items]
+        data = self._transfer.infer(self, arrays, lambda: self._rpc_infer(arrays), self._stage_call)
         g, results = self.graph, []
         arrays = arrays_from_bytes(data, [(g.shapes[e], g.dtypes[e]) for e in self._output_eids],
                                    f"{self.session.name}: infer")
@@ -348,6 +351,32 @@ class RemoteGraphModule(GraphModuleAPI):
             else:
                 outs[i].copyfrom(arr)
         return results if outs is None else outs
+
+    def _rpc_infer(self, arrays: list[tuple[int, np.ndarray]]) -> bytes:
+        """A call's outputs' bytes, its inputs sent as bytes through TVM RPC."""
+        blobs = [a.tobytes() for _, a in arrays]
+        with self.session.lock:
+            return self._call("infer", json.dumps([i for i, _ in arrays]), *blobs)
+
+    def _stage_call(self, seq: int, spec_json: str) -> bytes:
+        """A call's outputs' bytes, its inputs in the inbox (the caller holds the lock)."""
+        data = self._call("run_stage", int(seq), spec_json)
+        return wire.decode_stage_reply(data, f"{self.session.name}: infer")[1]
+
+    @property
+    def transfer(self) -> str:
+        """How the next call moves its tensors: "inbox" (the session's inbox, a plain socket)
+        or "rpc" (TVM RPC: the inbox is not reachable from here, or ``configure_transfer``)."""
+        return self._transfer.path
+
+    def configure_transfer(self, mode: str = "auto") -> None:
+        """How calls move their inputs: "auto" (the session's inbox where this client reaches
+        it, else TVM RPC, with one log line), "inbox" (a ``RemoteError`` where it is not
+        reached) or "rpc".
+
+        >>> m.configure_transfer("rpc"); m(x=x)                        # doctest: +SKIP
+        """
+        self._transfer.configure(mode)
 
     # ---- board to board (a pipeline's stages) --------------------------------------------
     def run_stage(self, seq: int, spec: Mapping) -> tuple[float, bytes]:
