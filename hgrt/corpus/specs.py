@@ -74,7 +74,8 @@ SPECS: tuple[Spec, ...] = (
           "num_heads": [1, 2, 4], "window_size": 4, "num_labels": 10, **_EAGER},
          {"num_labels": 1000, **_EAGER}, _image(64, 224)),
     # decoders at a static length, no cache; tiny at 128 tokens too: the dynamo exporter
-    # keeps the (128, 128) causal mask a computation (And), as at the real config
+    # keeps the (128, 128) causal mask a computation (And), as at the real config (it folds
+    # constants of up to 8192 elements)
     Spec("opt", "decoder", "OPTForCausalLM",
          {"vocab_size": 256, "hidden_size": 32, "num_hidden_layers": 2,
           "num_attention_heads": 2, "ffn_dim": 64, "max_position_embeddings": 256,
@@ -89,19 +90,20 @@ SPECS: tuple[Spec, ...] = (
           "window_size": 256}, _ids(128, 256, 128, 50257)),
     Spec("llama", "decoder", "LlamaForCausalLM",
          {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64},
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256},
          {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
           "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-          "max_position_embeddings": 2048}, _ids(8, 256, 128, 49152)),
+          "max_position_embeddings": 2048}, _ids(128, 256, 128, 49152)),
     Spec("gpt2", "decoder", "GPT2LMHeadModel",
-         {"vocab_size": 256, "n_positions": 64, "n_embd": 32, "n_layer": 2, "n_head": 2},
-         {}, _ids(8, 256, 128, 50257)),
-    # the encoder of an encoder-decoder
+         {"vocab_size": 256, "n_positions": 256, "n_embd": 32, "n_layer": 2, "n_head": 2},
+         {}, _ids(128, 256, 128, 50257)),
+    # the encoder of an encoder-decoder; tiny at 128 tokens too: the dynamo exporter keeps
+    # the (128, 128) relative position buckets a computation (Abs, Log, Min, Where ...)
     Spec("t5_encoder", "encoder", "T5EncoderModel",
          {"vocab_size": 256, "d_model": 32, "d_kv": 16, "d_ff": 64, "num_layers": 2,
           "num_heads": 2, **_EAGER},
          {"vocab_size": 32128, "d_model": 512, "d_kv": 64, "d_ff": 2048, "num_layers": 6,
-          "num_heads": 8, **_EAGER}, _ids(8, 256, 128, 32128)),
+          "num_heads": 8, **_EAGER}, _ids(128, 256, 128, 32128)),
     # CNNs
     Spec("mobilenet_v1", "cnn", "MobileNetV1ForImageClassification",
          {"depth_multiplier": 0.25, "image_size": 32, "num_labels": 10},
