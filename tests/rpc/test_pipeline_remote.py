@@ -159,7 +159,7 @@ def test_boards_whose_inboxes_cannot_be_reached_fall_back_to_the_client(rpc_env,
     model, out = saved
     procs = [rpc_env.start_server(k) for k in ("board-k", "board-l")]
 
-    def unreachable(self, host, port, token, timeout=10.0):
+    def unreachable(self, host, port, token, timeout=10.0, verify=False):
         raise hgrt.RemoteError(f"cannot reach the inbox at {host}:{port}: timed out")
 
     monkeypatch.setattr(channel.Outbox, "__init__", unreachable)
