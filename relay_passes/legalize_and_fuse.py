@@ -9,6 +9,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
+from hgrt.relay_passes.inner.cpu_schedule_math import vector_math_legalizations
 from hgrt.relay_passes.inner.lowering_rewrites import (
     keep_device_joins_apart,
     reshape_outputs_as_views,
@@ -40,7 +41,9 @@ def lowering_passes() -> list[tvm.transform.Pass]:
         # cumsum, sort, topk, bucketize: LegalizeOps has no rule for them (RoBERTa's
         # position ids are a cumsum of the input mask)
         relax.backend.DispatchSortScan(),
-        relax.transform.LegalizeOps(),
+        # exp/erf/tanh of float32 CPU kernels as arithmetic that vectorizes, not libm calls
+        # (``cpu_schedule_math``; ``HGRT_LIBM=1`` keeps libm)
+        relax.transform.LegalizeOps(vector_math_legalizations()),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
         keep_device_joins_apart,
