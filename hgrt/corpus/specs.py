@@ -111,8 +111,9 @@ SPECS: tuple[Spec, ...] = (
     Spec("mobilenet_v2", "cnn", "MobileNetV2ForImageClassification",
          {"depth_multiplier": 0.25, "image_size": 32, "num_labels": 10},
          {"num_labels": 1000}, _image(32, 224)),
+    # tiny: two blocks in stages 4-6, whose second block adds its input back (Add)
     Spec("efficientnet", "cnn", "EfficientNetForImageClassification",
-         {"image_size": 32, "width_coefficient": 0.25, "depth_coefficient": 0.2,
+         {"image_size": 32, "width_coefficient": 0.25, "depth_coefficient": 0.4,
           "hidden_dim": 320, "num_labels": 10},
          {"image_size": 224, "width_coefficient": 1.0, "depth_coefficient": 1.0,
           "hidden_dim": 1280, "num_labels": 1000}, _image(32, 224)),
