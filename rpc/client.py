@@ -268,7 +268,7 @@ class RemoteGraphModule(GraphModuleAPI):
         server is free for the next client); names stay for messages."""
         self._transfer.close()
         self.session = self.session.detached()
-        self.devices = [tvm.runtime.Device(d.dlpack_device_type(), d.index) for d in self.devices]
+        self.devices = [tvm.runtime.Device(*hdev.dlpack_device(d)) for d in self.devices]
 
     # ---- running --------------------------------------------------------------------------
     def run(self, parallel: bool | None = None, **inputs) -> None:

@@ -330,9 +330,26 @@ def test_user_placed_relax_module_keeps_its_placement_and_folds_weights():
                                rtol=1e-5, atol=1e-5)
 
 
-def test_tvm_failure_names_pass_binding_op_and_device():
-    """TVM's legalization of this prelu fails with a bare AssertionError (slope of 3 on an
-    axis of 4): the BuildError says where, the AssertionError is its cause."""
+def test_tvm_failure_names_pass_binding_op_and_device(monkeypatch):
+    """A legalization of TVM's that fails with a bare AssertionError (here TVM's own rule for
+    exp, wrapped to fail on a 3-D tensor): the BuildError says which pass, binding, op and
+    device, the AssertionError is its cause."""
+    import importlib
+
+    lf = importlib.import_module("hgrt.relay_passes.legalize_and_fuse")  # (the module)
+    rules = lf.vector_math_legalizations
+
+    def failing_on_3d():
+        table = dict(rules())
+        exp = table.get("relax.exp") or tvm.ir.Op.get("relax.exp").get_attr("FLegalize")
+
+        def legalize(bb, call):
+            if len(call.args[0].ty.shape.values) == 3:
+                raise AssertionError  # bare, as TVM's legalizations' asserts are
+            return exp(bb, call)
+        return {**table, "relax.exp": legalize}
+
+    monkeypatch.setattr(lf, "vector_math_legalizations", failing_on_3d)
 
     @I.ir_module
     class Mod:
@@ -340,15 +357,30 @@ def test_tvm_failure_names_pass_binding_op_and_device():
         def main(x: R.Tensor((2, 3, 4), "float32"), s: R.Tensor((3,), "float32")):
             with R.dataflow():
                 a = R.exp(x)
-                y = R.nn.prelu(a, s, axis=2)
+                y = R.multiply(a, R.reshape(s, (3, 1)))
                 R.output(y)
             return y
 
-    with pytest.raises(BuildError, match=r"^'legalize_and_fuse' failed after \[.*\]: binding 'y' "
-                                         r"\(relax.nn.prelu\) on cpu:1: AssertionError") as e:
-        hgrt.build(Mod, ["cpu:0", "cpu:1"], hgrt.Placement(overrides={"y": "cpu:1"}),
+    with pytest.raises(BuildError, match=r"^'legalize_and_fuse' failed after \[.*\]: binding 'a' "
+                                         r"\(relax.exp\) on cpu:1: AssertionError") as e:
+        hgrt.build(Mod, ["cpu:0", "cpu:1"], hgrt.Placement(overrides={"a": "cpu:1"}),
                    params={"s": np.ones(3, "float32")})
     assert type(e.value.__cause__) is AssertionError
+
+
+def test_a_prelu_slope_that_fits_no_axis_is_named_at_import():
+    @I.ir_module
+    class Mod:
+        @R.function
+        def main(x: R.Tensor((2, 3, 4), "float32"), s: R.Tensor((3,), "float32")):
+            with R.dataflow():
+                y = R.nn.prelu(R.exp(x), s, axis=2)
+                R.output(y)
+            return y
+
+    with pytest.raises(BuildError, match=r"prelu of .*\[2, 3, 4\]: its slope of 3 values fits "
+                                         r"no axis"):
+        hgrt.build(Mod, ["cpu:0", "cpu:1"], params={"s": np.ones(3, "float32")})
 
 
 def test_graph_of_inputs_and_weights_rearranged_builds_without_kernels():

@@ -291,7 +291,10 @@ def hardswish_func(shape: tuple[int, ...], dtype: str) -> tvm.tirx.PrimFunc:
     zero = tvm.tirx.const(0.0, dtype)
     y = te.compute(shape, lambda *i: x(*i) * te.min(te.max(x(*i) + three, zero), six) / six,
                    name="hardswish")
-    return te.create_prim_func([x, y]).with_attr("hgrt.pattern", "hardswish")
+    # (create_prim_func names it "main": the module's symbol would be taken twice; the
+    # global variable it is added under names it)
+    return te.create_prim_func([x, y]).without_attr("global_symbol") \
+        .with_attr("hgrt.pattern", "hardswish")
 
 
 def clip(m: _Main, call: relax.Call) -> Rewrite | None:
