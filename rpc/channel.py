@@ -135,7 +135,7 @@ class Inbox:
     def _serve(self, conn: socket.socket, peer) -> None:
         with conn:
             try:
-                token = _recv_within(conn, wire.TOKEN_BYTES, HANDSHAKE_TIMEOUT)
+                token = wire.recv_by(conn, wire.TOKEN_BYTES, time.monotonic() + HANDSHAKE_TIMEOUT)
             except (OSError, EOFError):
                 return
             finally:
@@ -374,20 +374,6 @@ def _shut(conn: socket.socket) -> None:
         pass
 
 
-def _recv_within(conn: socket.socket, n: int, seconds: float) -> bytes:
-    """``n`` bytes from ``conn`` within ``seconds`` in all, however they trickle in."""
-    deadline = time.monotonic() + seconds
-    buf = bytearray()
-    while len(buf) < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"{len(buf)} of {n} bytes within {seconds:g} s")
-        conn.settimeout(left)
-        chunk = conn.recv(n - len(buf))
-        if not chunk:
-            raise EOFError(f"connection closed after {len(buf)} of {n} bytes")
-        buf += chunk
-    return bytes(buf)
 
 
 class Outbox:
@@ -406,8 +392,8 @@ class Outbox:
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             self._sock.sendall(token)
-            ack = _recv_within(self._sock, wire.TOKEN_BYTES, HANDSHAKE_TIMEOUT) if verify \
-                else None
+            ack = wire.recv_by(self._sock, wire.TOKEN_BYTES,
+                               time.monotonic() + HANDSHAKE_TIMEOUT) if verify else None
             self._sock.settimeout(SEND_TIMEOUT)  # a peer that stops reading fails the send
         except (OSError, EOFError) as e:
             self.close()

@@ -43,7 +43,7 @@ from tvm.support import utils
 from tvm.support.popen_pool import PopenWorker
 
 from hgrt.errors import InputError
-from hgrt.rpc import channel
+from hgrt.rpc import channel, wire
 
 logger = logging.getLogger("hgrt.rpc.server")
 _handler = logging.StreamHandler()
@@ -185,12 +185,12 @@ def _handshake(conn: socket.socket, addr, matchkey: str, key: str) -> dict | Non
     """TVM's key exchange; the session's options (``-timeout=``), or None when it failed."""
     deadline = time.monotonic() + HANDSHAKE_TIMEOUT  # for the whole exchange, not per read
     try:
-        if struct.unpack("<i", _recv_by(conn, 4, deadline))[0] != rpc_base.RPC_MAGIC:
+        if struct.unpack("<i", wire.recv_by(conn, 4, deadline))[0] != rpc_base.RPC_MAGIC:
             raise OSError("not a TVM RPC client (bad magic)")
-        size = struct.unpack("<i", _recv_by(conn, 4, deadline))[0]
+        size = struct.unpack("<i", wire.recv_by(conn, 4, deadline))[0]
         if not 0 <= size <= MAX_KEY_BYTES:
             raise OSError(f"a key of {size} bytes")
-        words = _recv_by(conn, size, deadline).decode("utf-8", "replace").split()
+        words = wire.recv_by(conn, size, deadline).decode("utf-8", "replace").split()
         if not words or words[0] != "client:" + matchkey:
             conn.sendall(struct.pack("<i", rpc_base.RPC_CODE_MISMATCH))
             raise OSError("mismatched key")
@@ -208,19 +208,6 @@ def _handshake(conn: socket.socket, addr, matchkey: str, key: str) -> dict | Non
     return opts
 
 
-def _recv_by(conn: socket.socket, n: int, deadline: float) -> bytes:
-    """``n`` bytes from ``conn`` before ``deadline`` (monotonic), however they trickle in."""
-    buf = bytearray()
-    while len(buf) < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"the handshake took over {HANDSHAKE_TIMEOUT:g} s")
-        conn.settimeout(left)
-        chunk = conn.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError(f"closed after {len(buf)} of {n} bytes")
-        buf += chunk
-    return bytes(buf)
 
 
 def session_limit(client_timeout, max_session: float) -> float | None:

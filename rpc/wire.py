@@ -33,6 +33,7 @@ import json
 import math
 import socket
 import struct
+import time
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -124,6 +125,23 @@ def recv_exact(conn: socket.socket, n: int, into: memoryview | None = None,
             raise EOFError(f"connection closed after {got} of {n} bytes")
         got += k
     return buf
+
+
+def recv_by(conn: socket.socket, n: int, deadline: float) -> bytes:
+    """``n`` bytes from ``conn`` before ``deadline`` (``time.monotonic()``), however they
+    trickle in: a ``TimeoutError`` past it, a ``ConnectionError`` when the peer hangs up (both
+    ``OSError``s)."""
+    buf = bytearray()
+    while len(buf) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{len(buf)} of {n} bytes came before the deadline")
+        conn.settimeout(left)
+        chunk = conn.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError(f"connection closed after {len(buf)} of {n} bytes")
+        buf += chunk
+    return bytes(buf)
 
 
 class FrameHead(NamedTuple):
