@@ -267,6 +267,7 @@ class _PreluAxes(relax.PyExprMutator):
         super().__init__(mod)
         self.var2val = var2val
         self.rewritten = 0
+        self.refused: BuildError | None = None  # (raised after the visit: not through TVM's FFI)
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         if not (isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.nn.prelu"):
@@ -276,8 +277,10 @@ class _PreluAxes(relax.PyExprMutator):
         shape, slope = static_dims(call.args[0].ty), static_dims(call.args[1].ty)
         if shape is not None and slope is not None and len(slope) == 1 \
                 and slope[0] not in (1, shape[meant]):  # the kernel's bare assert, said here
-            raise BuildError(f"relax.nn.prelu of {call.args[0]} {list(shape)}: its slope of "
-                             f"{slope[0]} values fits no axis it may mean (axis {axis})")
+            self.refused = self.refused or BuildError(
+                f"relax.nn.prelu of {call.args[0]} {list(shape)}: its slope of {slope[0]} "
+                f"values fits no axis it may mean (axis {axis})")
+            return super().visit_call_(call)
         if meant == axis:
             return super().visit_call_(call)
         self.rewritten += 1
@@ -290,6 +293,8 @@ def _prelu_channel_axes(mod: tvm.IRModule) -> tvm.IRModule:
     main = mod["main"]
     mutator = _PreluAxes(mod, relax.analysis.get_var2val(main))
     func = mutator.visit_expr(main)
+    if mutator.refused is not None:
+        raise mutator.refused
     if not mutator.rewritten:
         return mod
     mod = mod.clone()
