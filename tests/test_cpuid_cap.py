@@ -84,6 +84,8 @@ def test_onnxruntime_under_the_cap_runs_other_kernels_and_the_cap_is_lifted(tmp_
     assert not np.array_equal(y_avx2, y_host)
 
 
+# patches and loads a copy of onnxruntime: a benchmark tool, checked with -m slow
+@pytest.mark.slow
 def test_a_patched_onnxruntime_runs_avx2_kernels_and_nothing_else_is_capped(tmp_path):
     plain, y_host = _conv(tmp_path, "none")
     capped, y_avx2 = _conv(tmp_path, "patch")

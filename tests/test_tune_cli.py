@@ -22,6 +22,8 @@ def _matmul_model(path: str) -> np.ndarray:
     return w
 
 
+# a real tuning run end to end through the CLI; tests/test_tune.py keeps tuning in the default run
+@pytest.mark.slow
 def test_tune_compile_run(tmp_path, capsys):
     model = str(tmp_path / "mm.onnx")
     w = _matmul_model(model)

@@ -406,6 +406,9 @@ def _stream_under_attack(board_pipeline, n: int) -> None:
     assert p.transfer == "direct" and p._broken is None
 
 
+# two real board servers and a two-stage pipeline under each attack (about 20 s): -m slow; the
+# inbox and handshake attacks above run in the default suite
+@pytest.mark.slow
 @pytest.mark.rpc
 def test_a_pipeline_on_real_boards_streams_through_each_attack(board_pipeline):
     _stream_under_attack(board_pipeline, 60)
