@@ -11,7 +11,8 @@ against onnxruntime's CPU provider at the same thread count.
 
 Held-out files (kept out of any tuning loop) are listed in a table of their own. "right": max
 |hgrt - onnxruntime| / max |onnxruntime| within 1e-4, or for int8 QDQ files within twice
-onnxruntime's own spread (its int8 kernels against its QDQ-as-float run) with the same top-1.
+onnxruntime's own spread (its int8 kernels against its QDQ-as-float run) with the same top-1
+(except where onnxruntime's own int8 kernels change it too: a tie within the quantization).
 The real configs are exported on demand into the corpus cache (the corpus extra).
 """
 
@@ -64,23 +65,27 @@ def _file(entry, size: str) -> tuple[str, dict[str, np.ndarray]]:
         inputs_of(spec(entry.model), "real"))
 
 
-def _int8_spread(model, x: dict[str, np.ndarray], want: list[np.ndarray]) -> float:
+def _int8_run(model, x: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """onnxruntime's own int8 kernels on ``model`` (its default optimizations fuse the QDQ)."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 1
     sess = ort.InferenceSession(model.SerializeToString(), opts,
                                 providers=["CPUExecutionProvider"])
-    return max_diff(sess.run(None, x), want)
+    return sess.run(None, x)
 
 
 def _right(entry, model, x, got, want) -> tuple[str, float]:
     diff = max_diff(got, want)
     if entry.family != "int8":
         return ("yes" if diff <= 1e-4 else "NO"), diff
-    spread = _int8_spread(model, x, want)
-    top1 = all(np.array_equal(g.argmax(-1), w.argmax(-1)) for g, w in zip(got, want,
-                                                                           strict=True))
+    ort8 = _int8_run(model, x)
+    spread = max_diff(ort8, want)
+    # top-1 as the QDQ-as-float run's, except on rows where onnxruntime's own int8 kernels pick
+    # another class too (a tie within the quantization: the float run's top two equal)
+    top1 = all(np.all((g.argmax(-1) == w.argmax(-1)) | (o.argmax(-1) != w.argmax(-1)))
+               for g, w, o in zip(got, want, ort8, strict=True))
     ok = diff <= max(2 * spread, 1e-6) and top1
     return f"{'yes' if ok else 'NO'} (ORT's int8 spread {spread:.1e})", diff
 
