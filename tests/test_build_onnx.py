@@ -95,9 +95,11 @@ def _vm_passes(case) -> bool:
 @pytest.mark.parametrize("form", ["onnx", "relax"])
 def test_full_backend_sweep(form):
     """Every case, built from the file (``onnx``) and from TVM's Relax module of it with the
-    weights bound as constants (``relax``). A case that builds and runs but gives other numbers
-    than its expected outputs fails the sweep whatever the Relax VM does with it; a refusal
-    fails it where the VM runs the case right."""
+    weights bound as constants (``relax``). From the file, a case that builds and runs but gives
+    other numbers than its expected outputs fails the sweep whatever the Relax VM does with it;
+    from TVM's module, where the VM runs that module right (a module TVM's import got wrong is
+    compiled as it is: the VM's numbers are wrong too). A refusal fails the sweep where the VM
+    runs the case right."""
     names = onnx_case_names()
     passed = {"single": 0, "alternating": 0}
     vm_passed = 0
@@ -111,7 +113,8 @@ def test_full_backend_sweep(form):
                 check_case(case, placement, form)
                 passed[placement] += 1
             except AssertionError as e:  # built and ran: the numbers are wrong
-                mismatches.append((name, placement, str(e)[:200]))
+                if form == "onnx" or vm_ok:
+                    mismatches.append((name, placement, str(e)[:200]))
             except hgrt.BuildError as e:
                 if "ONNX frontend cannot import" in str(e):
                     import_failures.add(name)
