@@ -6,10 +6,12 @@ The most specific setting wins:
   2. per-node overrides: ``{"lv12": "cpu:1"}`` by binding name;
   3. per-op rules: ``{"nn.conv2d": "cuda"}``; keys are Relax op names with or without the
      ``relax.`` prefix, or fnmatch patterns (``"nn.*"``); an exact name beats a pattern, and
-     patterns are tried in the order given;
-  4. the preferred device, unless its target cannot compile the op (``GPU_UNSUPPORTED_OPS``);
-  5. the fallback device;
-  with ``auto=True``, 4 and 5 give way to the device where an op costs least (auto_place.py).
+     patterns are tried in the order given; a pattern passes over an op its device cannot
+     compile (``GPU_UNSUPPORTED_OPS``), an exact name does not;
+  4. the preferred device, unless its target cannot compile the op;
+  5. the fallback device, or where it cannot compile the op the first device that can;
+  with ``auto=True``, 4 and 5 give way to the cheapest plan of the whole model, copies counted
+  (auto_place.py, auto_plan.py); the build log says which plans were compared.
 
 The pass does not change the IR: it writes ``ctx.placed`` (``op_device``: binding name → device
 index, ``input_device``: hinted inputs, ``report``) and attaches the module's vdevice list.
@@ -27,9 +29,9 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from hgrt.devices import DeviceSpec, resolve_device
+from hgrt.devices import DeviceSpec, link_of, resolve_device
 from hgrt.errors import BuildError, did_you_mean
-from hgrt.relay_passes.inner.auto_place import auto_place, read_rates
+from hgrt.relay_passes.inner.auto_place import auto_place, describe_links, read_rates
 from hgrt.relay_passes.util.context import BuildContext, PlacementRow
 from hgrt.relay_passes.util.pipeline import contract
 from hgrt.relay_passes.util.relax_util import (
@@ -41,12 +43,21 @@ from hgrt.relay_passes.util.relax_util import (
     op_name,
 )
 
-# ops whose legalization a GPU target cannot schedule or run (data-dependent output, host-only)
+_GPU_SORT = ("TVM's GPU sort (topi.gpu) does not legalize in a build whose first device is a "
+             "CPU: it reads max_num_threads from the CPU target")
+# ops whose legalization a GPU target cannot schedule or run, and why (tried with TVM 0.27 and
+# the dlight default schedule of schedule_gpu)
 GPU_UNSUPPORTED_OPS: dict[str, str] = {
     "relax.nonzero": "data-dependent output shape",
     "relax.unique": "data-dependent output shape",
     "relax.print": "host-only op",
     "relax.assert_op": "host-only op",
+    "relax.topk": _GPU_SORT,
+    "relax.sort": _GPU_SORT,
+    "relax.argsort": _GPU_SORT,
+    "relax.cumsum": "TVM's GPU scan reshapes with vm.builtin.reshape, which only the Relax VM "
+                    "runs (no graph-executor form)",
+    "relax.scatter_elements": "dlight leaves topi.gpu.scatter_elements unscheduled",
 }
 
 
@@ -147,6 +158,31 @@ def _check_rules(rules: dict[str, int], model_ops: list[str]) -> None:
                          f"{ops_here[:30]}")
 
 
+def _fallback(op: str, devs: list[DeviceSpec], fallback: int,
+              preferred: int | None) -> tuple[int, str]:
+    """The fallback device, or the first device that can compile ``op`` where it cannot."""
+    refused = preferred if preferred is not None else fallback
+    why = _compiles_on(op, devs[refused])
+    if why is None:
+        return fallback, "fallback"
+    able = [fallback] + [d.index for d in devs if d.index != fallback]
+    dev = next((d for d in able if _compiles_on(op, devs[d]) is None), fallback)
+    return dev, f"fallback ({devs[refused].name}: {why})"
+
+
+def _auto(func: relax.Function, ctx: BuildContext, fixed: dict[str, int]) -> dict:
+    """auto_place with the budgets, profile and links of this build, its comparison logged."""
+    p, devs = ctx.placement, ctx.devices
+    budgets = {resolve_device(k, devs, "budget"): int(v) for k, v in p.budgets.items()}
+    profile_links = read_rates(p.profile, "links")
+    links = {d.index: link_of(d.name, profile_links) for d in devs
+             if d.is_gpu or d.name in profile_links}
+    ctx.log(describe_links(devs, links))
+    return auto_place(func, devs, fixed, ctx.weights.values, budgets,
+                      lambda op, dev: _compiles_on(op, dev) is None, read_rates(p.profile),
+                      links, ctx.log)
+
+
 @contract(reads={"devices", "placement", "weights"}, writes={"placed"})  # weights: auto's sizes
 def place_devices(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     """Fill ``ctx.placed``; return ``mod`` with the vdevice list attached."""
@@ -203,23 +239,19 @@ def place_devices(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
         elif name in overrides:
             explicit[name] = overrides[name], "override"
         elif (rule := match_op_rule(op, rules)) is not None:
-            explicit[name] = rules[rule], f"rule {rule!r}"
+            exact = rule in (op, op.removeprefix("relax."))
+            explicit[name] = (rules[rule], f"rule {rule!r}") if exact or _compiles_on(
+                op, devs[rules[rule]]) is None else _fallback(op, devs, fallback, rules[rule])
     if p.auto:
-        budgets = {resolve_device(k, devs, "budget"): int(v) for k, v in p.budgets.items()}
-        explicit |= auto_place(func, devs, {k: d for k, (d, _) in explicit.items()},
-                               ctx.weights.values, budgets,
-                               lambda op, dev: _compiles_on(op, dev) is None,
-                               read_rates(p.profile))
+        explicit |= _auto(func, ctx, {**placed.input_device,
+                                      **{k: d for k, (d, _) in explicit.items()}})
     for name, op in op_bindings(mod):
         if name in explicit:
             dev, why = explicit[name]
         elif preferred is not None and _compiles_on(op, devs[preferred]) is None:
             dev, why = preferred, "preferred"
-        elif preferred is not None:
-            dev = fallback
-            why = f"fallback ({devs[preferred].name}: {_compiles_on(op, devs[preferred])})"
         else:
-            dev, why = fallback, "fallback"
+            dev, why = _fallback(op, devs, fallback, preferred)
         placed.op_device[name] = dev
         placed.report.append(PlacementRow(name, op, devs[dev].name, why))
     ctx.log(f"placed {len(placed.op_device)} ops: " + ", ".join(

@@ -18,11 +18,7 @@ from pathlib import Path
 
 import tvm_ffi
 
-
-def cache_root() -> Path:
-    """Where hgrt keeps what it builds once per machine (``HGRT_CACHE_DIR``, else
-    ~/.cache/hgrt)."""
-    return Path(os.environ.get("HGRT_CACHE_DIR", "~/.cache/hgrt")).expanduser()
+from hgrt.devices import cache_root  # (its one home: the links measured there too)
 
 
 def ninja() -> str | None:

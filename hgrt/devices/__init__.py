@@ -6,10 +6,11 @@ list), a runtime device (``tvm.cpu(1)``, or a device of an RPC session), and eve
 "is it a GPU / a CPU / remote / can a tensor at a byte offset be a view" is answered once: no
 other module splits a device name or compares DLPack device types.
 
-Three modules, every name importable from ``hgrt.devices``: ``identity`` (the kinds, the name
+Four modules, every name importable from ``hgrt.devices``: ``identity`` (the kinds, the name
 grammar, DLPack device types, kind predicates, runtime devices, ``DeviceSpec``), ``targets``
-(the TVM target of each build device, ``parse_devices``) and ``host_cpu`` (architectures, this
-host's CPU and target, what built code needs of a CPU, vector ISAs).
+(the TVM target of each build device, ``parse_devices``), ``host_cpu`` (architectures, this
+host's CPU and target, what built code needs of a CPU, vector ISAs) and ``links`` (what a copy
+between devices costs, measured once per machine; hgrt's cache directory).
 
 A device built for another machine than this one carries its target: ``targets={"cpu":
 "raspberry-pi/4b-aarch64"}`` (a TVM target tag, a JSON/dict target or a ``Target``) for every
@@ -66,6 +67,7 @@ from hgrt.devices.identity import (
     sync,
     takes_offset_views,
 )
+from hgrt.devices.links import DEFAULT_LINK, Link, cache_root, link_of
 from hgrt.devices.targets import (
     DEFAULT_CUDA_ARCH,
     as_target,
@@ -78,13 +80,13 @@ from hgrt.devices.targets import (
 )
 
 __all__ = [
-    "ALIASES", "ARCHES", "DEFAULT_CUDA_ARCH", "DeviceSpec", "KDL_CUDA_HOST", "KDL_CUDA_MANAGED",
-    "KDL_ROCM_HOST", "KINDS", "Kind", "VectorISA", "X86_FEATURE_FLAGS", "as_target",
-    "canonical_name", "check_runs_here", "cpu_flags", "cpu_requirements", "device_list",
-    "device_name", "device_spec", "device_target", "dlpack_device", "format_device", "host_target",
-    "is_cpu", "is_gpu", "is_host_triple", "is_local_cpu", "is_numpy_device", "is_remote",
-    "kind_of", "kind_targets", "machine_arch", "normalize_devices", "parse_device",
-    "parse_devices", "resolve_device", "resolve_dl_device", "rpc_session_index", "runtime_device",
-    "split_device", "sync", "takes_offset_views", "target_for", "target_triple", "usable_cores",
-    "vector_isa"
+    "ALIASES", "ARCHES", "DEFAULT_CUDA_ARCH", "DEFAULT_LINK", "DeviceSpec", "KDL_CUDA_HOST",
+    "KDL_CUDA_MANAGED", "KDL_ROCM_HOST", "KINDS", "Kind", "Link", "VectorISA", "X86_FEATURE_FLAGS",
+    "as_target", "cache_root", "canonical_name", "check_runs_here", "cpu_flags",
+    "cpu_requirements", "device_list", "device_name", "device_spec", "device_target",
+    "dlpack_device", "format_device", "host_target", "is_cpu", "is_gpu", "is_host_triple",
+    "is_local_cpu", "is_numpy_device", "is_remote", "kind_of", "kind_targets", "link_of",
+    "machine_arch", "normalize_devices", "parse_device", "parse_devices", "resolve_device",
+    "resolve_dl_device", "rpc_session_index", "runtime_device", "split_device", "sync",
+    "takes_offset_views", "target_for", "target_triple", "usable_cores", "vector_isa"
 ]

@@ -94,3 +94,17 @@ def test_a_measured_profile_drives_the_choice(squeezenet, tmp_path):
     assert sum(r.device == "cpu:1" for r in convs) > len(convs) // 2
     with pytest.raises(hgrt.BuildError, match="cannot read the profile"):
         placed(squeezenet, ["cpu:0"], hgrt.Placement(auto=True, profile=str(tmp_path / "no")))
+
+
+def test_squeezenet_on_cpu_and_cuda_stays_on_the_gpu_whole(squeezenet, caplog):
+    """A split of light squeezenet costs more in copies than the CPU saves: the estimate keeps
+    (nearly) every op on cuda:0, with at most a couple of copies."""
+    import logging
+
+    with warnings.catch_warnings(), caplog.at_level(logging.DEBUG, logger="hgrt.build"):
+        warnings.simplefilter("ignore")
+        res = hgrt.build(squeezenet, ["cpu:0", "cuda:0"], hgrt.Placement(auto=True))
+    on_gpu = sum(r.device == "cuda:0" for r in res.placement_report)
+    assert on_gpu >= 0.95 * len(res.placement_report)
+    assert sum(1 for n in res.graph.nodes if n.func_name == "__copy") <= 2
+    assert "-> cuda:0 only" in caplog.text
