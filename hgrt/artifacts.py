@@ -43,7 +43,8 @@ def params_to_bytes(params: bytes | Mapping | None) -> bytes:
     tensors = {}
     for name, value in params.items():
         if not isinstance(value, tvm.runtime.Tensor):
-            value = tvm.runtime.tensor(np.ascontiguousarray(value), tvm.cpu(0))
+            # (not ascontiguousarray: it makes a 0-d weight 1-d)
+            value = tvm.runtime.tensor(np.asarray(value, order="C"), tvm.cpu(0))
         tensors[name] = value
     return bytes(tvm.runtime.save_param_dict(tensors))
 

@@ -6,7 +6,7 @@ A new provider adds its folder and one line below; nothing else in hgrt names it
 (docs/architecture.md, "Adding a kernel provider").
 """
 
-from hgrt.providers import onednn
+from hgrt.providers import cudalibs, onednn
 from hgrt.providers.registry import (
     DEFAULT,
     SLOTS,
@@ -26,3 +26,4 @@ __all__ = ["DEFAULT", "SLOTS", "KernelProvider", "forget_memory", "get", "kernel
            "names", "of_func", "of_node", "register", "registered", "unregister"]
 
 register(onednn.PROVIDER)
+register(cudalibs.PROVIDER)

@@ -35,12 +35,16 @@ def schedule_gpu(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     by_target: dict[str, dict] = {}
     for name, f in gpu.items():
         by_target.setdefault(str(f.attrs["target"]), {})[name] = f
-    rules = dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
-                                    dl.gpu.GeneralReduction(), dl.gpu.Fallback())
+    chain = (dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(),
+             dl.gpu.Fallback())
+    rules = dl.ApplyDefaultSchedule(*chain)
     for funcs in by_target.values():
-        with next(iter(funcs.values())).attrs["target"], located(
-                functools.partial(failing_kernel, mod, ctx, funcs, rules)):
-            sub = rules(tvm.IRModule(funcs))
+        target = next(iter(funcs.values())).attrs["target"]
+        try:
+            with target:
+                sub = rules(tvm.IRModule(funcs))
+        except Exception:  # noqa: BLE001 - a rule that fails on one function: one at a time
+            sub = _one_by_one(funcs, chain, target, mod, ctx)
         for gv, f in sub.functions_items():
             new.update_func(new.get_global_var(gv.name_hint), f)
     unscheduled = [kernel_site(mod, ctx, n) for n in sorted(gpu) if not is_scheduled(new[n])]
@@ -48,3 +52,38 @@ def schedule_gpu(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
         raise BuildError(f"GPU PrimFuncs left unscheduled by dlight: {unscheduled}; place "
                          f"these ops on a CPU device (Placement.rules / overrides)")
     return new
+
+
+def _one_by_one(funcs: dict, chain: tuple, target, mod: tvm.IRModule,
+                ctx: BuildContext) -> tvm.IRModule:
+    """``funcs`` scheduled one by one: a function on which a dlight rule raises (GEMV's asserts
+    on a depthwise convolution with a clip, TVM 0.27) takes the first of the later rules that
+    schedules it, said in the log; the error of the whole chain where none does."""
+    import tvm.s_tir.dlight as dl
+
+    out = {}
+    for name, f in funcs.items():
+        one = tvm.IRModule({name: f})
+        try:
+            with target:
+                out[name] = dl.ApplyDefaultSchedule(*chain)(one)[name]
+            continue
+        except Exception:  # noqa: BLE001 - the rules one by one below
+            pass
+        for i, rule in enumerate(chain):
+            try:
+                with target:
+                    got = dl.ApplyDefaultSchedule(rule)(one)[name]
+            except Exception:  # noqa: BLE001 - the next rule
+                continue
+            if is_scheduled(got):
+                ctx.log(f"{name}: scheduled by dlight's {type(rule).__name__} (the rules before "
+                        f"it failed on it)" if i else f"{name}: scheduled one by one")
+                out[name] = got
+                break
+        else:
+            rules = dl.ApplyDefaultSchedule(*chain)
+            with target, located(functools.partial(failing_kernel, mod, ctx, {name: f}, rules)):
+                rules(one)
+            out[name] = f
+    return tvm.IRModule(out)

@@ -42,6 +42,8 @@ def kernel_function(name: str):
     """The global function ``name``, a kernel provider's (its runtime loaded first), or None."""
     provider = providers.of_func(name)
     runtime = provider.load_runtime() if provider is not None else None
+    if runtime is not None and hasattr(runtime, "kernel_function"):  # a kernel made per name
+        return runtime.kernel_function(name)
     if runtime is not None:
         runtime.load()
     return tvm.get_global_func(name, allow_missing=True)

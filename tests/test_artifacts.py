@@ -169,3 +169,15 @@ def test_params_of_dtypes_numpy_lacks_still_read_through_tvm():
     cut = blob[:-17]  # into the bfloat16 data, its sizes checked before TVM reads it
     with pytest.raises(ParamError, match="truncated"):
         list(iter_params(cut))
+
+
+def test_a_zero_dimensional_weight_keeps_its_shape_through_save_and_load():
+    """numpy's ascontiguousarray makes a 0-d array 1-d: params must not (a scalar weight of a
+    GPT-2 export was saved as (1,) and refused at load)."""
+    from hgrt.artifacts import iter_params, params_to_bytes
+
+    blob = params_to_bytes({"scale": np.array(0.5, "float32"), "w": np.ones((2, 3), "float32")})
+    got = dict(iter_params(blob))
+    assert np.asarray(got["scale"]).shape == ()
+    assert float(np.asarray(got["scale"])) == 0.5
+    assert np.asarray(got["w"]).shape == (2, 3)

@@ -12,6 +12,7 @@ from typing import Any
 import tvm
 from tvm.rpc.base import RPC_SESS_MASK
 
+from hgrt.devices.backends import ensure_backend
 from hgrt.errors import DeviceError
 
 
@@ -178,7 +179,10 @@ def runtime_device(name: Any, session: Any = None) -> tvm.runtime.Device:
         kind, index = kind_of(name).name, name.index
     else:
         kind, index = split_device(name)
-    return session.device(kind, index) if session is not None else tvm.device(kind, index)
+    if session is not None:
+        return session.device(kind, index)
+    ensure_backend(kind)  # a runtime-only TVM loads no GPU backend by itself
+    return tvm.device(kind, index)
 
 
 def device_name(dev: tvm.runtime.Device) -> str:

@@ -33,7 +33,9 @@ def test_every_primfunc_has_the_target_of_its_device():
 
 def test_cuda_build_imports_a_cuda_module_and_copies_at_boundaries():
     case = load_case(CONV)
-    res = hgrt.build(case.model_path, ["cpu", "cuda"], hgrt.Placement(rules={"nn.conv2d": "cuda"}))
+    # kernels="tvm": TVM's own CUDA kernels (cuBLAS/cuDNN would take the convolution)
+    res = hgrt.build(case.model_path, ["cpu", "cuda"], hgrt.Placement(rules={"nn.conv2d": "cuda"}),
+                     kernels="tvm")
     assert res.lib.kind == "llvm"
     assert [m.kind for m in res.lib.imports_] == ["cuda"]
     assert "__global__" in res.lib.imports_[0].inspect_source()
@@ -66,7 +68,8 @@ def test_unscheduled_gpu_function_is_a_build_error(monkeypatch):
     case = load_case(CONV)
     with pytest.raises(BuildError,
                        match="'schedule_gpu' failed after .*unscheduled by dlight: .*conv"):
-        hgrt.build(case.model_path, ["cpu", "cuda"], hgrt.Placement(rules={"nn.conv2d": "cuda"}))
+        hgrt.build(case.model_path, ["cpu", "cuda"], hgrt.Placement(rules={"nn.conv2d": "cuda"}),
+                   kernels="tvm")
 
 
 def test_cuda_arch_can_be_overridden():
@@ -75,7 +78,7 @@ def test_cuda_arch_can_be_overridden():
     assert devs[1].target.host is not None
     case = load_case(CONV)
     res = hgrt.build(case.model_path, ["cpu", "cuda"], hgrt.Placement(preferred="cuda"),
-                     cuda_arch="sm_90")
+                     cuda_arch="sm_90", kernels="tvm")
     assert {r.device for r in res.placement_report} == {"cuda:0"}
     assert [m.kind for m in res.lib.imports_] == ["cuda"]
 
