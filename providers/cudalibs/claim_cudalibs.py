@@ -3,10 +3,10 @@
 The provider is chosen per op like oneDNN on the CPU (``hgrt.build(..., kernels=)``): "tvm"
 leaves the op to TVM's GPU schedules, "cudalibs" claims it (a ``BuildError`` for a node an
 override names that cuBLAS/cuDNN cannot compute), "auto" claims it where the NVIDIA wheels are
-installed (the ``cuda`` extra): every convolution (TVM's GPU schedules have no rule of their
-own for one), and each matmul big enough to pay for a library call (``AUTO_MIN_MACS``); it says
-once why not where the wheels are missing. Runs after the batch norms are folded
-(``fold_batch_norm``: each is a per-channel multiply and add), so that a chain
+installed (the ``cuda`` extra) and the op is one where a library call pays (``pays``: measured
+per op shape on an H200); it says once why not where the wheels are missing. Runs after the
+batch norms are folded (``fold_batch_norm``: each is a per-channel multiply and add), so that a
+chain
 
     conv2d(x, W)      [* per-channel c]* [+ per-channel c]* [+ residual] [+ per-channel c]*
                       [relu | clip(0, hi) | silu | sigmoid | tanh]
@@ -46,13 +46,33 @@ from hgrt.relay_passes.util.relax_util import (
 )
 from hgrt.relay_passes.util.relax_util import float32_shape as _shape
 
-__all__ = ["AUTO_MIN_MACS", "claim_cudalibs"]
+__all__ = ["AUTO_MIN_DENSE_K", "AUTO_MIN_REDUCTION", "claim_cudalibs", "pays"]
 
 _log = logging.getLogger("hgrt.build")
 _said: set[str] = set()
-# "auto" leaves an op to TVM under this many multiply-adds: a library call costs a launch or
-# two, as a fused TVM kernel does, and the TVM kernel also computes the ops fused into it
-AUTO_MIN_MACS = 1 << 18
+# "auto": where a library call pays, measured per op on an H200 (each op alone as an hgrt
+# module, run() medians; BENCHMARKS.md, "cuBLAS/cuDNN or TVM per op"). A cuBLAS/cuDNN call costs
+# ~15-35 us more than a TVM kernel launch, so it pays where TVM's dlight schedules are slow:
+# convolutions with a long reduction over few pixels (3x3 128->128 on 28x28: 70 vs 108 us;
+# 512->512 on 7x7: 145 vs 397 us) and depthwise ones (96 channels on 112x112: 91 vs 936 us);
+# dense layers with a long inner dimension (128x3072x768: 53 vs 137 us). TVM keeps 1x1
+# convolutions (1024->256 on 14x14: 54 vs 133 us), wide 3x3 ones (64->64 on 56x56: 56 vs 119
+# us), the stem, and dense layers of K <= 2048 (128x768x3072: 56 vs 64 us).
+AUTO_MIN_REDUCTION = 1152  # a convolution's C_in/groups * kh * kw
+AUTO_MIN_DENSE_K = 2048  # a dense layer's or matmul's inner dimension (more than this)
+
+
+def pays(c: Chain) -> bool:
+    """Whether "auto" gives the chain to cuBLAS/cuDNN (see AUTO_MIN_REDUCTION)."""
+    if c.kind == "conv2d":
+        o, i, kh, kw = c.weight.shape
+        groups = int(c.root.value.attrs.groups)
+        if groups > 1:
+            return True
+        return (kh, kw) != (1, 1) and i * kh * kw >= AUTO_MIN_REDUCTION
+    return int(_shape(c.args[0])[-1]) > AUTO_MIN_DENSE_K
+
+
 FLOAT32 = ("", "None", "void", "float32")  # an op's out_dtype that keeps float32
 ACTIVATIONS = {"relax.nn.relu": "relu", "relax.nn.silu": "silu", "relax.sigmoid": "sigmoid",
                "relax.tanh": "tanh", "relax.clip": "clip"}
@@ -233,8 +253,7 @@ def find_chains(g: _Graph, kernels: Kernels, usable: bool) -> list[Chain]:
                     raise BuildError(f"kernels override {b.var.name!r}='cudalibs': cuBLAS/cuDNN "
                                      f"cannot compute this {op}: {why}")
                 continue
-            if choice == "auto" and (not usable or (chain.kind != "conv2d"
-                                                    and chain.macs < AUTO_MIN_MACS)):
+            if choice == "auto" and (not usable or not pays(chain)):
                 continue
             chains.append(_grow(g, chain, in_block))
             g.claimed.update(chains[-1].members)

@@ -60,7 +60,7 @@ def _param(res: hgrt.BuildResult, node, i: int) -> np.ndarray:
 @needs_shim
 def test_convolutions_with_a_folded_batch_norm_residual_and_relu_are_claimed():
     model, w = _conv_bn_residual()
-    res = hgrt.build(model, CUDA, ON_CUDA, cuda_arch="sm_90")
+    res = hgrt.build(model, CUDA, ON_CUDA, cuda_arch="sm_90", kernels="cudalibs")
     nodes = _kernel_nodes(res)
     labels = sorted(n.attrs["cudalibs_op"] for n in nodes)
     # whichever convolution comes first takes the other's result as its residual
@@ -90,8 +90,8 @@ def test_convolutions_with_a_folded_batch_norm_residual_and_relu_are_claimed():
 def test_the_cpu_and_tvm_choices_leave_the_ops_alone():
     model, _ = _conv_bn_residual()
     assert not _kernel_nodes(hgrt.build(model, CUDA, ON_CUDA, cuda_arch="sm_90", kernels="tvm"))
-    assert not _kernel_nodes(hgrt.build(model, ["cpu:0"], kernels="auto"))
-    rule = hgrt.Kernels("auto", rules={"nn.conv2d": "tvm"})
+    assert not _kernel_nodes(hgrt.build(model, ["cpu:0"], kernels="cudalibs"))
+    rule = hgrt.Kernels("cudalibs", rules={"nn.conv2d": "tvm"})
     assert not _kernel_nodes(hgrt.build(model, CUDA, ON_CUDA, cuda_arch="sm_90", kernels=rule))
 
 
@@ -104,12 +104,26 @@ def test_an_override_on_a_cpu_op_is_refused_by_name():
 
 
 @needs_shim
-def test_zoo_models_on_cuda_claim_every_convolution():
-    res = hgrt.build(zoo_model("resnet50"), CUDA, ON_CUDA, cuda_arch="sm_90")
+def test_resnet50_on_cuda_all_asked_and_where_it_pays():
+    res = hgrt.build(zoo_model("resnet50"), CUDA, ON_CUDA, cuda_arch="sm_90", kernels="cudalibs")
     labels = [n.attrs["cudalibs_op"] for n in _kernel_nodes(res)]
     assert len([x for x in labels if x.startswith("conv2d")]) == 53
     assert labels.count("conv2d+scale+bias+add+relu") == 16  # the residual blocks' ends
     assert any(x.startswith("dense+bias") for x in labels)
+    # auto: the 3x3 convolutions of 128 channels or more (a reduction of 1152 or more); the
+    # 1x1 ones, the 64-channel 3x3 ones, the stem and the 2048 -> 1000 dense layer stay TVM's
+    auto = hgrt.build(zoo_model("resnet50"), CUDA, ON_CUDA, cuda_arch="sm_90")
+    claimed = _kernel_nodes(auto)
+    assert len(claimed) == 4 + 6 + 3, [n.func_name for n in claimed]  # stages 2, 3 and 4
+    assert all("_p1x1_" in n.func_name for n in claimed)
+
+
+def test_auto_pays_by_shape():
+    from hgrt.providers.cudalibs.claim_cudalibs import AUTO_MIN_REDUCTION
+
+    model, _ = _conv_bn_residual()  # 8 -> 16 channels, 3x3: a reduction of 72
+    res = hgrt.build(model, CUDA, ON_CUDA, cuda_arch="sm_90")
+    assert AUTO_MIN_REDUCTION > 72 and not _kernel_nodes(res)
 
 
 @needs_shim
