@@ -21,7 +21,7 @@ MAX_README_LINES = 150
 
 MAIN_JOB = ('python3 -m venv .venv && .venv/bin/pip install -e ".[bench]" && '
             '.venv/bin/python python/main_job.py')
-TESTS = ('python3 -m venv .venv && .venv/bin/pip install -e ".[test,onednn,bench]" && '
+TESTS = ('python3 -m venv .venv && .venv/bin/pip install -e ".[test,onednn,cuda,bench]" && '
          '.venv/bin/python -m pytest')
 
 _NUM = r"\d+(?:\.\d+)?"
