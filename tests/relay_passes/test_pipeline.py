@@ -19,10 +19,11 @@ from tvm.script import relax as R
 import hgrt
 from hgrt import compiler
 from hgrt.errors import BuildError, PlanError
+from hgrt.providers.cudalibs import kernels as cudalibs
+from hgrt.providers.onednn import kernels as onednn
 from hgrt.relay_passes import run_passes
 from hgrt.relay_passes.util.context import BuildContext
 from hgrt.relay_passes.util.pipeline import CONTEXT_FIELDS, check_order, contract
-from hgrt.providers.onednn import kernels as onednn
 from hgrt.testing import alternating, conv_model
 
 
@@ -228,6 +229,9 @@ BUILDS = {  # name -> (model, build)
     "onednn": (conv_model, lambda m: hgrt.build(m, ["cpu"], kernels="onednn")),
     "branchy": (branchy_model, lambda m: hgrt.build(m, ["cpu"], kernels="tvm")),
     "branchy onednn": (branchy_model, lambda m: hgrt.build(m, ["cpu"], kernels="onednn")),
+    "cudalibs": (conv_model, lambda m: hgrt.build(
+        m, ["cuda:0", "cpu:0"], hgrt.Placement(preferred="cuda:0", fallback="cpu:0"),
+        kernels="cudalibs")),
 }
 
 
@@ -236,6 +240,8 @@ def records() -> dict[str, Record]:
     out = {}
     for build, (model, run) in BUILDS.items():
         if "onednn" in build and onednn.unavailable_reason() is not None:
+            continue
+        if build == "cudalibs" and cudalibs.unavailable_reason() is not None:
             continue
         record = Record()
         context, passes = recording(record)
@@ -262,7 +268,8 @@ def undeclared(record: Record) -> list[str]:
 @pytest.mark.parametrize("build", list(BUILDS))
 def test_passes_touch_only_what_they_declare(records, build):
     if build not in records:
-        pytest.skip(f"oneDNN unavailable: {onednn.unavailable_reason()}")
+        pytest.skip(f"oneDNN or cuBLAS/cuDNN unavailable: {onednn.unavailable_reason()}, "
+                    f"{cudalibs.unavailable_reason()}")
     assert set(records[build].changed) == {n for n, _ in compiler.PASSES}  # all were watched
     assert undeclared(records[build]) == []
 
@@ -287,7 +294,8 @@ UNSEEN = {"apply_tuning": {"lowered"},  # a tuning database
 
 def test_every_declared_field_is_used(records):
     if len(records) < len(BUILDS):
-        pytest.skip(f"oneDNN unavailable: {onednn.unavailable_reason()}")
+        pytest.skip(f"oneDNN or cuBLAS/cuDNN unavailable: {onednn.unavailable_reason()}, "
+                    f"{cudalibs.unavailable_reason()}")
     unused = {}
     for name, fn in compiler.PASSES:
         got = set().union(*(r.got[name] for r in records.values()))
