@@ -84,7 +84,9 @@ def markdown(report: dict) -> str:
         lines += [check_line(r) for r in checks]
     lines += ["", f"Each figure is the median of {report.get('repeat', '?')} timed repeats after "
               f"warm-up, each repeat the mean of enough runs to last ~10 ms (GPU work "
-              f"synchronized before the clock stops). rel diff: max |x - hgrt cpu| / max |hgrt "
+              f"synchronized before the clock stops); a model's hgrt GPU builds are timed in "
+              f"turns, one batch of each per round, so that clock drift falls on all alike. "
+              f"rel diff: max |x - hgrt cpu| / max |hgrt "
               f"cpu| over the output, the same regenerated weights in every hgrt build. auto: "
               f"hgrt's cost-based placement over cpu:0 + cuda:0 (copies between devices per "
               f"run in brackets). PyTorch: eager fp32 (TF32 off), its own seeded weights."]
