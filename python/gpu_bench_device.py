@@ -329,8 +329,9 @@ def run_check(entry: dict, directory: str, args, deadline: float, cuda: bool) ->
     r = ModelRun(entry, directory, args, deadline)
     print(f"{entry['name']} (checked against onnxruntime):", flush=True)
     r.attempt("onnxruntime (CPU)", "onnxruntime", r.onnxruntime)
-    for label in ("cpu", "cuda", "split") if cuda else ("cpu",):
-        r.attempt(f"hgrt {label}", label, lambda label=label: r.hgrt(label))
+    for label in ("cpu", "cuda", "split", "auto") if cuda else ("cpu",):
+        if label in r.meta["builds"]:
+            r.attempt(f"hgrt {label}", label, lambda label=label: r.hgrt(label))
     r.timed_in_turns()
     for label, value in r.row["rel_diff"].items():
         if not value <= args.tolerance:

@@ -57,7 +57,7 @@ BUILDS = {  # label -> (devices, placement fields, kernels: None for the option'
 # light zoo models whose every build is checked against onnxruntime on the GPU machine (the
 # ONNX file travels: its weights are the builds' weights)
 CHECKS = ("squeezenet",)
-CHECK_BUILDS = ("cpu", "cuda", "split")
+CHECK_BUILDS = ("cpu", "cuda", "split", "auto")
 
 
 def fingerprint(onnx_path: str | None, options: dict) -> str:

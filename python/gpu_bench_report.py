@@ -42,15 +42,19 @@ def row_line(r: dict) -> str:
 
 
 CHECK_HEAD = ("| light zoo model | hgrt cpu ms | hgrt cuda ms | conv on cuda, rest on cpu ms "
-              "(copies) | rel diff to onnxruntime (CPU): cpu / cuda / split |")
+              "(copies) | hgrt auto ms (copies) | rel diff to onnxruntime (CPU): cpu / cuda / "
+              "split / auto |")
 
 
 def check_line(r: dict) -> str:
     ms, diff = r.get("ms", {}), r.get("rel_diff", {})
     split = "-" if ms.get("split") is None else \
         f"{_ms(ms['split'])} ({r.get('copies', {}).get('split', '?')})"
-    diffs = " / ".join(_diff(diff.get(k)) for k in ("cpu", "cuda", "split"))
-    return f"| {r['name']} | {_ms(ms.get('cpu'))} | {_ms(ms.get('cuda'))} | {split} | {diffs} |"
+    auto = "-" if ms.get("auto") is None else \
+        f"{_ms(ms['auto'])} ({r.get('copies', {}).get('auto', '?')})"
+    diffs = " / ".join(_diff(diff.get(k)) for k in ("cpu", "cuda", "split", "auto"))
+    return (f"| {r['name']} | {_ms(ms.get('cpu'))} | {_ms(ms.get('cuda'))} | {split} | {auto} "
+            f"| {diffs} |")
 
 
 def machine_line(machine: dict) -> str:
@@ -80,7 +84,7 @@ def markdown(report: dict) -> str:
     lines += [row_line(r) for r in report["rows"] if not r.get("check")]
     checks = [r for r in report["rows"] if r.get("check")]
     if checks:
-        lines += ["", CHECK_HEAD, "|---|---|---|---|---|"]
+        lines += ["", CHECK_HEAD, "|---|---|---|---|---|---|"]
         lines += [check_line(r) for r in checks]
     lines += ["", f"Each figure is the median of {report.get('repeat', '?')} timed repeats after "
               f"warm-up, each repeat the mean of enough runs to last ~10 ms (GPU work "
