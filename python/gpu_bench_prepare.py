@@ -56,7 +56,9 @@ BUILDS = {  # label -> (devices, placement fields, kernels: None for the option'
 }
 # light zoo models whose every build is checked against onnxruntime on the GPU machine (the
 # ONNX file travels: its weights are the builds' weights)
-CHECKS = ("squeezenet",)
+# and the classifier whose TopK / CumSum have no CUDA kernel (hgrt.corpus.postprocess, its
+# "real" size): on cpu:0 + cuda:0 those ops go to the CPU by themselves
+CHECKS = ("squeezenet", "postprocess")
 CHECK_BUILDS = ("cpu", "cuda", "split", "auto")
 
 
@@ -201,14 +203,19 @@ def build_all(name: str, onnx_path: str | None, options: dict, work: str) -> dic
 
     bases, info, extra = Bases(), {"builds": {}}, {}
     if onnx_path is None:  # a light zoo model, calibrated, with its inputs (hgrt.testing)
+        from hgrt.corpus.postprocess import postprocess_model
         from hgrt.testing import zoo_input, zoo_model
 
-        model = zoo_model(name)
+        if name == "postprocess":
+            model, inputs = postprocess_model(size="real")
+        else:
+            model = zoo_model(name)
+            inputs = zoo_input(model)
         onnx_path = os.path.join(work, "model.onnx")
         os.makedirs(work, exist_ok=True)
         onnx.save(model, onnx_path)
         inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-        extra = {f"input/{k}": v for k, v in zoo_input(model).items()}
+        extra = {f"input/{k}": v for k, v in inputs.items()}
         labels, vms = list(CHECK_BUILDS), []
     else:
         inits = None

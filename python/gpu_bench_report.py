@@ -41,9 +41,9 @@ def row_line(r: dict) -> str:
             f"| {_ratio(cuda, ms.get('torch'))} | {_ratio(auto, best)} | {diffs} |")
 
 
-CHECK_HEAD = ("| light zoo model | hgrt cpu ms | hgrt cuda ms | conv on cuda, rest on cpu ms "
-              "(copies) | hgrt auto ms (copies) | rel diff to onnxruntime (CPU): cpu / cuda / "
-              "split / auto |")
+CHECK_HEAD = ("| model checked against onnxruntime | hgrt cpu ms | hgrt cuda ms | conv on cuda, "
+              "rest on cpu ms (copies) | hgrt auto ms (copies) | rel diff to onnxruntime "
+              "(CPU): cpu / cuda / split / auto |")
 
 
 def check_line(r: dict) -> str:

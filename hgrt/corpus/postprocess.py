@@ -26,9 +26,12 @@ K = 5
 ROW = 8  # the width of the table's rows gathered for the winners
 LOGITS_STD = 3.0
 INPUT_SHAPE = (1, 3, 32, 32)
+# size -> (input height and width, the two convolutions' channels): "tiny" for tests, "real" a
+# backbone whose work pays for a GPU (the second convolution: 0.46 G multiply-adds)
+SIZES = {"tiny": (32, 16, 32), "real": (224, 32, 128)}
 
 
-def _graph(weights: dict[str, np.ndarray], outputs: list[str]) -> Any:
+def _graph(weights: dict[str, np.ndarray], outputs: list[str], hw: int = INPUT_SHAPE[2]) -> Any:
     from onnx import TensorProto, helper, numpy_helper
 
     nodes = [
@@ -46,14 +49,15 @@ def _graph(weights: dict[str, np.ndarray], outputs: list[str]) -> Any:
         helper.make_node("Gather", ["table", "top_classes"], ["top_rows"], axis=0),
     ]
     inits = [numpy_helper.from_array(v, n) for n, v in weights.items()]
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, list(INPUT_SHAPE))
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, hw, hw])
     outs = [helper.make_empty_tensor_value_info(n) for n in outputs]
     graph = helper.make_graph(nodes, "postprocess", [x], outs, initializer=inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
 
 
-def postprocess_model(seed: int = 0) -> tuple[Any, dict[str, np.ndarray]]:
-    """The ONNX ModelProto and its seeded input ``{"x": ...}`` (standard normal)."""
+def postprocess_model(seed: int = 0, size: str = "tiny") -> tuple[Any, dict[str, np.ndarray]]:
+    """The ONNX ModelProto and its seeded input ``{"x": ...}`` (standard normal); ``size``
+    one of ``SIZES``."""
     from onnx.reference import ReferenceEvaluator
 
     rng = np.random.default_rng(seed)
@@ -62,16 +66,17 @@ def postprocess_model(seed: int = 0) -> tuple[Any, dict[str, np.ndarray]]:
         fan_in = int(np.prod(shape[1:]))
         return (rng.standard_normal(shape) * np.sqrt(2.0 / fan_in)).astype("float32")
 
-    weights = {"w1": he(16, 3, 3, 3), "b1": np.zeros(16, "float32"),
-               "w2": he(32, 16, 3, 3), "b2": np.zeros(32, "float32"),
-               "wf": he(CLASSES, 32), "bf": np.zeros(CLASSES, "float32"),
+    hw, c1, c2 = SIZES[size]
+    weights = {"w1": he(c1, 3, 3, 3), "b1": np.zeros(c1, "float32"),
+               "w2": he(c2, c1, 3, 3), "b2": np.zeros(c2, "float32"),
+               "wf": he(CLASSES, c2), "bf": np.zeros(CLASSES, "float32"),
                "k": np.array([K], "int64"), "axis": np.array(1, "int64"),
                "table": rng.standard_normal((CLASSES, ROW)).astype("float32")}
-    inputs = {"x": np.random.default_rng(seed + 1).standard_normal(INPUT_SHAPE)
+    inputs = {"x": np.random.default_rng(seed + 1).standard_normal((1, 3, hw, hw))
               .astype("float32")}
-    logits = ReferenceEvaluator(_graph(weights, ["logits"])).run(["logits"], inputs)[0]
+    logits = ReferenceEvaluator(_graph(weights, ["logits"], hw)).run(["logits"], inputs)[0]
     scale = LOGITS_STD / max(float(np.std(logits)), 1e-6)
     weights["wf"] = (weights["wf"] * scale).astype("float32")
     weights["bf"] = (rng.standard_normal(CLASSES) * 0.1 * LOGITS_STD).astype("float32")
     outputs = ["top_scores", "top_classes", "top_cumulative", "top_rows"]
-    return _graph(weights, outputs), inputs
+    return _graph(weights, outputs, hw), inputs
