@@ -7,7 +7,7 @@ The most specific setting wins:
   3. per-op rules: ``{"nn.conv2d": "cuda"}``; keys are Relax op names with or without the
      ``relax.`` prefix, or fnmatch patterns (``"nn.*"``); an exact name beats a pattern, and
      patterns are tried in the order given; a pattern passes over an op its device cannot
-     compile (``GPU_UNSUPPORTED_OPS``), an exact name does not;
+     compile (``gpu_refusals``), an exact name does not;
   4. the preferred device, unless its target cannot compile the op;
   5. the fallback device, or where it cannot compile the op the first device that can;
   with ``auto=True``, 4 and 5 give way to the cheapest plan of the whole model, copies counted
@@ -35,11 +35,13 @@ from hgrt.relay_passes.inner.auto_place import auto_place, describe_links, read_
 from hgrt.relay_passes.util.context import BuildContext, PlacementRow
 from hgrt.relay_passes.util.pipeline import contract
 from hgrt.relay_passes.util.relax_util import (
+    CALL_TIR,
     HINT_ON_DEVICE,
     TO_VDEVICE,
     bindings,
     hinted_device,
     match_op_rule,
+    no_gpu_schedule,
     op_name,
 )
 
@@ -134,11 +136,24 @@ def _annotated_device(var: relax.Var, ctx: BuildContext) -> int | None:
     return None if vdev is None else ctx.device_of_vdevice(vdev)
 
 
-def _compiles_on(op_name: str, device: DeviceSpec) -> str | None:
-    """None if ``device`` can run ``op_name``, else why not."""
-    if device.is_gpu:
-        return GPU_UNSUPPORTED_OPS.get(op_name)
-    return None
+def gpu_refusals(mod: tvm.IRModule) -> dict[str, str]:
+    """binding name -> why no GPU device can compile its op: a Relax op of
+    ``GPU_UNSUPPORTED_OPS``, or a call_tir of a PrimFunc that says so (``NO_GPU_SCHEDULE_ATTR``,
+    e.g. the importer's recurrent kernels)."""
+    out = {}
+    for b in bindings(mod["main"]):
+        op = op_name(b.value)
+        why = GPU_UNSUPPORTED_OPS.get(op or "")
+        if op == CALL_TIR and isinstance(b.value.args[0], relax.GlobalVar):
+            why = no_gpu_schedule(mod[b.value.args[0]])
+        if why is not None:
+            out[b.var.name] = why
+    return out
+
+
+def _compiles_on(name: str, device: DeviceSpec, refused: dict[str, str]) -> str | None:
+    """None if ``device`` can run the op bound to ``name``, else why not."""
+    return refused.get(name) if device.is_gpu else None
 
 
 def _check_rules(rules: dict[str, int], model_ops: list[str]) -> None:
@@ -158,19 +173,21 @@ def _check_rules(rules: dict[str, int], model_ops: list[str]) -> None:
                          f"{ops_here[:30]}")
 
 
-def _fallback(op: str, devs: list[DeviceSpec], fallback: int,
-              preferred: int | None) -> tuple[int, str]:
-    """The fallback device, or the first device that can compile ``op`` where it cannot."""
-    refused = preferred if preferred is not None else fallback
-    why = _compiles_on(op, devs[refused])
+def _fallback(name: str, devs: list[DeviceSpec], fallback: int, preferred: int | None,
+              refused: dict[str, str]) -> tuple[int, str]:
+    """The fallback device, or the first device that can compile the op bound to ``name``
+    where it cannot."""
+    asked = preferred if preferred is not None else fallback
+    why = _compiles_on(name, devs[asked], refused)
     if why is None:
         return fallback, "fallback"
     able = [fallback] + [d.index for d in devs if d.index != fallback]
-    dev = next((d for d in able if _compiles_on(op, devs[d]) is None), fallback)
-    return dev, f"fallback ({devs[refused].name}: {why})"
+    dev = next((d for d in able if _compiles_on(name, devs[d], refused) is None), fallback)
+    return dev, f"fallback ({devs[asked].name}: {why})"
 
 
-def _auto(func: relax.Function, ctx: BuildContext, fixed: dict[str, int]) -> dict:
+def _auto(func: relax.Function, ctx: BuildContext, fixed: dict[str, int],
+          refused: dict[str, str]) -> dict:
     """auto_place with the budgets, profile and links of this build, its comparison logged."""
     p, devs = ctx.placement, ctx.devices
     budgets = {resolve_device(k, devs, "budget"): int(v) for k, v in p.budgets.items()}
@@ -179,8 +196,8 @@ def _auto(func: relax.Function, ctx: BuildContext, fixed: dict[str, int]) -> dic
              if d.is_gpu or d.name in profile_links}
     ctx.log(describe_links(devs, links))
     return auto_place(func, devs, fixed, ctx.weights.values, budgets,
-                      lambda op, dev: _compiles_on(op, dev) is None, read_rates(p.profile),
-                      links, ctx.log)
+                      lambda name, dev: _compiles_on(name, dev, refused) is None,
+                      read_rates(p.profile), links, ctx.log)
 
 
 @contract(reads={"devices", "placement", "weights"}, writes={"placed"})  # weights: auto's sizes
@@ -232,6 +249,7 @@ def place_devices(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
 
     placed.op_device.clear()
     placed.report.clear()
+    refused = gpu_refusals(mod)
     explicit = {}
     for name, op in op_bindings(mod):
         if name in hinted:
@@ -241,17 +259,18 @@ def place_devices(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
         elif (rule := match_op_rule(op, rules)) is not None:
             exact = rule in (op, op.removeprefix("relax."))
             explicit[name] = (rules[rule], f"rule {rule!r}") if exact or _compiles_on(
-                op, devs[rules[rule]]) is None else _fallback(op, devs, fallback, rules[rule])
+                name, devs[rules[rule]], refused) is None else _fallback(
+                name, devs, fallback, rules[rule], refused)
     if p.auto:
         explicit |= _auto(func, ctx, {**placed.input_device,
-                                      **{k: d for k, (d, _) in explicit.items()}})
+                                      **{k: d for k, (d, _) in explicit.items()}}, refused)
     for name, op in op_bindings(mod):
         if name in explicit:
             dev, why = explicit[name]
-        elif preferred is not None and _compiles_on(op, devs[preferred]) is None:
+        elif preferred is not None and _compiles_on(name, devs[preferred], refused) is None:
             dev, why = preferred, "preferred"
         else:
-            dev, why = _fallback(op, devs, fallback, preferred)
+            dev, why = _fallback(name, devs, fallback, preferred, refused)
         placed.op_device[name] = dev
         placed.report.append(PlacementRow(name, op, devs[dev].name, why))
     ctx.log(f"placed {len(placed.op_device)} ops: " + ", ".join(

@@ -1,5 +1,7 @@
 """schedule_gpu: GPU PrimFuncs scheduled with dlight; one left unscheduled is a ``BuildError``
-naming it (a CUDA PrimFunc without a schedule would build into host code without a word).
+naming it (a CUDA PrimFunc without a schedule would build into host code without a word), and
+so is one that says no GPU can schedule it (``NO_GPU_SCHEDULE_ATTR``: placement puts those on
+a CPU unless a hint, an override or a rule naming the op puts them on the GPU).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from hgrt.relay_passes.util.pipeline import contract, located
 from hgrt.relay_passes.util.relax_util import (
     func_target,
     is_scheduled,
+    no_gpu_schedule,
     prim_funcs,
 )
 
@@ -30,6 +33,12 @@ def schedule_gpu(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
            if func_target(f) is not None and f.attrs["target"].kind.name not in ("llvm", "c")}
     if not gpu:
         return mod
+    refused = [f"{kernel_site(mod, ctx, n)}: {why}" for n, f in sorted(gpu.items())
+               if (why := no_gpu_schedule(f)) is not None]
+    if refused:
+        raise BuildError(f"placed on a GPU but no GPU can schedule them: {refused}; place these "
+                         f"ops on a CPU device (drop the hint, override or rule that puts them "
+                         f"on the GPU)")
     ctx.log(f"scheduling {len(gpu)} GPU functions with dlight")
     new = mod.clone()
     by_target: dict[str, dict] = {}

@@ -25,8 +25,13 @@ from dataclasses import dataclass
 from tvm import tirx
 from tvm.script import tirx as T
 
+from hgrt.relay_passes.util.relax_util import NO_GPU_SCHEDULE_ATTR
+
 # the recurrent op of each kernel, an attr of its PrimFunc: what a kernel provider looks for
 OP_ATTR = "hgrt.recurrent_op"
+# the time loop around the gate products is no root block, which dlight needs: placement keeps
+# these kernels on a CPU
+NO_GPU_REASON = "hand-written recurrent kernel: no GPU schedule"
 
 
 @dataclass(frozen=True)
@@ -136,7 +141,7 @@ class _Spec:
 
     def attrs(self) -> dict:
         layer = self.layer
-        return {OP_ATTR: layer.op, "tirx.noalias": True,
+        return {OP_ATTR: layer.op, "tirx.noalias": True, NO_GPU_SCHEDULE_ATTR: NO_GPU_REASON,
                 "hgrt.recurrent_directions": ",".join(layer.directions),
                 "hgrt.recurrent_hidden": layer.hidden, "hgrt.recurrent_layout": layer.layout}
 

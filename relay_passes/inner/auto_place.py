@@ -147,7 +147,7 @@ def plan_model(func: relax.Function, devices: list[DeviceSpec], fixed: dict[str,
             reads = [t for a in value.args for t in _tensors(a, alias)]
             m.add_op(name, [(name, _nbytes(b.var.ty))], reads,
                      [op_seconds(cost, dev, measured) for dev in devices],
-                     [allowed(op, dev) for dev in devices], name in fixed, cost.weights)
+                     [allowed(name, dev) for dev in devices], name in fixed, cost.weights)
             alias[name] = [name]
     return m
 
@@ -203,8 +203,9 @@ def auto_place(func: relax.Function, devices: list[DeviceSpec], fixed: dict[str,
                log: Callable[[str], None] | None = None) -> dict[str, tuple[int, str]]:
     """binding name -> (device, reason) for every op binding not in ``fixed`` (placed by a
     hint, an override or a rule, which win). ``budgets``: device -> bytes of weights it may
-    hold; ``allowed(op, device)``: whether the device can run the op; ``measured``: rates per
-    device name from a profile (``read_rates``), which replace the estimates where given;
+    hold; ``allowed(name, device)``: whether the device can run the op bound to ``name``;
+    ``measured``: rates per device name from a profile (``read_rates``), which replace the
+    estimates where given;
     ``links``: what a copy to or from each GPU device costs (``hgrt.devices.link_of``);
     ``log`` gets the line that compares the whole plans."""
     copy = copy_cost(links or {})

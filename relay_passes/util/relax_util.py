@@ -18,6 +18,9 @@ CALL_DPS_PACKED = "relax.call_dps_packed"  # a kernel that is a global function 
 TO_VDEVICE = "relax.to_vdevice"
 HINT_ON_DEVICE = "relax.hint_on_device"
 SCHEDULED_ATTR = "tirx.is_scheduled"
+# a PrimFunc attr: why no GPU target can schedule it (its value, a reason); placement keeps the
+# call_tir of such a kernel on a CPU unless told otherwise, schedule_gpu refuses it
+NO_GPU_SCHEDULE_ATTR = "hgrt.no_gpu_schedule"
 
 
 def bindings(func: relax.Function) -> Iterator[relax.VarBinding]:
@@ -118,6 +121,12 @@ def func_target(func: tirx.PrimFunc, default: tvm.target.Target | None = None
 
 def is_scheduled(func: tirx.PrimFunc) -> bool:
     return bool((func.attrs or {}).get(SCHEDULED_ATTR, False))
+
+
+def no_gpu_schedule(func: Any) -> str | None:
+    """Why no GPU target can schedule the PrimFunc ``func`` (``NO_GPU_SCHEDULE_ATTR``), or None."""
+    attrs = getattr(func, "attrs", None) or {}
+    return str(attrs[NO_GPU_SCHEDULE_ATTR]) if NO_GPU_SCHEDULE_ATTR in attrs else None
 
 
 def static_dims(ty: relax.Type) -> tuple[int, ...] | None:
