@@ -3,8 +3,10 @@ that do not travel in it.
 
 A model's weights are written as recipes where they are large floats: each becomes seeded
 normal numbers with the original's mean and standard deviation (per row along axis 0 where
-there are at most ``ROW_STATS_MAX`` rows), regenerated on the GPU machine. Small tensors,
-integer tensors and tensors of a few distinct values (masks) travel as they are. Every build
+there are at most ``ROW_STATS_MAX`` rows), regenerated on the GPU machine. Small tensors
+(norm scales, rotary cos/sin tables, scalars), integer tensors, tensors that are not finite
+everywhere, tensors of a few distinct values (masks of 0 and float32's min) and tensors whose
+values repeat (position bias tables gathered out at build) travel as they are. Every build
 of a model (cuda only, auto, cpu only, the Relax VM) takes its weights from the same base
 tensors, some of them in a layout packed at build (``<name>_col32``, ``<name>_oc16``), so the
 builds compute the same function and their outputs can be compared.
@@ -32,6 +34,12 @@ KERNELS_DIR = "kernels"  # compiled CUDA kernels, by the sha256 of their source
 TRAVEL_BYTES = 64 << 10  # float tensors above this become recipes
 ROW_STATS_MAX = 4096
 FEW_VALUES = 16  # a float tensor of at most this many distinct values travels (a mask, a table)
+# a float tensor whose values repeat (each TABLE_REPEATS times on average, at most TABLE_VALUES
+# of them) travels too: a small table gathered out at build (T5's relative position bias,
+# folded to (1, heads, seq, seq)), which noise of its mean and deviation would not stand for
+# (and xz packs it small)
+TABLE_VALUES = 4096
+TABLE_REPEATS = 64
 
 # the CPU schedules' weight layouts (hgrt.relay_passes.inner.prepack_weights.PACKS): the
 # prepare step checks that these give byte for byte the weights of each build
@@ -136,8 +144,11 @@ def travels(value: np.ndarray) -> bool:
         return True
     flat = value.reshape(-1)
     sample = flat[:: max(1, flat.size // 65536)]
-    return (not bool(np.all(np.isfinite(sample))) or len(np.unique(sample)) <= FEW_VALUES
-            or not bool(np.all(np.isfinite(value))))
+    if not bool(np.all(np.isfinite(sample))) or not bool(np.all(np.isfinite(value))):
+        return True
+    distinct = len(np.unique(sample))
+    return distinct <= FEW_VALUES or (distinct <= TABLE_VALUES
+                                      and distinct * TABLE_REPEATS <= sample.size)
 
 
 def recipes(model: str, bases: dict[str, np.ndarray], onnx: dict[str, np.ndarray] | None = None

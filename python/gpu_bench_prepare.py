@@ -14,6 +14,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import re
 import shutil
 import sys
 import tarfile
@@ -37,6 +38,8 @@ from gpu_bench_bundle import (
 
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "hgrt", "gpu_bench")
 SOURCES = ("hgrt", "relay_passes", "runtime", "providers")
+# this step's own files: what they write into an archive (the recipes) is part of it too
+OWN_SOURCES = ("python/gpu_bench_bundle.py", "python/gpu_bench_prepare.py")
 FFI_WHEEL = "apache_tvm_ffi-0.1.14.post1-cp312-*.whl"
 RUNTIME_TAR = "tvm_runtime.tar.xz"
 # what of the installed tvm package the GPU machine does not need: the compiler library
@@ -73,6 +76,7 @@ def fingerprint(onnx_path: str | None, options: dict) -> str:
     for folder in SOURCES:
         for ext in ("py", "cc", "h"):
             files += glob.glob(os.path.join(REPO, folder, "**", f"*.{ext}"), recursive=True)
+    files += [os.path.join(REPO, f) for f in OWN_SOURCES]
     for path in sorted(files):
         h.update(path.encode())
         with open(path, "rb") as f:
@@ -89,6 +93,26 @@ def cuda_sources(lib) -> list[str]:
         if m.kind == "cuda":
             out.append(m.inspect_source("cuda"))
     return out
+
+
+# a kernel's definition (its declarations end in ";")
+_KERNEL = re.compile(
+    r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\([^)]*\)\s*\{')
+
+
+def fast_math_pow(lib) -> list[str]:
+    """The CUDA kernels of ``lib`` that call ``powf``: nvcc's ``--use_fast_math`` (TVM's
+    default, off with ``TVM_CUDA_NVCC_NO_FAST_MATH``; NVRTC's too) makes it ``exp2(y *
+    log2(x))``, NaN for every ``x < 0`` whatever ``y`` (also 2: RMSNorm's square)."""
+    if os.environ.get("TVM_CUDA_NVCC_NO_FAST_MATH"):
+        return []
+    names = set()
+    for src in cuda_sources(lib):
+        starts = [(m.start(), m.group(1)) for m in _KERNEL.finditer(src)]
+        for (at, name), (end, _) in zip(starts, starts[1:] + [(len(src), "")], strict=True):
+            if re.search(r"\bpowf\(", src[at:end]):
+                names.add(name)
+    return sorted(names)
 
 
 def compile_kernels(lib, arch: str, into: str) -> list[str]:
@@ -129,6 +153,7 @@ def build_hgrt(label: str, onnx_path: str, options: dict, work: str, bases: Base
     seconds = time.perf_counter() - t0
     hgrt.save(os.path.join(work, label), res.graph_json, res.lib, {})
     kernels = compile_kernels(res.lib, options["arch"], os.path.join(work, KERNELS_DIR))
+    pow_kernels = fast_math_pow(res.lib)
     how = bases.resolve(res.params)
     copies = sum(1 for n in res.graph.nodes if n.func_name == "__copy")
     per_device = {}
@@ -136,8 +161,11 @@ def build_hgrt(label: str, onnx_path: str, options: dict, work: str, bases: Base
         per_device[row.device] = per_device.get(row.device, 0) + 1
     print(f"  hgrt {label}: built in {seconds:.1f} s, {len(res.params)} weights, {copies} "
           f"copies, ops per device {per_device}, {len(kernels)} CUDA modules", flush=True)
+    if pow_kernels:
+        print(f"  hgrt {label}: WARNING: CUDA kernels calling powf under fast math (NaN for a "
+              f"negative base): {pow_kernels[:4]}", flush=True)
     return {"devices": devices, "params": how, "copies": copies, "build_s": round(seconds, 2),
-            "ops_per_device": per_device, "kernels": kernels}
+            "ops_per_device": per_device, "kernels": kernels, "fast_math_pow": pow_kernels}
 
 
 def build_vm(label: str, onnx_path: str, options: dict, work: str, bases: Bases) -> dict:
@@ -164,12 +192,13 @@ def build_vm(label: str, onnx_path: str, options: dict, work: str, bases: Bases)
     ex.export_library(os.path.join(work, label, "lib.so"))
     seconds = time.perf_counter() - t0
     kernels = compile_kernels(ex.mod, options["arch"], os.path.join(work, KERNELS_DIR))
+    pow_kernels = fast_math_pow(ex.mod)
     how = bases.resolve(dict(zip(names, values, strict=True)))
     print(f"  Relax VM ({label}): built in {seconds:.1f} s, {len(names)} weights, "
           f"{len(kernels)} CUDA modules", flush=True)
     return {"params": [how[n] for n in names], "num_input": num_input,
             "transform": "main_transform_params" in [gv.name_hint for gv in mod.get_global_vars()],
-            "build_s": round(seconds, 2), "kernels": kernels}
+            "build_s": round(seconds, 2), "kernels": kernels, "fast_math_pow": pow_kernels}
 
 
 def unshared_recipes(builds: dict, table: dict) -> list[str]:
