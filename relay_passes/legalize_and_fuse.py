@@ -12,6 +12,7 @@ from tvm import relax
 from hgrt.relay_passes.inner.cpu_schedule_math import vector_math_legalizations
 from hgrt.relay_passes.inner.lowering_rewrites import (
     keep_device_joins_apart,
+    powers_as_products,
     reshape_outputs_as_views,
     rewrite_dataflow_reshape,
 )
@@ -62,10 +63,12 @@ def lowering_passes() -> list[tvm.transform.Pass]:
 # after the passes that rewrite Relax ops (they match the ops lowering replaces; a kernel
 # provider's claim passes say ``before=("legalize_and_fuse",)``) and after insert_copies, whose
 # R.to_vdevice on every crossing edge keeps fusion within a device
-@contract(reads={"devices"}, after=("insert_copies", "split_concat", "fold_batch_norm"))
+@contract(reads={"devices", "weights"},
+          after=("insert_copies", "split_concat", "fold_batch_norm"))
 def legalize_and_fuse(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     """``lowering_passes`` under the first device's target; a failure names the op it fails
     on."""
+    mod = powers_as_products(mod, ctx)  # (an exponent's value: a weight of ctx's)
     with located(lambda: _failing_op(mod, ctx)):
         return _lowered(mod, ctx)
 

@@ -1,7 +1,7 @@
 """The rewrites of hgrt's own that ``legalize_and_fuse`` runs among TVM's lowering passes
 (``lowering_passes``): TVM's reshape views with their readers kept connected, a reshape kernel
 that makes a graph output becomes a view, and an elementwise op joining two devices' branches
-stays a kernel of its own.
+stays a kernel of its own; and ``powers_as_products``, run before them.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from tvm import relax
 from hgrt.graph import ELEMWISE_MAX, OPAQUE
 from hgrt.relay_passes.util.relax_util import (
     CALL_TIR,
+    MainReader,
     bindings,
     copied_in,
     op_name,
@@ -148,4 +149,45 @@ def keep_device_joins_apart(mod: tvm.IRModule, _ctx=None) -> tvm.IRModule:
 
     out = bb.get()
     out["main"] = rebound(out, main, replaced)
+    return out
+
+
+# exponents a power of a constant becomes products (or a square root) for
+POWERS = {2.0: "square", 3.0: "cube", 0.5: "sqrt", 1.0: "identity"}
+
+
+def _power(x: relax.Expr, kind: str) -> relax.Expr:
+    if kind == "square":
+        return relax.op.multiply(x, x)
+    if kind == "cube":
+        return relax.op.multiply(relax.op.multiply(x, x), x)
+    return relax.op.sqrt(x) if kind == "sqrt" else x
+
+
+def powers_as_products(mod: tvm.IRModule, ctx) -> tvm.IRModule:
+    """``power(x, c)`` with ``c`` a constant or weight of one value in ``POWERS`` becomes
+    ``x * x`` (``x * x * x``, ``sqrt(x)``, ``x``): exact where ``powf`` is not. CUDA's fast math
+    (TVM's default for nvcc) computes ``powf(x, 2)`` as ``exp2(2 * log2(x))``, NaN for every
+    negative x: an RMSNorm's square (T5, Llama) made the whole output NaN on a GPU; on a CPU a
+    product is also cheaper than libm's ``pow``."""
+    main = mod["main"]
+    if "num_input" not in (main.attrs or {}):
+        return mod
+    reader = MainReader(main, ctx)
+    swap = {}
+    for b in bindings(main):
+        if op_name(b.value) != "relax.power" or len(b.value.args) != 2:
+            continue
+        x, e = b.value.args
+        value = reader.value(e)
+        if value is None or value.size != 1 or getattr(x.ty, "dtype", None) != str(value.dtype):
+            continue
+        kind = POWERS.get(float(value.reshape(())))
+        if kind is None or not str(value.dtype).startswith("float"):
+            continue
+        swap[b.var] = _power(x, kind)
+    if not swap:
+        return mod
+    out = mod.clone()
+    out["main"] = rebound(mod, main, swap)
     return out
