@@ -6,7 +6,8 @@ the compiler for the current target. ``ensure_backend("cuda")`` loads the CUDA r
 that TVM ships (``tvm/lib/libtvm_runtime_cuda.so``, after the CUDA runtime of the
 nvidia-cuda-runtime wheel where one is installed) and registers that hook with the GPU's own
 architecture (NVRTC, or nvcc where ``TVM_CUDA_COMPILE_MODE=nvcc``). With TVM's compiler loaded
-it does nothing: TVM loaded the backends itself.
+it does nothing: TVM loaded the backends itself. For every kind it loads TVM's runtime extras
+(``libtvm_runtime_extra.so``: the sort and top-k functions CPU kernels call).
 """
 
 from __future__ import annotations
@@ -56,13 +57,33 @@ def _compile_hook(code: str) -> bytes:
     return nvcc.compile_cuda(code, target_format="cubin", arch=arch, compiler="nvrtc")
 
 
+def _load_extra() -> None:
+    """TVM's ``libtvm_runtime_extra.so``: the runtime's contrib functions (sort, topk, ...)
+    that CPU kernels call, which ``import tvm`` loads only with its compiler."""
+    if tvm.get_global_func("tvm.contrib.sort.topk", allow_missing=True) is not None:
+        return
+    path = os.path.join(os.path.dirname(tvm.__file__), "lib", "libtvm_runtime_extra.so")
+    if os.path.exists(path):
+        try:
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        except OSError as e:
+            raise DeviceError(f"TVM's runtime library {path} cannot be loaded on this "
+                              f"runtime-only TVM: {e}") from e
+
+
 def ensure_backend(kind: str) -> None:
     """Make ``kind``'s devices usable on a runtime-only TVM (see module doc); a DeviceError
     says what is missing."""
-    if kind != "cuda" or kind in _done or not runtime_only():
+    if kind in _done or not runtime_only():
         return
     with _lock:
         if kind in _done:
+            return
+        if "extra" not in _done:
+            _load_extra()
+            _done.add("extra")
+        if kind != "cuda":
+            _done.add(kind)
             return
         if tvm.get_global_func("device_api.cuda", allow_missing=True) is None:
             path = os.path.join(os.path.dirname(tvm.__file__), "lib", "libtvm_runtime_cuda.so")

@@ -94,6 +94,8 @@ def normalize_devices(devices: Any) -> list:
     for i, d in enumerate(devs):
         if not isinstance(d, tvm.runtime.Device):
             raise DeviceError(f"devices[{i}] = {d!r} is not a tvm Device (use tvm.cpu(0), ...)")
+        if not is_remote(d):
+            ensure_backend(kind_of(d).name)  # a runtime-only TVM's GPU backend and extras
     return devs
 
 

@@ -8,7 +8,8 @@
 // hgrt.cudalibs.make(name) parses it once and returns the kernel, a closure over the parsed
 // attributes; shapes come from the tensors of each call. Work runs on the device's current
 // stream (TVMFFIEnvGetStream), on one cuBLASLt and one cuDNN handle per thread and device;
-// descriptors and the algorithm chosen are made once per kernel and shape. float32 throughout,
+// descriptors and the algorithm chosen are made once per shape (a convolution's for the whole
+// process, ConvKey; a matmul's per kernel). float32 throughout,
 // TF32 off (CUBLAS_COMPUTE_32F, CUDNN_FMA_MATH), as PyTorch with allow_tf32=False.
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
@@ -428,6 +429,22 @@ std::unique_ptr<ConvPlan> MakeConvPlan(const Attrs& at, Handles& h, const ffi::T
   return p;
 }
 
+// Plans by device, attributes and shapes, shared by every kernel of the process: the
+// algorithm cuDNN's search picks for a convolution is the same for every module that has it
+// (two modules of one graph had searched apart), and searched once. A plan is read only once
+// made; each thread calls it with its own handle.
+std::mutex conv_plans_mutex;
+std::map<std::string, std::shared_ptr<ConvPlan>> conv_plans;
+
+std::string ConvKey(const Attrs& a, int device, const ffi::TensorView& x,
+                    const ffi::TensorView& w) {
+  std::ostringstream o;
+  o << device << ":" << a.stride[0] << "," << a.stride[1] << "," << a.pad[0] << "," << a.pad[1]
+    << "," << a.dilation[0] << "," << a.dilation[1] << "," << a.groups << "," << a.act << ","
+    << a.clip_hi << ":" << ShapeKey({Shape(x), Shape(w)});
+  return o.str();
+}
+
 class ConvKernel {
  public:
   explicit ConvKernel(Attrs a) : at_(std::move(a)) {}
@@ -462,7 +479,12 @@ class ConvKernel {
       std::lock_guard<std::mutex> lock(mutex_);
       std::string key = std::to_string(device) + ":" + ShapeKey({Shape(x), Shape(w)});
       auto& slot = plans_[key];
-      if (!slot) slot = MakeConvPlan(at_, h, x, w, y);
+      if (!slot) {
+        std::lock_guard<std::mutex> shared(conv_plans_mutex);
+        auto& plan = conv_plans[ConvKey(at_, device, x, w)];
+        if (!plan) plan = MakeConvPlan(at_, h, x, w, y);
+        slot = plan;
+      }
       p = slot.get();
     }
     void* ws_ptr = WorkspaceFor(device, p->workspace);
@@ -490,7 +512,7 @@ class ConvKernel {
  private:
   Attrs at_;
   std::mutex mutex_;
-  std::map<std::string, std::unique_ptr<ConvPlan>> plans_;
+  std::map<std::string, std::shared_ptr<ConvPlan>> plans_;
 };
 
 ffi::Function Make(const std::string& name) {
@@ -540,6 +562,11 @@ TVM_FFI_STATIC_INIT_BLOCK() {
            })
       .def("hgrt.cudalibs.versions", []() { return ffi::String(Versions()); })
       .def("hgrt.cudalibs.workspace_bytes", []() { return int64_t(WorkspaceBytes()); })
+      .def("hgrt.cudalibs.conv_plans",
+           []() {
+             std::lock_guard<std::mutex> lock(conv_plans_mutex);
+             return int64_t(conv_plans.size());
+           })
       .def("hgrt.cudalibs.free_workspaces", []() { FreeWorkspaces(); })
       .def("hgrt.cudalibs.pin", Pin)
       .def("hgrt.cudalibs.unpin", Unpin);
