@@ -4,7 +4,9 @@ light squeezenet (random weights, the last layer calibrated) built for [cpu, cud
 convolutions on the GPU and for cuda only; both run and compared with onnxruntime (CPU) on the
 ONNX file (ONNX's reference evaluator where it is not installed); the profile with its
 GPU track; the memory plan of the GPU pool; and the split model run remotely over a loopback
-TVM RPC tracker + `hgrt rpc-server`. Without a GPU it says so and exits 0.
+TVM RPC tracker + `hgrt rpc-server`. Without a GPU it says so and exits 0. It builds on the GPU
+machine, so that machine needs TVM's compiler; where only TVM's runtime can travel (a wheel too
+large to carry), `python/gpu_bench.py` checks the same builds, made here, against onnxruntime.
 
     python python/gpu_check.py [--model squeezenet] [--no-rpc]
 """
