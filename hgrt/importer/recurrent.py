@@ -1,5 +1,7 @@
-"""ONNX ``LSTM``, ``GRU`` and ``RNN``: each node becomes one ``R.call_tir`` of a PrimFunc of its
-own (``recurrent_kernels.kernel``), whatever its attributes, at a static sequence length.
+"""ONNX ``LSTM``, ``GRU`` and ``RNN``: each node becomes one matrix product, the input
+projection of every time step and direction (a GEMM any kernel provider can take), and one
+``R.call_tir`` of a PrimFunc of its own for the recurrence (``recurrent_kernels.kernel``),
+whatever its attributes, at a static sequence length.
 
 The converter reads the node's attributes into a ``RecurrentLayer``, fills the operands the
 node omits (zero bias, zero initial states, zero peepholes, every sequence at full length) and
@@ -96,14 +98,53 @@ def _operand(inputs: list, i: int, shape: tuple[int, ...], fill: float | int = 0
     return given
 
 
-def _operands(layer: RecurrentLayer, inputs: list) -> list[relax.Expr]:
-    """The kernel's operands in its order: x, w, r, bias, lens, h0[, c0, p]."""
+def _emit(bb: relax.BlockBuilder, layer: RecurrentLayer, expr: relax.Expr, what: str
+          ) -> relax.Var:
+    """``expr`` bound under a name that says what it is of which layer (``lstm_projection``):
+    the layer's call keeps the binding name it has when it is the node's only binding."""
+    return bb.emit(expr, name_hint=f"{layer.op.lower()}_{what}")
+
+
+def _slice(bb: relax.BlockBuilder, layer: RecurrentLayer, bias: relax.Expr, begin: int,
+           end: int, what: str) -> relax.Var:
+    return _emit(bb, layer, relax.op.strided_slice(bias, [1], [begin], [end]), what)
+
+
+def _projection(bb: relax.BlockBuilder, layer: RecurrentLayer, x: relax.Expr, w: relax.Expr,
+                bias: relax.Expr) -> relax.Var:
+    """The input projection of every time step and direction, ``X W^T`` plus the biases that
+    add to it (every ``Wb`` and ``Rb`` but GRU's candidate gate's ``Rb``), as one matrix
+    product: ``(seq, batch, directions, gates x hidden)``, batch first under layout 1."""
+    dirs, gh = len(layer.directions), GATES[layer.op] * layer.hidden
+    # W (dirs, gh, input) -> (input, dirs * gh): reads weights only, folded at build
+    wt = _emit(bb, layer, relax.op.permute_dims(w, [2, 0, 1]), "w_t")
+    wt = _emit(bb, layer, relax.op.reshape(wt, (layer.input_size, dirs * gh)), "w_t")
+    rb = _slice(bb, layer, bias, gh, 2 * gh, "rb")
+    if layer.op == "GRU":  # the candidate gate's Rb stays with the kernel
+        keep = np.concatenate([np.ones(2 * layer.hidden), np.zeros(layer.hidden)])
+        rb = _emit(bb, layer, relax.op.multiply(rb, relax.const(keep.astype("float32"))), "rb")
+    b = _emit(bb, layer, relax.op.add(_slice(bb, layer, bias, 0, gh, "wb"), rb), "bias")
+    b = _emit(bb, layer, relax.op.reshape(b, (dirs * gh,)), "bias")
+    xs = _emit(bb, layer, relax.op.reshape(x, (layer.seq * layer.batch, layer.input_size)),
+               "x_rows")
+    out = _emit(bb, layer, relax.op.matmul(xs, wt), "projection")
+    out = _emit(bb, layer, relax.op.add(out, b), "projection")
+    lead = (layer.seq, layer.batch) if layer.layout == 0 else (layer.batch, layer.seq)
+    return _emit(bb, layer, relax.op.reshape(out, (*lead, dirs, gh)), "projection")
+
+
+def _operands(bb: relax.BlockBuilder, layer: RecurrentLayer, inputs: list
+              ) -> list[relax.Expr]:
+    """The kernel's operands in its order: xp, rt[, rbh], lens, h0[, c0, p]."""
     dirs, hid, gh = len(layer.directions), layer.hidden, GATES[layer.op] * layer.hidden
     state = (dirs, layer.batch, hid) if layer.layout == 0 else (layer.batch, dirs, hid)
-    args = [inputs[0], inputs[1], _operand(inputs, 2, (dirs, gh, hid)),
-            _operand(inputs, 3, (dirs, 2 * gh)),
-            _operand(inputs, 4, (layer.batch,), layer.seq, "int32"),
-            _operand(inputs, 5, state)]
+    bias = _operand(inputs, 3, (dirs, 2 * gh))
+    # R (dirs, gh, hidden) -> (dirs, hidden, gh): gates last, once at build
+    rt = relax.op.permute_dims(_operand(inputs, 2, (dirs, gh, hid)), [0, 2, 1])
+    args = [_projection(bb, layer, inputs[0], inputs[1], bias), _emit(bb, layer, rt, "r_t")]
+    if layer.op == "GRU":
+        args.append(_slice(bb, layer, bias, gh + 2 * hid, 2 * gh, "rb_candidate"))
+    args += [_operand(inputs, 4, (layer.batch,), layer.seq, "int32"), _operand(inputs, 5, state)]
     if layer.op == "LSTM":
         args += [_operand(inputs, 6, state), _operand(inputs, 7, (dirs, 3 * hid))]
     return args
@@ -123,7 +164,7 @@ def convert_recurrent(bb: relax.BlockBuilder, inputs: list, attrs: dict, opset: 
     if op == "LSTM":
         outs.append(relax.TensorType(state, dt))
     gv = bb.add_func(kernel(layer), f"hgrt_{op.lower()}")
-    return bb.emit(relax.call_tir(gv, relax.Tuple(_operands(layer, inputs)), outs))
+    return bb.emit(relax.call_tir(gv, relax.Tuple(_operands(bb, layer, inputs)), outs))
 
 
 CONVERTERS = {"LSTM": convert_recurrent, "GRU": convert_recurrent, "RNN": convert_recurrent}

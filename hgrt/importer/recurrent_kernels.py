@@ -2,19 +2,27 @@
 time step inside it), written in TVMScript and specialised in Python to the layer's sizes,
 activations and options.
 
-One function per layer keeps the layer one ``R.call_tir`` in the imported module (a kernel
-provider can claim it as a whole) and its build time independent of the sequence length: the
-time loop is a TIR loop, not a graph unrolled step by step. Each kernel first copies its
-weights transposed (gates last), so that every product loops over the gates innermost, along
+One function per layer keeps the layer's recurrence one ``R.call_tir`` in the imported module
+(a kernel provider can claim it as a whole) and its build time independent of the sequence
+length: the time loop is a TIR loop, not a graph unrolled step by step. What does not depend on
+the state is not in the kernel: the converter in ``recurrent.py`` computes the input projection
+of every time step and direction as one matrix product (with the biases that add to it) ahead of
+the call, and gives the kernel its recurrent weights transposed (gates last), both weight-only
+computations that the build folds. Every product then loops over the gates innermost, along
 contiguous memory and without a reduction there: LLVM vectorizes that loop (a float sum it
-would not reorder), about ten times faster than the dot-product order.
+would not reorder), about ten times faster than the dot-product order. Directions run in
+parallel, each on state buffers of its own.
 
-Every kernel takes its operands in one form, whatever the ONNX node omitted (the converter in
-``recurrent.py`` supplies zeros, full lengths and zero states):
-``x, w, r, bias, lens, h0[, c0, p]`` then writes ``y, y_h[, y_c]``. ``x``, ``h0``, ``c0`` and
-the outputs are in the node's ``layout`` (0: time or direction first, 1: batch first); ``lens``
-is int32. A batch row past its length leaves zeros in ``y`` and its state unchanged, and a
-reverse direction runs from ``lens[b] - 1`` down to 0, as ONNX says.
+Every kernel takes its operands in one form, whatever the ONNX node omitted (the converter
+supplies zeros, full lengths and zero states): ``xp, rt[, rbh], lens, h0[, c0, p]`` then writes
+``y, y_h[, y_c]``. ``xp`` is the input projection, ``(seq, batch, directions, gates x hidden)``
+(batch first under layout 1), its biases added: every gate's ``Wb`` and ``Rb``, but for GRU's
+candidate gate's ``Rb`` (``rbh``, ``(directions, hidden)``), which GRU's kernel adds, inside
+the reset gate's product under ``linear_before_reset``. ``rt`` is ``R`` transposed, ``(directions,
+hidden, gates x hidden)``. ``h0``, ``c0`` and the outputs are in the node's ``layout`` (0: time
+or direction first, 1: batch first); ``lens`` is int32. A batch row past its length leaves
+zeros in ``y`` and its state unchanged, and a reverse direction runs from ``lens[b] - 1`` down
+to 0, as ONNX says.
 """
 
 from __future__ import annotations
@@ -32,6 +40,9 @@ OP_ATTR = "hgrt.recurrent_op"
 # the time loop around the gate products is no root block, which dlight needs: placement keeps
 # these kernels on a CPU
 NO_GPU_REASON = "hand-written recurrent kernel: no GPU schedule"
+# state values each pass over the gates adds: a gate's partial sum is loaded and stored once
+# per UNROLL products, not once per product
+UNROLL = 4
 
 
 @dataclass(frozen=True)
@@ -83,12 +94,17 @@ class _Spec:
         self.t = layer.dtype
         seq, batch, dirs, hidden = layer.seq, layer.batch, len(layer.directions), layer.hidden
         first = layer.layout == 0
-        self.x_shape = (seq, batch, layer.input_size) if first else (batch, seq, layer.input_size)
         self.y_shape = (seq, dirs, batch, hidden) if first else (batch, seq, dirs, hidden)
         self.state_shape = (dirs, batch, hidden) if first else (batch, dirs, hidden)
 
-    def x(self, buf, t, b, i):
-        return buf[t, b, i] if self.layer.layout == 0 else buf[b, t, i]
+    def xp_shape(self, gates_hidden: int) -> tuple[int, ...]:
+        """The input projection's shape: per time step, batch row and direction, every gate."""
+        L, dirs = self.layer, len(self.layer.directions)
+        return (L.seq, L.batch, dirs, gates_hidden) if L.layout == 0 \
+            else (L.batch, L.seq, dirs, gates_hidden)
+
+    def xp(self, buf, t, b, d, k):
+        return buf[t, b, d, k] if self.layer.layout == 0 else buf[b, t, d, k]
 
     def y(self, t, d, b, j) -> list:
         return [t, d, b, j] if self.layer.layout == 0 else [b, t, d, j]
@@ -133,6 +149,22 @@ class _Spec:
             return reset_gate * (recurrent + recurrent_bias)
         return recurrent + recurrent_bias
 
+    def row(self, h, d, b):
+        """Row ``b`` of direction ``d``'s state, as ``m -> h[d, b, m]``."""
+        return lambda m: h[d, b, m]
+
+    def reset_row(self, g, h, d, b):
+        """What GRU's candidate gate multiplies by its recurrent weights, as a row (``reset``)."""
+        hid = self.layer.hidden
+        return lambda m: self.reset(g[d, b, hid + m], h[d, b, m])
+
+    def mac(self, acc, row, rt, d, m, k, count: int = UNROLL):
+        """``acc`` plus ``row(m + u) * rt[d, m + u, k]`` for ``count`` values of ``u``, summed in
+        order (the sum stays in a register across them)."""
+        for u in range(count):
+            acc = acc + row(m + u) * rt[d, m + u, k]
+        return acc
+
     def zero(self):
         return _c(0, self.t)
 
@@ -143,7 +175,11 @@ class _Spec:
         layer = self.layer
         return {OP_ATTR: layer.op, "tirx.noalias": True, NO_GPU_SCHEDULE_ATTR: NO_GPU_REASON,
                 "hgrt.recurrent_directions": ",".join(layer.directions),
-                "hgrt.recurrent_hidden": layer.hidden, "hgrt.recurrent_layout": layer.layout}
+                "hgrt.recurrent_hidden": layer.hidden, "hgrt.recurrent_layout": layer.layout,
+                # not read by the kernel (the projection is), but it keeps the layers of a
+                # stack on PrimFuncs of their own (a PrimFunc shared by calls placed on two
+                # devices fails to build: assign_targets' per-target clone)
+                "hgrt.recurrent_input_size": layer.input_size}
 
 
 def kernel(layer: RecurrentLayer) -> tirx.PrimFunc:
@@ -153,147 +189,136 @@ def kernel(layer: RecurrentLayer) -> tirx.PrimFunc:
 
 def _lstm(s: _Spec) -> tirx.PrimFunc:
     L, dt = s.layer, s.layer.dtype
-    seq, batch, isz, hid, dirs = L.seq, L.batch, L.input_size, L.hidden, len(L.directions)
+    seq, batch, hid, dirs = L.seq, L.batch, L.hidden, len(L.directions)
+    tail = hid - hid % UNROLL  # the first state value the unrolled products leave
     gh = 4 * hid  # gates i, o, f, c; peepholes i, o, f
 
     @T.prim_func(private=True, s_tir=True)
-    def lstm(x: T.Buffer(s.x_shape, dt), w: T.Buffer((dirs, gh, isz), dt),
-             r: T.Buffer((dirs, gh, hid), dt), bias: T.Buffer((dirs, 2 * gh), dt),
+    def lstm(xp: T.Buffer(s.xp_shape(gh), dt), rt: T.Buffer((dirs, hid, gh), dt),
              lens: T.Buffer((batch,), "int32"), h0: T.Buffer(s.state_shape, dt),
              c0: T.Buffer(s.state_shape, dt), p: T.Buffer((dirs, 3 * hid), dt),
              y: T.Buffer(s.y_shape, dt), yh: T.Buffer(s.state_shape, dt),
              yc: T.Buffer(s.state_shape, dt)):
         T.func_attr(s.attrs())
-        h = T.alloc_buffer((batch, hid), dt)
-        c = T.alloc_buffer((batch, hid), dt)
-        g = T.alloc_buffer((batch, gh), dt)
-        wt = T.alloc_buffer((dirs, isz, gh), dt)
-        rt = T.alloc_buffer((dirs, hid, gh), dt)
-        for d, k, i in T.grid(dirs, gh, isz):
-            wt[d, i, k] = w[d, k, i]
-        for d, k, m in T.grid(dirs, gh, hid):
-            rt[d, m, k] = r[d, k, m]
+        h = T.alloc_buffer((dirs, batch, hid), dt)
+        c = T.alloc_buffer((dirs, batch, hid), dt)
+        g = T.alloc_buffer((dirs, batch, gh), dt)
         for i0, i1, i2, i3 in T.grid(*s.y_shape):
             y[i0, i1, i2, i3] = s.zero()
-        for d in range(dirs):
+        for d in T.parallel(dirs):
             for b, j in T.grid(batch, hid):
-                h[b, j] = s.load_state(h0, d, b, j)
-                c[b, j] = s.load_state(c0, d, b, j)
+                h[d, b, j] = s.load_state(h0, d, b, j)
+                c[d, b, j] = s.load_state(c0, d, b, j)
             for st in range(seq):
                 for b in range(batch):
                     if st < lens[b]:
                         for k in range(gh):
-                            g[b, k] = bias[d, k] + bias[d, gh + k]
-                        for i, k in T.grid(isz, gh):
-                            g[b, k] = g[b, k] + s.x(x, s.time(d, st, lens[b]), b, i) * wt[d, i, k]
-                        for m, k in T.grid(hid, gh):
-                            g[b, k] = g[b, k] + h[b, m] * rt[d, m, k]
+                            g[d, b, k] = s.xp(xp, s.time(d, st, lens[b]), b, d, k)
+                        for m, k in T.grid(hid // UNROLL, gh):
+                            g[d, b, k] = s.mac(g[d, b, k], s.row(h, d, b), rt, d, m * UNROLL, k)
+                        for m, k in T.grid(hid % UNROLL, gh):
+                            g[d, b, k] = s.mac(g[d, b, k], s.row(h, d, b), rt, d, tail + m, k, 1)
                         for j in range(hid):
-                            g[b, j] = s.act(0, d, g[b, j] + p[d, j] * c[b, j])
-                            g[b, 2 * hid + j] = s.forget(
-                                g[b, j], s.act(0, d, g[b, 2 * hid + j] + p[d, 2 * hid + j]
-                                               * c[b, j]))
-                            g[b, 3 * hid + j] = s.act(1, d, g[b, 3 * hid + j])
-                            c[b, j] = g[b, 2 * hid + j] * c[b, j] + g[b, j] * g[b, 3 * hid + j]
-                            g[b, hid + j] = s.act(0, d, g[b, hid + j] + p[d, hid + j] * c[b, j])
-                            h[b, j] = g[b, hid + j] * s.act(2, d, c[b, j], False)
-                            T.buffer_store(y, h[b, j], s.y(s.time(d, st, lens[b]), d, b, j))
+                            g[d, b, j] = s.act(0, d, g[d, b, j] + p[d, j] * c[d, b, j])
+                            g[d, b, 2 * hid + j] = s.forget(
+                                g[d, b, j], s.act(0, d, g[d, b, 2 * hid + j] + p[d, 2 * hid + j]
+                                                  * c[d, b, j]))
+                            g[d, b, 3 * hid + j] = s.act(1, d, g[d, b, 3 * hid + j])
+                            c[d, b, j] = (g[d, b, 2 * hid + j] * c[d, b, j]
+                                          + g[d, b, j] * g[d, b, 3 * hid + j])
+                            g[d, b, hid + j] = s.act(0, d, g[d, b, hid + j]
+                                                     + p[d, hid + j] * c[d, b, j])
+                            h[d, b, j] = g[d, b, hid + j] * s.act(2, d, c[d, b, j], False)
+                            T.buffer_store(y, h[d, b, j], s.y(s.time(d, st, lens[b]), d, b, j))
             for b, j in T.grid(batch, hid):
-                T.buffer_store(yh, h[b, j], s.state(d, b, j))
-                T.buffer_store(yc, c[b, j], s.state(d, b, j))
+                T.buffer_store(yh, h[d, b, j], s.state(d, b, j))
+                T.buffer_store(yc, c[d, b, j], s.state(d, b, j))
 
     return lstm
 
 
 def _gru(s: _Spec) -> tirx.PrimFunc:
     L, dt = s.layer, s.layer.dtype
-    seq, batch, isz, hid, dirs = L.seq, L.batch, L.input_size, L.hidden, len(L.directions)
+    seq, batch, hid, dirs = L.seq, L.batch, L.hidden, len(L.directions)
+    tail = hid - hid % UNROLL  # the first state value the unrolled products leave
     gh = 3 * hid  # gates z, r, h
 
     @T.prim_func(private=True, s_tir=True)
-    def gru(x: T.Buffer(s.x_shape, dt), w: T.Buffer((dirs, gh, isz), dt),
-            r: T.Buffer((dirs, gh, hid), dt), bias: T.Buffer((dirs, 2 * gh), dt),
-            lens: T.Buffer((batch,), "int32"), h0: T.Buffer(s.state_shape, dt),
-            y: T.Buffer(s.y_shape, dt), yh: T.Buffer(s.state_shape, dt)):
+    def gru(xp: T.Buffer(s.xp_shape(gh), dt), rt: T.Buffer((dirs, hid, gh), dt),
+            rbh: T.Buffer((dirs, hid), dt), lens: T.Buffer((batch,), "int32"),
+            h0: T.Buffer(s.state_shape, dt), y: T.Buffer(s.y_shape, dt),
+            yh: T.Buffer(s.state_shape, dt)):
         T.func_attr(s.attrs())
-        h = T.alloc_buffer((batch, hid), dt)
-        g = T.alloc_buffer((batch, gh), dt)
-        a = T.alloc_buffer((batch, hid), dt)  # the recurrent part of the candidate gate
-        wt = T.alloc_buffer((dirs, isz, gh), dt)
-        rt = T.alloc_buffer((dirs, hid, gh), dt)
-        for d, k, i in T.grid(dirs, gh, isz):
-            wt[d, i, k] = w[d, k, i]
-        for d, k, m in T.grid(dirs, gh, hid):
-            rt[d, m, k] = r[d, k, m]
+        h = T.alloc_buffer((dirs, batch, hid), dt)
+        g = T.alloc_buffer((dirs, batch, gh), dt)
+        a = T.alloc_buffer((dirs, batch, hid), dt)  # the recurrent part of the candidate gate
         for i0, i1, i2, i3 in T.grid(*s.y_shape):
             y[i0, i1, i2, i3] = s.zero()
-        for d in range(dirs):
+        for d in T.parallel(dirs):
             for b, j in T.grid(batch, hid):
-                h[b, j] = s.load_state(h0, d, b, j)
+                h[d, b, j] = s.load_state(h0, d, b, j)
             for st in range(seq):
                 for b in range(batch):
                     if st < lens[b]:
                         for k in range(gh):
-                            g[b, k] = bias[d, k]
-                        for i, k in T.grid(isz, gh):
-                            g[b, k] = g[b, k] + s.x(x, s.time(d, st, lens[b]), b, i) * wt[d, i, k]
-                        for m, k in T.grid(hid, 2 * hid):
-                            g[b, k] = g[b, k] + h[b, m] * rt[d, m, k]
+                            g[d, b, k] = s.xp(xp, s.time(d, st, lens[b]), b, d, k)
+                        for m, k in T.grid(hid // UNROLL, 2 * hid):
+                            g[d, b, k] = s.mac(g[d, b, k], s.row(h, d, b), rt, d, m * UNROLL, k)
+                        for m, k in T.grid(hid % UNROLL, 2 * hid):
+                            g[d, b, k] = s.mac(g[d, b, k], s.row(h, d, b), rt, d, tail + m, k, 1)
                         for k in range(2 * hid):
-                            g[b, k] = s.act(0, d, g[b, k] + bias[d, gh + k])
+                            g[d, b, k] = s.act(0, d, g[d, b, k])
                         for j in range(hid):
-                            a[b, j] = s.zero()
-                        for m, j in T.grid(hid, hid):
-                            a[b, j] = a[b, j] + s.reset(g[b, hid + m], h[b, m]) * rt[
-                                d, m, 2 * hid + j]
+                            a[d, b, j] = s.zero()
+                        for m, j in T.grid(hid // UNROLL, hid):
+                            a[d, b, j] = s.mac(a[d, b, j], s.reset_row(g, h, d, b), rt, d,
+                                               m * UNROLL, 2 * hid + j)
+                        for m, j in T.grid(hid % UNROLL, hid):
+                            a[d, b, j] = s.mac(a[d, b, j], s.reset_row(g, h, d, b), rt, d,
+                                               tail + m, 2 * hid + j, 1)
                         for j in range(hid):
-                            g[b, 2 * hid + j] = s.act(1, d, g[b, 2 * hid + j] + s.candidate(
-                                g[b, hid + j], a[b, j], bias[d, gh + 2 * hid + j]))
+                            g[d, b, 2 * hid + j] = s.act(1, d, g[d, b, 2 * hid + j] + s.candidate(
+                                g[d, b, hid + j], a[d, b, j], rbh[d, j]))
                         for j in range(hid):
-                            h[b, j] = (s.one() - g[b, j]) * g[b, 2 * hid + j] + g[b, j] * h[b, j]
-                            T.buffer_store(y, h[b, j], s.y(s.time(d, st, lens[b]), d, b, j))
+                            h[d, b, j] = ((s.one() - g[d, b, j]) * g[d, b, 2 * hid + j]
+                                          + g[d, b, j] * h[d, b, j])
+                            T.buffer_store(y, h[d, b, j], s.y(s.time(d, st, lens[b]), d, b, j))
             for b, j in T.grid(batch, hid):
-                T.buffer_store(yh, h[b, j], s.state(d, b, j))
+                T.buffer_store(yh, h[d, b, j], s.state(d, b, j))
 
     return gru
 
 
 def _rnn(s: _Spec) -> tirx.PrimFunc:
     L, dt = s.layer, s.layer.dtype
-    seq, batch, isz, hid, dirs = L.seq, L.batch, L.input_size, L.hidden, len(L.directions)
+    seq, batch, hid, dirs = L.seq, L.batch, L.hidden, len(L.directions)
+    tail = hid - hid % UNROLL  # the first state value the unrolled products leave
 
     @T.prim_func(private=True, s_tir=True)
-    def rnn(x: T.Buffer(s.x_shape, dt), w: T.Buffer((dirs, hid, isz), dt),
-            r: T.Buffer((dirs, hid, hid), dt), bias: T.Buffer((dirs, 2 * hid), dt),
+    def rnn(xp: T.Buffer(s.xp_shape(hid), dt), rt: T.Buffer((dirs, hid, hid), dt),
             lens: T.Buffer((batch,), "int32"), h0: T.Buffer(s.state_shape, dt),
             y: T.Buffer(s.y_shape, dt), yh: T.Buffer(s.state_shape, dt)):
         T.func_attr(s.attrs())
-        h = T.alloc_buffer((batch, hid), dt)
-        g = T.alloc_buffer((batch, hid), dt)
-        wt = T.alloc_buffer((dirs, isz, hid), dt)
-        rt = T.alloc_buffer((dirs, hid, hid), dt)
-        for d, k, i in T.grid(dirs, hid, isz):
-            wt[d, i, k] = w[d, k, i]
-        for d, k, m in T.grid(dirs, hid, hid):
-            rt[d, m, k] = r[d, k, m]
+        h = T.alloc_buffer((dirs, batch, hid), dt)
+        g = T.alloc_buffer((dirs, batch, hid), dt)
         for i0, i1, i2, i3 in T.grid(*s.y_shape):
             y[i0, i1, i2, i3] = s.zero()
-        for d in range(dirs):
+        for d in T.parallel(dirs):
             for b, j in T.grid(batch, hid):
-                h[b, j] = s.load_state(h0, d, b, j)
+                h[d, b, j] = s.load_state(h0, d, b, j)
             for st in range(seq):
                 for b in range(batch):
                     if st < lens[b]:
                         for k in range(hid):
-                            g[b, k] = bias[d, k] + bias[d, hid + k]
-                        for i, k in T.grid(isz, hid):
-                            g[b, k] = g[b, k] + s.x(x, s.time(d, st, lens[b]), b, i) * wt[d, i, k]
-                        for m, k in T.grid(hid, hid):
-                            g[b, k] = g[b, k] + h[b, m] * rt[d, m, k]
+                            g[d, b, k] = s.xp(xp, s.time(d, st, lens[b]), b, d, k)
+                        for m, k in T.grid(hid // UNROLL, hid):
+                            g[d, b, k] = s.mac(g[d, b, k], s.row(h, d, b), rt, d, m * UNROLL, k)
+                        for m, k in T.grid(hid % UNROLL, hid):
+                            g[d, b, k] = s.mac(g[d, b, k], s.row(h, d, b), rt, d, tail + m, k, 1)
                         for j in range(hid):
-                            h[b, j] = s.act(0, d, g[b, j])
-                            T.buffer_store(y, h[b, j], s.y(s.time(d, st, lens[b]), d, b, j))
+                            h[d, b, j] = s.act(0, d, g[d, b, j])
+                            T.buffer_store(y, h[d, b, j], s.y(s.time(d, st, lens[b]), d, b, j))
             for b, j in T.grid(batch, hid):
-                T.buffer_store(yh, h[b, j], s.state(d, b, j))
+                T.buffer_store(yh, h[d, b, j], s.state(d, b, j))
 
     return rnn

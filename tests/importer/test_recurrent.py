@@ -55,6 +55,8 @@ ATTRIBUTES = [
     ("GRU", {"linear_before_reset": 1, "initial": True}),
     pytest.param("GRU", {"linear_before_reset": 1, "direction": "bidirectional"}, marks=SLOW),
     ("LSTM", {"lens": True, "direction": "bidirectional"}),
+    ("GRU", {"linear_before_reset": 1, "lens": True, "initial": True,
+             "direction": "bidirectional"}),
     pytest.param("GRU", {"lens": True, "direction": "reverse"}, marks=SLOW),
     pytest.param("RNN", {"lens": True, "initial": True, "direction": "bidirectional"},
                  marks=SLOW),
@@ -120,6 +122,16 @@ def test_a_layer_is_one_call_whatever_its_length():
     _, long, n_long = calls(256)
     assert len(short) == len(long) == 2 and n_short == n_long
     assert [str(mod[c.args[0]].attrs["hgrt.recurrent_op"]) for c in short] == ["LSTM", "LSTM"]
+
+
+@pytest.mark.parametrize("op", ["LSTM", "GRU", "RNN"])
+def test_the_input_projection_is_one_matrix_product_ahead_of_the_layer(op):
+    """Every time step's and direction's X W^T (biases added) is one matmul before the call;
+    the weight transposes are folded at build, so a run is that product and the recurrence."""
+    res = hgrt.build(recurrent_model(op, "bidirectional", lens=True), ["cpu:0"], kernels="tvm")
+    kernels = [n.func_name for n in res.graph.nodes if n.func_name not in (None, "__nop")]
+    assert len(kernels) == 2 and "matmul" in kernels[0], kernels
+    assert kernels[1] == f"hgrt_{op.lower()}"
 
 
 # ---- the ONNX node test cases -------------------------------------------------------------------
