@@ -4,8 +4,8 @@ model (auto_plan.py): that per-op plan, every op on one device, or either refine
 costs least in total, copies included.
 
 With a profile (``hgrt profile DIR --json FILE``: each device's measured FLOP/s and bytes/s)
-the times come from it; without one, an estimate: a kernel costs max(FLOPs / the device's
-compute rate, bytes moved / its memory bandwidth). A copy costs the link's latency plus bytes /
+the times come from it; without one, an estimate: a kernel costs its launch (``LAUNCH_S``) +
+max(FLOPs / the device's compute rate, bytes moved / its memory bandwidth). A copy costs the link's latency plus bytes /
 its bandwidth: the profile's ``links`` where given, else measured once for a local CUDA GPU
 (``hgrt.devices.link_of``), else ``DEFAULT_LINK``. Ops are taken in dataflow order; a tie
 keeps an op where its first input is, so devices of equal speed end up with whole regions and
@@ -30,7 +30,14 @@ from hgrt.relay_passes.inner.auto_plan import Copy, PlanModel, decide
 from hgrt.relay_passes.util.relax_util import HINT_ON_DEVICE, TO_VDEVICE, bindings, op_name
 
 # Rough rates: what a kernel of hgrt's default schedule sustains per device kind.
-RATES = {False: (20e9, 10e9), True: (5e12, 500e9)}  # is_gpu -> (FLOP/s, bytes/s)
+# is_gpu -> (FLOP/s, bytes/s); a CPU's FLOP/s are what hgrt's matmul kernels sustain on 2
+# AVX-512 cores (TVM's schedule 98-104 GFLOP/s on GPT-2's matmuls, BENCHMARKS.md, "TVM kernels
+# on transformers"; oneDNN more)
+RATES = {False: (100e9, 10e9), True: (5e12, 500e9)}
+# what a kernel costs before it computes anything: a GPU kernel's launch (a TVM kernel on an
+# H200, alone in an hgrt module: ~5-7 us over the module's own run(); BENCHMARKS.md, "cuBLAS/cuDNN
+# or TVM per op"), a CPU kernel's call; without it a tiny op looks free on a GPU
+LAUNCH_S = {False: 1e-6, True: 5e-6}
 
 
 @dataclass
@@ -69,11 +76,12 @@ def op_cost(call: relax.Call, out_ty, weights: dict[str, np.ndarray]) -> OpCost:
 def op_seconds(cost: OpCost, dev: DeviceSpec, measured: dict) -> float:
     rate, bandwidth = RATES[dev.is_gpu]
     got = measured.get(dev.name, {})
+    launch = LAUNCH_S[dev.is_gpu]
     if cost.flops > 2 * cost.nbytes and "flops_per_s" in got:  # a conv / matmul
-        return cost.flops / got["flops_per_s"]
+        return launch + cost.flops / got["flops_per_s"]
     if "bytes_per_s" in got:
-        return cost.nbytes / got["bytes_per_s"]
-    return max(cost.flops / rate, cost.nbytes / bandwidth)
+        return launch + cost.nbytes / got["bytes_per_s"]
+    return launch + max(cost.flops / rate, cost.nbytes / bandwidth)
 
 
 def read_rates(path: str | None, key: str = "rates") -> dict:
