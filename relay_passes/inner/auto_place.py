@@ -5,9 +5,10 @@ costs least in total, copies included.
 
 With a profile (``hgrt profile DIR --json FILE``: each device's measured FLOP/s and bytes/s)
 the times come from it; without one, an estimate: a kernel costs its launch (``LAUNCH_S``) +
-max(FLOPs / the device's compute rate, bytes moved / its memory bandwidth). A copy costs the link's latency plus bytes /
-its bandwidth: the profile's ``links`` where given, else measured once for a local CUDA GPU
-(``hgrt.devices.link_of``), else ``DEFAULT_LINK``. Ops are taken in dataflow order; a tie
+max(FLOPs / the device's compute rate, bytes moved / its memory bandwidth). A copy costs the
+link's latency plus bytes / its bandwidth: the profile's ``links`` where given, else measured
+once for a local CUDA GPU (``hgrt.devices.link_of``), else ``DEFAULT_LINK``. Ops are taken in
+dataflow order; a tie
 keeps an op where its first input is, so devices of equal speed end up with whole regions and
 few copies, and a budget that runs out moves the rest of the model, not every other op. The
 explanation goes into the placement report ("auto: 1.20 ms on cuda:0 vs 9.80 ms on cpu:0") and
