@@ -99,6 +99,8 @@ def test_a_thousand_inputs_with_a_board_killed_at_the_500th(rpc_env, saved):
     _kill_mid_stream(rpc_env, saved, ("board-i", "board-j"), 1000, 500)
 
 
+# about 12 s each: -m slow (the default run keeps the lost board mid-stream and the fallback)
+@pytest.mark.slow
 def test_direct_and_through_the_client_give_the_same_bits(rpc_env, saved):
     """Board to board (the default over boards) and through the client: equal outputs."""
     model, out = saved
@@ -118,6 +120,7 @@ def test_direct_and_through_the_client_give_the_same_bits(rpc_env, saved):
     del procs
 
 
+@pytest.mark.slow
 def test_the_first_board_lost_wakes_the_next_one(rpc_env, saved):
     """Board a killed while board b waits for its tensors: the error names stage 0 within
     seconds (board b is woken through its inbox, not left waiting), and close() returns."""
