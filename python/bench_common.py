@@ -353,13 +353,15 @@ def max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     return out
 
 
-def write_block(path: str, name: str, command: str, body: str) -> None:
-    """Put ``body`` (with the command and the machine line) between the ``name`` markers of the
-    markdown file ``path`` (appended when the markers are not there yet)."""
+def write_block(path: str, name: str, command: str, body: str, with_machine: bool = True
+                ) -> None:
+    """Put ``body`` (with the command and, ``with_machine``, this machine's line) between the
+    ``name`` markers of the markdown file ``path`` (appended when the markers are not there
+    yet)."""
     begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
-    block = "\n".join([begin, f"`{command.strip()}`", "",
-                       f"Machine: {machine()}; measured {time.strftime('%Y-%m-%d')}.", "", body,
-                       end])
+    here = [f"Machine: {machine()}; measured {time.strftime('%Y-%m-%d')}.", ""] \
+        if with_machine else []
+    block = "\n".join([begin, f"`{command.strip()}`", "", *here, body, end])
     text = open(path).read() if os.path.exists(path) else ""
     if begin in text and end in text:
         text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]

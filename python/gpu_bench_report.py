@@ -101,18 +101,11 @@ def markdown(report: dict) -> str:
 
 
 def write_section(path: str, command: str, body: str) -> None:
-    """Put ``command`` and ``body`` between the gpu_bench markers of ``path`` (appended where
-    there are none)."""
-    begin, end = f"<!-- {MARKER}:begin -->", f"<!-- {MARKER}:end -->"
-    block = "\n".join([begin, f"`{command.strip()}`", "", body, end])
-    text = open(path).read() if os.path.exists(path) else ""
-    if begin in text and end in text:
-        text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
-    else:
-        text = (text.rstrip("\n") + "\n\n" if text else "") + block + "\n"
-    with open(path, "w") as f:
-        f.write(text)
-    print(f"gpu_bench table written to {path}")
+    """Put ``command`` and ``body`` (which names the GPU machine) between the gpu_bench
+    markers of ``path`` (appended where there are none)."""
+    from bench_common import write_block  # (imports TVM: here only, never on the GPU machine)
+
+    write_block(path, MARKER, command, body, with_machine=False)
 
 
 def save(report: dict, out_dir: str | None) -> None:

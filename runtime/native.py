@@ -13,12 +13,15 @@ import hashlib
 import os
 import platform
 import shutil
-from collections.abc import Sequence
+import sys
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import tvm_ffi
 
 from hgrt.devices import cache_root  # (its one home: the links measured there too)
+from hgrt.errors import GraphError
 
 
 def ninja() -> str | None:
@@ -40,6 +43,53 @@ def missing_tools() -> str | None:
     if ninja() is None:
         return "no ninja"
     return None
+
+
+def x86_64_linux_reason(what: str) -> str | None:
+    """Why ``what`` (a shim of x86-64 Linux libraries) cannot run on this host, or None."""
+    if sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64"):
+        return None
+    return f"{what} need x86-64 Linux, this is {sys.platform} {platform.machine()}"
+
+
+def tools_reason(what: str, hint: str) -> str | None:
+    """Why ``what`` cannot be compiled here (no g++ or ninja), with ``hint``; or None."""
+    missing = missing_tools()
+    return None if missing is None else f"{missing} to build {what} once: {hint}"
+
+
+class Shim:
+    """A provider's library, built on first use on this machine and loaded once per process.
+    ``reason()`` says why it cannot be (None when it can), ``build()`` builds and loads it;
+    ``prepare()``, if given, runs once before the build."""
+
+    def __init__(self, title: str, reason: Callable[[], str | None],
+                 build: Callable[[], tvm_ffi.Module],
+                 prepare: Callable[[], object] | None = None) -> None:
+        self.title, self._reason, self._build, self._prepare = title, reason, build, prepare
+        self._lock = threading.Lock()
+        self._module: tvm_ffi.Module | None = None
+
+    @property
+    def loaded(self) -> bool:
+        return self._module is not None
+
+    def load(self) -> tvm_ffi.Module:
+        """The library; a ``GraphError`` says why it cannot be built or loaded here."""
+        if self._module is not None:
+            return self._module
+        with self._lock:
+            if self._module is None:
+                reason = self._reason()
+                if reason is not None:
+                    raise GraphError(f"{reason}; or rebuild the model with kernels='tvm'")
+                if self._prepare is not None:
+                    self._prepare()
+                try:
+                    self._module = self._build()
+                except Exception as e:
+                    raise GraphError(f"could not build the {self.title}: {e}") from e
+        return self._module
 
 
 def cache_dir(name: str, files: Sequence[Path], flags: Sequence[str]) -> Path:

@@ -86,7 +86,6 @@ class Chain:
     weight: np.ndarray | None = None  # conv2d: W with scales folded in
     bias: np.ndarray | None = None
     members: list[relax.Var] = field(default_factory=list)
-    read: list[relax.Expr] = field(default_factory=list)  # weights and constants absorbed
     scaled: bool = False
     residual: relax.Var | None = None
     act: str | None = None
@@ -128,7 +127,7 @@ def _conv2d(g: _Graph, b: relax.VarBinding) -> Chain | None:
             or not g.activation(x) or xs is None or out is None or len(xs) != 4 or wv is None
             or wv.ndim != 4 or wv.dtype != np.float32 or pad[0] != pad[2] or pad[1] != pad[3]):
         return None
-    return Chain("conv2d", b, [x, w], wv.copy(), np.zeros(out[1], "float32"), [b.var], [w],
+    return Chain("conv2d", b, [x, w], wv.copy(), np.zeros(out[1], "float32"), [b.var],
                  label=["conv2d"], macs=int(np.prod(out)) * int(np.prod(wv.shape[1:])))
 
 
@@ -206,11 +205,9 @@ def _affine(g: _Graph, c: Chain, b: relax.VarBinding, op: str) -> str | None:
         c.weight = (c.weight * scale.reshape(-1, 1, 1, 1)).astype("float32")
         c.bias = (c.bias * scale).astype("float32")
         c.scaled = True
-        c.read.append(other)
         return "scale"
     if scale is not None:
         c.bias = scale if c.bias is None else (c.bias + scale).astype("float32")
-        c.read.append(other)
         return "bias"
     if (c.kind == "conv2d" and c.residual is None and g.activation(other)
             and _shape(other) == _shape(c.end) and other not in g.copied):

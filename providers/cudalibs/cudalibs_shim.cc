@@ -183,6 +183,21 @@ void CheckTensor(const ffi::TensorView& t, const std::string& what, int device) 
   if (dt.code != kDLFloat || dt.bits != 32 || dt.lanes != 1) Fail(what + " is not float32");
 }
 
+// a call's tensors, as many as ``names`` (the output last), each float32 and on the output's
+// CUDA device; the error names the kernel kind and the tensor
+std::vector<ffi::TensorView> Tensors(const ffi::PackedArgs& args, const std::string& kind,
+                                     const std::vector<std::string>& names) {
+  if (args.size() != static_cast<int>(names.size()))
+    Fail(kind + ": " + std::to_string(args.size()) + " arguments, expected " +
+         std::to_string(names.size()));
+  std::vector<ffi::TensorView> t;
+  for (int i = 0; i < args.size(); ++i) t.push_back(args[i].cast<ffi::TensorView>());
+  CheckTensor(t.back(), kind + " " + names.back(), -1);
+  int device = t.back().device().device_id;
+  for (size_t i = 0; i + 1 < t.size(); ++i) CheckTensor(t[i], kind + " " + names[i], device);
+  return t;
+}
+
 cudaStream_t StreamOf(int device) {
   return static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device));
 }
@@ -270,18 +285,13 @@ class LtKernel {
 
   // dense: (x, w[, bias], out); matmul: (a, b, out)
   void operator()(ffi::PackedArgs args) {
-    int n = args.size();
     bool dense = at_.kind == "dense";
-    int expect = dense ? (at_.bias ? 4 : 3) : 3;
-    if (n != expect) Fail(at_.kind + ": " + std::to_string(n) + " arguments, expected " +
-                          std::to_string(expect));
-    auto x = args[0].cast<ffi::TensorView>();
-    auto w = args[1].cast<ffi::TensorView>();
-    auto out = args[n - 1].cast<ffi::TensorView>();
+    std::vector<std::string> names = {"x", "w", "out"};
+    if (!dense) names = {"a", "b", "out"};
+    else if (at_.bias) names = {"x", "w", "bias", "out"};
+    std::vector<ffi::TensorView> t = Tensors(args, at_.kind, names);
+    const ffi::TensorView &x = t[0], &w = t[1], &out = t.back();
     int device = out.device().device_id;
-    CheckTensor(out, "output", -1);
-    CheckTensor(x, "input 0", device);
-    CheckTensor(w, "input 1", device);
     std::vector<int64_t> xs = Shape(x), ws = Shape(w), os = Shape(out);
     int64_t batch = 1, M, K, N;
     if (dense) {
@@ -311,8 +321,7 @@ class LtKernel {
     }
     const void* bias = nullptr;
     if (dense && at_.bias) {
-      auto b = args[2].cast<ffi::TensorView>();
-      CheckTensor(b, "bias", device);
+      const ffi::TensorView& b = t[2];
       if (b.ndim() != 1 || b.shape()[0] != N) Fail("dense: bias is not [N]");
       bias = Data(b);
     }
@@ -451,24 +460,16 @@ class ConvKernel {
 
   // (x, w, bias[, residual], out)
   void operator()(ffi::PackedArgs args) {
-    int expect = at_.residual ? 5 : 4;
-    if (args.size() != expect) Fail("conv2d: " + std::to_string(args.size()) +
-                                    " arguments, expected " + std::to_string(expect));
-    auto x = args[0].cast<ffi::TensorView>();
-    auto w = args[1].cast<ffi::TensorView>();
-    auto b = args[2].cast<ffi::TensorView>();
-    auto y = args[expect - 1].cast<ffi::TensorView>();
+    std::vector<std::string> names = {"x", "weight", "bias", "out"};
+    if (at_.residual) names = {"x", "weight", "bias", "residual", "out"};
+    std::vector<ffi::TensorView> t = Tensors(args, "conv2d", names);
+    const ffi::TensorView &x = t[0], &w = t[1], &b = t[2], &y = t.back();
     int device = y.device().device_id;
-    CheckTensor(y, "output", -1);
-    CheckTensor(x, "input", device);
-    CheckTensor(w, "weight", device);
-    CheckTensor(b, "bias", device);
     if (x.ndim() != 4 || w.ndim() != 4 || y.ndim() != 4) Fail("conv2d: tensors are not 4-D");
     if (b.ndim() != 1 || b.shape()[0] != y.shape()[1]) Fail("conv2d: bias is not [C_out]");
     const void* res = nullptr;
     if (at_.residual) {
-      auto r = args[3].cast<ffi::TensorView>();
-      CheckTensor(r, "residual", device);
+      const ffi::TensorView& r = t[3];
       if (Shape(r) != Shape(y)) Fail("conv2d: the residual's shape is not the output's");
       res = Data(r);
     }
@@ -515,14 +516,16 @@ class ConvKernel {
   std::map<std::string, std::shared_ptr<ConvPlan>> plans_;
 };
 
+// a kernel of type K over ``a`` as a function the executor calls (it owns the kernel)
+template <typename K>
+ffi::Function Bind(Attrs a) {
+  auto k = std::make_shared<K>(std::move(a));
+  return ffi::Function::FromPacked([k](ffi::PackedArgs args, ffi::Any* rv) { (*k)(args); });
+}
+
 ffi::Function Make(const std::string& name) {
   Attrs a = Parse(name);
-  if (a.kind == "conv2d") {
-    auto k = std::make_shared<ConvKernel>(a);
-    return ffi::Function::FromPacked([k](ffi::PackedArgs args, ffi::Any* rv) { (*k)(args); });
-  }
-  auto k = std::make_shared<LtKernel>(a);
-  return ffi::Function::FromPacked([k](ffi::PackedArgs args, ffi::Any* rv) { (*k)(args); });
+  return a.kind == "conv2d" ? Bind<ConvKernel>(std::move(a)) : Bind<LtKernel>(std::move(a));
 }
 
 std::string Versions() {

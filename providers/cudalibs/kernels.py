@@ -18,10 +18,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import os
-import platform
 import shutil
-import sys
-import threading
 from pathlib import Path
 
 import tvm
@@ -45,8 +42,6 @@ _PARTS = {
     "cudart": (("nvidia-cuda-runtime", "nvidia-cuda-runtime-cu12"), "cuda_runtime_api.h",
                "libcudart.so."),
 }
-_lock = threading.Lock()
-_module: list = []
 
 
 def _find(dists: tuple[str, ...], header: str, lib: str) -> tuple[str, str, str] | None:
@@ -112,18 +107,14 @@ def paths() -> dict[str, tuple[str, str, str]] | None:
 def unavailable_reason() -> str | None:
     """Why cuBLAS/cuDNN kernels cannot be built in this process, or None when they can (a GPU
     is not needed to build them; a kernel says so when it runs without one)."""
-    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
-        return f"cuBLAS/cuDNN kernels need x86-64 Linux, this is {sys.platform} " \
-               f"{platform.machine()}"
-    if paths() is None:
+    reason = native.x86_64_linux_reason("cuBLAS/cuDNN kernels")
+    if reason is None and paths() is None:
         missing = [p for p, spec in _PARTS.items() if _find(*spec) is None] or \
             ["the CUDA headers' crt/ and nv/ (nvidia-cuda-crt, nvidia-cuda-cccl)"]
-        return f"{', '.join(missing)} not installed: {INSTALL_HINT}"
-    if _module:
-        return None
-    missing = native.missing_tools()
-    return None if missing is None else \
-        f"{missing} to build the cuBLAS/cuDNN kernels once: {INSTALL_HINT}"
+        reason = f"{', '.join(missing)} not installed: {INSTALL_HINT}"
+    if reason is not None or _shim.loaded:
+        return reason
+    return native.tools_reason("the cuBLAS/cuDNN kernels", INSTALL_HINT)
 
 
 def _build_and_load() -> tvm_ffi.Module:
@@ -139,21 +130,13 @@ def _build_and_load() -> tvm_ffi.Module:
                                  ldflags=ldflags, include=list(dict.fromkeys(include)))
 
 
+_shim = native.Shim("cuBLAS/cuDNN kernels", unavailable_reason, _build_and_load)
+
+
 def load() -> tvm_ffi.Module:
     """The shim, compiled on first use on this machine and loaded once per process; raises
     ``GraphError`` saying why when it cannot be."""
-    if _module:
-        return _module[0]
-    with _lock:
-        if not _module:
-            reason = unavailable_reason()
-            if reason is not None:
-                raise GraphError(f"{reason}; or rebuild the model with kernels='tvm'")
-            try:
-                _module.append(_build_and_load())
-            except Exception as e:
-                raise GraphError(f"could not build the cuBLAS/cuDNN kernels: {e}") from e
-    return _module[0]
+    return _shim.load()
 
 
 def kernel_function(name: str):

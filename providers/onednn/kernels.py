@@ -22,16 +22,12 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
-import platform
-import sys
-import threading
 from pathlib import Path
 
 import numpy as np
 import tvm
 import tvm_ffi
 
-from hgrt.errors import GraphError
 from hgrt.providers.onednn import PROVIDER
 from hgrt.runtime import native
 from hgrt.runtime.dispatch import dispatch, on_dispatcher
@@ -54,8 +50,6 @@ SOURCES = tuple(Path(__file__).with_name(f"onednn_{part}.cc")
                 for part in ("shim", "primitives", "pack", "winograd", "layout"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("onednn_shim.h", "onednn_blob.h"))
 _WHEELS = ("onednn-cpu-gomp", "onednn-devel-cpu-gomp")  # libdnnl.so + libgomp; headers
-_lock = threading.Lock()
-_module: list = []  # the loaded shim, once
 
 
 @functools.cache
@@ -76,15 +70,12 @@ def _wheel_paths() -> tuple[str, str] | None:
 
 def unavailable_reason() -> str | None:
     """Why oneDNN kernels cannot run in this process, or None when they can."""
-    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
-        return f"oneDNN kernels need x86-64 Linux, this is {sys.platform} {platform.machine()}"
-    if _wheel_paths() is None:
-        return f"oneDNN not installed: {INSTALL_HINT}"
-    if _module:
-        return None
-    missing = native.missing_tools()
-    return None if missing is None else \
-        f"{missing} to build the oneDNN kernels once: {INSTALL_HINT}"
+    reason = native.x86_64_linux_reason("oneDNN kernels")
+    if reason is None and _wheel_paths() is None:
+        reason = f"oneDNN not installed: {INSTALL_HINT}"
+    if reason is not None or _shim.loaded:
+        return reason
+    return native.tools_reason("the oneDNN kernels", INSTALL_HINT)
 
 
 def _build_and_load() -> tvm_ffi.Module:
@@ -94,25 +85,16 @@ def _build_and_load() -> tvm_ffi.Module:
                                  include=[include])
 
 
+# the kernels size their OpenMP team by the calling thread's TVM pool, and their first call
+# starts that pool: TVM's pools get every usable core first, as ``create`` does (a pool started
+# before keeps TVM's default size for good)
+_shim = native.Shim("oneDNN kernels", unavailable_reason, _build_and_load, use_all_cores)
+
+
 def load() -> tvm_ffi.Module:
     """The shim, compiled on first use on this machine and loaded once per process; raises
     ``GraphError`` saying why when oneDNN kernels cannot run here."""
-    if _module:
-        return _module[0]
-    with _lock:
-        if not _module:
-            reason = unavailable_reason()
-            if reason is not None:
-                raise GraphError(f"{reason}; or rebuild the model with kernels='tvm'")
-            # the kernels size their OpenMP team by the calling thread's TVM pool, and their
-            # first call starts that pool: give TVM's pools every usable core first, as
-            # ``create`` does (a pool started before keeps TVM's default size for good)
-            use_all_cores()
-            try:
-                _module.append(_build_and_load())
-            except Exception as e:
-                raise GraphError(f"could not build the oneDNN kernels: {e}") from e
-    return _module[0]
+    return _shim.load()
 
 
 def kernel_function(name: str):
@@ -127,7 +109,7 @@ def forget(ranges: list[tuple[int, int]]) -> None:
     """Drop what the kernels cache for weights in the byte ranges ``[begin, end)`` (memory a
     module frees: its entries and any re-packed weights would otherwise stay until the caches
     fill); nothing to do where the shim was never loaded."""
-    if _module:
+    if _shim.loaded:
         f = tvm.get_global_func(PREFIX + "forget")
         for begin, end in ranges:
             f(begin, end)
