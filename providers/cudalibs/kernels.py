@@ -130,7 +130,7 @@ def _build_and_load() -> tvm_ffi.Module:
                                  ldflags=ldflags, include=list(dict.fromkeys(include)))
 
 
-_shim = native.Shim("cuBLAS/cuDNN kernels", unavailable_reason, _build_and_load)
+_shim = native.Shim("cuBLAS/cuDNN kernels", lambda: unavailable_reason(), _build_and_load)
 
 
 def load() -> tvm_ffi.Module:

@@ -189,7 +189,12 @@ def test_errors_say_what_is_wrong():
 
 
 def test_without_onednn_a_graph_that_needs_it_is_refused(monkeypatch):
-    monkeypatch.setattr(onednn, "_module", [])  # as in a process that has not loaded it
+    from hgrt.runtime import native
+
+    # as in a process that has not loaded it
+    monkeypatch.setattr(onednn, "_shim", native.Shim("oneDNN kernels",
+                                                     lambda: onednn.unavailable_reason(),
+                                                     onednn._build_and_load))
     monkeypatch.setattr(onednn, "unavailable_reason",
                         lambda: f"oneDNN not installed: {onednn.INSTALL_HINT}")
     with pytest.raises(GraphError, match="kernels='tvm'"):
