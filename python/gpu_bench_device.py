@@ -239,7 +239,9 @@ class ModelRun:
             for m in modules.values():
                 m.close()
 
-    def hgrt(self, label: str) -> None:
+    def hgrt(self, label: str, pageable: bool = False) -> None:
+        """Build ``label`` loaded and run once; ``pageable``: its CPU pools in pageable memory
+        (``HGRT_PIN_HOST=0``), timed as ``<label>_pageable`` beside the pinned one."""
         import hgrt
         from hgrt.api import create_loaded
         from hgrt.graph import Graph
@@ -250,8 +252,17 @@ class ModelRun:
         with open(os.path.join(self.dir, label, "graph.json")) as f:
             graph = Graph.from_json(f.read())
         devices = [hgrt.devices.runtime_device(d) for d in build["devices"]]
-        m = create_loaded(graph, os.path.join(self.dir, label, "lib.so"), devices,
-                          params_of(build["params"], self.bases))
+        before = os.environ.get("HGRT_PIN_HOST")
+        os.environ["HGRT_PIN_HOST"] = "0" if pageable else "1"
+        try:
+            m = create_loaded(graph, os.path.join(self.dir, label, "lib.so"), devices,
+                              params_of(build["params"], self.bases))
+        finally:
+            if before is None:
+                del os.environ["HGRT_PIN_HOST"]
+            else:
+                os.environ["HGRT_PIN_HOST"] = before
+        label = f"{label}_pageable" if pageable else label
         try:
             m.set_input(**self.inputs)
             m.run()
@@ -270,6 +281,9 @@ class ModelRun:
             self.modules[label] = m
         out = self.outputs[label]
         self.check_finite(f"hgrt {label}", out, build.get("fast_math_pow", []))
+        if build["copies"] and not pageable and label != "cpu":
+            self.attempt(f"hgrt {label}, pageable host memory", f"{label}_pageable",
+                         lambda: self.hgrt(label, pageable=True))
         if label == "cpu" and np.all(np.isfinite(out)) and not np.std(out) > 0:
             self.row["notes"].append(f"hgrt cpu's output is not informative (std "
                                      f"{np.std(out):.2e})")

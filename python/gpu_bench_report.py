@@ -57,6 +57,23 @@ def check_line(r: dict) -> str:
             f"| {diffs} |")
 
 
+PINNED_HEAD = ("| model | build | copies per run | pinned host pools ms | pageable ms "
+               "| pageable / pinned |")
+
+
+def pinned_lines(rows: list[dict]) -> list[str]:
+    """The builds with copies, timed with their CPU pools pinned and pageable."""
+    out = []
+    for r in rows:
+        ms = r.get("ms", {})
+        for label in ("split", "auto"):
+            if ms.get(f"{label}_pageable") is not None:
+                out.append(f"| {r['name']} | {label} | {r.get('copies', {}).get(label, '?')} "
+                           f"| {_ms(ms.get(label))} | {_ms(ms[f'{label}_pageable'])} "
+                           f"| {_ratio(ms[f'{label}_pageable'], ms.get(label))} |")
+    return out
+
+
 def machine_line(machine: dict) -> str:
     m = machine
     parts = [f"{m.get('gpu', 'no GPU')}"
@@ -86,6 +103,9 @@ def markdown(report: dict) -> str:
     if checks:
         lines += ["", CHECK_HEAD, "|---|---|---|---|---|---|"]
         lines += [check_line(r) for r in checks]
+    pinned = pinned_lines(report["rows"])
+    if pinned:
+        lines += ["", PINNED_HEAD, "|---|---|---|---|---|---|"] + pinned
     lines += ["", f"Each figure is the median of {report.get('repeat', '?')} timed repeats after "
               f"warm-up, each repeat the mean of enough runs to last ~10 ms (GPU work "
               f"synchronized before the clock stops); a model's hgrt GPU builds are timed in "

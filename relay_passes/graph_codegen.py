@@ -3,7 +3,8 @@
 One node per function param (``op "null"``: user inputs first, then weights, then the constants
 the lowering left inline, each on the device of the op that reads it), one ``tvm_op`` per
 ``R.call_tir`` (called as ``func(*args, *outputs)``), one ``__copy`` per ``R.to_vdevice`` and
-one ``__nop`` per view (``R.reshape`` left by RewriteDataflowReshape). Tuples and aliases only
+one ``__nop`` per view (``R.reshape`` left by RewriteDataflowReshape), in ``overlap_order``
+(the written order, unless a GPU is among the devices). Tuples and aliases only
 rename entries. Every entry gets its static shape, dtype and device index; storage ids are one
 per entry until ``plan_memory`` assigns them.
 
@@ -21,6 +22,7 @@ from hgrt.errors import BuildError
 from hgrt.graph import COPY_FUNC, NOP_FUNC, Graph, Node
 from hgrt.relay_passes.util.context import BuildContext
 from hgrt.relay_passes.util.lowered import VIEW_OPS, binding_devices
+from hgrt.relay_passes.util.overlap_order import overlap_order
 from hgrt.relay_passes.util.pipeline import contract, located
 from hgrt.relay_passes.util.relax_util import (
     CALL_DPS_PACKED,
@@ -126,7 +128,7 @@ def graph_codegen(mod: tvm.IRModule, ctx: BuildContext) -> Graph:
         name = ctx.weights.graph_names.get(p.name, p.name)
         g.entries[p] = g.add(Node("null", name), [(shape, str(p.ty.dtype))], dev[p])
         args.append(len(g.nodes) - 1)
-    for b in bindings(func):
+    for b in overlap_order(list(bindings(func)), dev, ctx):
         with located(site(b, ctx, dev.get(b.var))):
             _emit(g, b, dev)
     heads = g.flatten(func.body.body, "output")

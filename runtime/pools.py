@@ -6,13 +6,15 @@ made once, at ``create`` time, and cached.
 
 from __future__ import annotations
 
+import logging
+import os
 import weakref
 
 import tvm
 
 from hgrt import devices as hdev
 from hgrt.errors import DeviceError, GraphError
-from hgrt.graph import Graph
+from hgrt.graph import COPY_FUNC, Graph
 from hgrt.lifetimes import ALIGN, storage_bytes, storage_devices
 from hgrt.providers import forget_memory
 from hgrt.runtime.views import pointer_view
@@ -25,6 +27,44 @@ def _allocate(nbytes: int, device, what: str):
         raise DeviceError(f"cannot allocate {nbytes} bytes for {what} on {device}: {e}") from e
 
 
+def pinned_pools(graph: Graph, devices: list) -> frozenset[int]:
+    """Positions of the local CPUs whose activation pool a copy reads or writes to or from a
+    local CUDA GPU: that pool is allocated in pinned (page-locked) host memory, which the GPU
+    reads and writes by DMA, without the driver's staging through a bounce buffer. Empty with
+    ``HGRT_PIN_HOST=0``."""
+    if os.environ.get("HGRT_PIN_HOST", "1") == "0":
+        return frozenset()
+    cuda = hdev.KINDS["cuda"].dl_type
+    out = set()
+    for nid, node in enumerate(graph.nodes):
+        if node.func_name != COPY_FUNC:
+            continue
+        ends = (graph.entry_device(graph.entry_id(*node.inputs[0][:2])),
+                graph.entry_device(graph.entry_id(nid)))
+        ends = [d for d in ends if d < len(devices)]
+        if any(devices[d].dlpack_device_type() == cuda for d in ends):
+            out.update(d for d in ends if hdev.is_local_cpu(devices[d]))
+    return frozenset(out)
+
+
+def _allocate_pinned(nbytes: int, device, what: str):
+    """Pinned host memory for a CPU pool (``pinned_pools``), or None where the CUDA runtime
+    cannot give it (the pool is then allocated as any CPU's, and said once)."""
+    try:
+        return tvm.runtime.empty((max(1, nbytes),), "uint8",
+                                 tvm.runtime.Device(hdev.KDL_CUDA_HOST, 0))
+    except Exception as e:  # TVM raises several types for out-of-memory / a missing runtime
+        if not _said_unpinned:
+            _said_unpinned.append(True)
+            _log.info("%s on %s in pageable memory: pinned host memory unavailable (%s)",
+                      what, device, str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return None
+
+
+_said_unpinned: list[bool] = []
+_log = logging.getLogger("hgrt.runtime")
+
+
 class StoragePools:
     """The memory a GraphModule (or one call frame of it) owns, and where each graph entry lives.
 
@@ -35,6 +75,9 @@ class StoragePools:
         self.graph = graph
         self.device_bytes = [0] * len(devices)  # bytes allocated here per device position
         self.buffers: list = [] if weights is None else [weights]  # keeps shared weights alive
+        # id(buffer) -> the device its views say they are on, where not the buffer's own
+        # (a CPU's pool in pinned CUDA host memory: ``pinned_pools``)
+        self.shown_as: dict[int, object] = {} if weights is None else dict(weights.shown_as)
         if graph.pool_bytes is not None:
             self._allocate_arenas(devices, weights)
         else:
@@ -56,8 +99,14 @@ class StoragePools:
         one); entries at their storage's byte offset."""
         g = self.graph
         arenas = {}
+        pinned = pinned_pools(g, devices)
         for d, nbytes in enumerate(g.pool_bytes[:len(devices)]):
-            arenas[d, False] = _allocate(nbytes, devices[d], f"the pool of device {d}")
+            what = f"the pool of device {d}"
+            arena = _allocate_pinned(nbytes, devices[d], what) if d in pinned else None
+            if arena is not None:
+                self.shown_as[id(arena)] = devices[d]
+            arenas[d, False] = arena if arena is not None else \
+                _allocate(nbytes, devices[d], what)
             self.device_bytes[d] += int(nbytes)
         for d, nbytes in enumerate((g.weight_pool_bytes or [])[:len(devices)]):
             if weights is None:
@@ -98,6 +147,7 @@ class StoragePools:
         for e in moved:
             self.base[e], self.offset[e] = other.base[src], other.offset[src] + within[e]
         self.buffers.append(other)  # keep the other module's memory alive as long as ours
+        self.shown_as.update(other.shown_as)
         self._kernel_views = {k: v for k, v in self._kernel_views.items() if k[0] not in moved}
         for e in moved:
             self._user_views.pop(e, None)
@@ -113,8 +163,9 @@ class StoragePools:
                 for s in shape:
                     n *= s
                 shape = (n,)
-            view = pointer_view(self.base[eid], shape, self.graph.dtypes[eid], self.offset[eid],
-                                own_base=False)
+            base = self.base[eid]
+            view = pointer_view(base, shape, self.graph.dtypes[eid], self.offset[eid],
+                                own_base=False, device=self.shown_as.get(id(base)))
             self._kernel_views[key] = view
         return view
 
@@ -122,8 +173,12 @@ class StoragePools:
         """An owning tensor for entry ``eid``, safe to hand out (it keeps its buffer alive)."""
         view = self._user_views.get(eid)
         if view is None:
+            base = self.base[eid]
             if self.offset[eid] == 0:
                 view = self.kernel_view(eid)
+            elif id(base) in self.shown_as:
+                view = pointer_view(base, self.graph.shapes[eid], self.graph.dtypes[eid],
+                                    self.offset[eid], device=self.shown_as[id(base)])
             else:
                 view = self.base[eid]._create_view(self.graph.shapes[eid], self.graph.dtypes[eid],
                                                    self.offset[eid])

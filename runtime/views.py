@@ -87,17 +87,20 @@ def _deleter(address: int) -> None:
 _DELETER_PTR = ctypes.cast(_deleter, ctypes.c_void_p).value
 
 
-def pointer_view(base, shape, dtype: str, byte_offset: int = 0, own_base: bool = True):
+def pointer_view(base, shape, dtype: str, byte_offset: int = 0, own_base: bool = True,
+                 device=None):
     """A view of ``base``'s bytes from ``byte_offset`` on (counted from ``base``'s own data
     pointer), whose DLTensor has byte_offset 0 and a moved data pointer. ``own_base=False``: the
     caller keeps ``base`` alive as long as the view (a module's pools); else the view does. The
     view always owns its DLPack struct (freed by the deleter when TVM frees the view): a view
     outliving a list of structs kept beside it read a freed struct's deleter field (a pool
-    dropped before the steps that hold its views crashed the process in 4 runs of 6)."""
-    if byte_offset == 0 and not own_base:
+    dropped before the steps that hold its views crashed the process in 4 runs of 6).
+    ``device``: the Device the view says it is on, where not ``base``'s (pinned CUDA host memory
+    shown as the CPU whose pool it is: CPU kernels accept CPU tensors only)."""
+    if byte_offset == 0 and not own_base and device is None:
         return base._create_view(tuple(shape), dtype, 0)
     dev = base.device
-    dl_device = hdev.dlpack_device(dev)
+    dl_device = hdev.dlpack_device(dev if device is None else device)
     if not hdev.takes_offset_views(dev):
         if own_base and byte_offset == 0:
             return base  # hgrt places entries at offsets only on devices that take them
