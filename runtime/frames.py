@@ -26,6 +26,7 @@ from hgrt.runtime.step_loop import StepLoop
 from hgrt.runtime.threads import solo
 
 copy_tensor = tvm.get_global_func("runtime.TVMTensorCopyFromTo")
+_stream_sync = tvm.get_global_func("runtime.Device_StreamSync")
 
 
 class Step(NamedTuple):
@@ -66,7 +67,7 @@ def bind_steps(graph: Graph, lib, storage: StoragePools) -> tuple[Step, ...]:
         eids = [graph.entry_id(i, k) for i, k, _ in node.inputs]
         eids += [graph.entry_id(nid, k) for k in range(node.num_outputs)]
         if node.func_name == COPY_FUNC:
-            func, flat = copy_tensor, False
+            func, flat = _copy_function(storage, eids[0], eids[1]), False
         else:
             func, flat = _find_function(lib, node.func_name), node.flatten_data
             if func is None:
@@ -77,6 +78,23 @@ def bind_steps(graph: Graph, lib, storage: StoragePools) -> tuple[Step, ...]:
         steps.append(Step(nid, func, tuple(storage.kernel_view(e, flat) for e in eids),
                           tuple(eids)))
     return _solo_next_to_providers(graph, steps)
+
+
+def _copy_function(storage: StoragePools, src: int, dst: int):
+    """The copy from entry ``src`` to entry ``dst``: TVM's, which a GPU queues on its default
+    stream (``cudaMemcpyAsync``). To or from pageable memory that copy is done when it
+    returns; to or from pinned host memory (``pinned_pools``) it is not, so there the step also
+    waits for the GPU: the CPU reads the bytes it brought, or writes over those it takes,
+    only after."""
+    if not (storage.pinned(src) or storage.pinned(dst)):
+        return copy_tensor
+    gpu = storage.devices[storage.graph.entry_device(dst if storage.pinned(src) else src)]
+
+    def copy_and_wait(a, b):
+        copy_tensor(a, b)
+        _stream_sync(gpu, 0)
+
+    return tvm_ffi.convert(copy_and_wait)
 
 
 # Up to this many bytes of output, an injective kernel gains less from more threads than it

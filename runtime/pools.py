@@ -73,6 +73,7 @@ class StoragePools:
 
     def __init__(self, graph: Graph, devices: list, weights: StoragePools | None = None):
         self.graph = graph
+        self.devices = list(devices)
         self.device_bytes = [0] * len(devices)  # bytes allocated here per device position
         self.buffers: list = [] if weights is None else [weights]  # keeps shared weights alive
         # id(buffer) -> the device its views say they are on, where not the buffer's own
@@ -151,6 +152,10 @@ class StoragePools:
         self._kernel_views = {k: v for k, v in self._kernel_views.items() if k[0] not in moved}
         for e in moved:
             self._user_views.pop(e, None)
+
+    def pinned(self, eid: int) -> bool:
+        """Whether entry ``eid`` lies in pinned host memory (``pinned_pools``)."""
+        return id(self.base[eid]) in self.shown_as
 
     def kernel_view(self, eid: int, flat: bool = False):
         """The tensor passed to kernels for entry ``eid`` (1-D when ``flat``)."""

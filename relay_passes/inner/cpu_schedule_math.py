@@ -156,9 +156,59 @@ VECTOR_MATH: dict[str, tuple[str, Callable]] = {
 }
 
 
-def _on_cpu(call: relax.Call) -> bool:
+def _kinds_by_var(main: relax.Function) -> dict[relax.Var, str]:
+    """The target kind of each variable of ``main`` whose device is known: its vdevice, else
+    the device of its first operand whose device is known (hgrt places an op where its
+    operands are). Calls whose inferred type lost the vdevice (a reduction's, a binary op's
+    with a weight) are known this way."""
+    kinds = {p: p.ty.vdevice.target.kind.name for p in main.params
+             if getattr(p.ty, "vdevice", None) is not None}
+    for block in main.body.blocks:
+        for b in block.bindings:
+            vdev = getattr(b.var.ty, "vdevice", None)
+            if vdev is not None:
+                kinds[b.var] = vdev.target.kind.name
+                continue
+            value = b.value
+            operands = value.args if isinstance(value, relax.Call) else \
+                [value.tuple_value] if isinstance(value, relax.TupleGetItem) else [value]
+            known = [kinds[a] for a in operands if isinstance(a, relax.Var) and a in kinds]
+            if known:
+                kinds[b.var] = known[0]
+    return kinds
+
+
+def _kinds_by_name(main: relax.Function) -> dict[str, str]:
+    """``_kinds_by_var`` by variable name, names bound twice left out: LegalizeOps hands its
+    rules calls whose operands are copies of ``main``'s variables, with their names."""
+    seen: dict[str, int] = {}
+    for v in [*main.params, *(b.var for block in main.body.blocks for b in block.bindings)]:
+        seen[v.name] = seen.get(v.name, 0) + 1
+    return {v.name: k for v, k in _kinds_by_var(main).items() if seen[v.name] == 1}
+
+
+_kinds_of: dict[int, tuple[relax.Function, dict[str, str]]] = {}
+
+
+def _on_cpu(call: relax.Call, bb: relax.BlockBuilder | None = None) -> bool:
+    """Whether ``call`` runs on a CPU: its vdevice; else its operand's device in the module
+    being legalized (``bb``'s); else the target the lowering runs under (the first device's:
+    right for a build on one device)."""
     vdev = getattr(call.ty, "vdevice", None)
-    target = vdev.target if vdev is not None else tvm.target.Target.current(allow_none=True)
+    if vdev is not None:
+        return vdev.target.kind.name == "llvm"
+    if bb is not None and isinstance(call.args[0], relax.Var):
+        mod = bb.get()
+        main = mod["main"] if any(g.name_hint == "main" for g in mod.get_global_vars()) else None
+        if main is not None:
+            cached = _kinds_of.get(id(main))
+            if cached is None or not cached[0].same_as(main):
+                _kinds_of.clear()  # one module at a time
+                cached = _kinds_of[id(main)] = (main, _kinds_by_name(main))
+            kind = cached[1].get(call.args[0].name)
+            if kind is not None:
+                return kind == "llvm"
+    target = tvm.target.Target.current(allow_none=True)
     return target is not None and target.kind.name == "llvm"
 
 
@@ -168,7 +218,7 @@ def _rule(op_name: str) -> Callable:
 
     def legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
         arg = call.args[0]
-        if getattr(arg.ty, "dtype", None) != _F32 or not _on_cpu(call):
+        if getattr(arg.ty, "dtype", None) != _F32 or not _on_cpu(call, bb):
             return default(bb, call)
         return bb.call_te(lambda x: te_func(x, call.attrs), arg, primfunc_name_hint=name)
 

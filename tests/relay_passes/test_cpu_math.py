@@ -134,3 +134,32 @@ def test_kernels_call_no_libm_unless_asked(monkeypatch):
     assert all(f"T.{op}(" in _calls(libm) for op in ("exp", "erf", "tanh", "sigmoid"))
     softmax = [k for k in report.rules if "softmax" in k]
     assert softmax and all("rows" in report.rules[k] for k in softmax), report.rules
+
+
+def test_a_gpu_kernel_keeps_cuda_math_whatever_device_comes_first():
+    """An op whose inferred type lost its vdevice (a sigmoid of a mean, as in a squeeze-excite
+    block) on a GPU, in a build whose first device is a CPU: its CUDA kernel calls CUDA's
+    ``expf``, not the CPU's polynomial (which made such kernels slower on the GPU), whatever the
+    order of the device list."""
+    from tvm import relax
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 8, 4, 4), "float32"))
+    w = relax.Var("w", relax.TensorType((8, 8, 1, 1), "float32"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            c = bb.emit(relax.op.nn.conv2d(x, w))
+            s = bb.emit(relax.op.sigmoid(bb.emit(relax.op.mean(c, axis=[2, 3], keepdims=True))))
+            out = bb.emit_output(relax.op.multiply(c, s))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    mod["main"] = mod["main"].with_attr("num_input", 1)
+    for devices in (["cpu:0", "cuda:0"], ["cuda:0", "cpu:0"]):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = hgrt.build(mod, devices, hgrt.Placement(preferred="cuda:0"), kernels="tvm",
+                                cuda_arch="sm_90", params={"w": np.ones((8, 8, 1, 1), "float32")})
+        source = "".join(m.inspect_source() for m in result.lib.imports if m.kind == "cuda")
+        assert "expf(" in source, devices
+        # the Cephes exp polynomial's first coefficient (1.987569e-04) as CUDA codegen writes it
+        assert "0x1.a0d2ce" not in source, devices
