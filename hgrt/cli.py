@@ -370,10 +370,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from hgrt.inspect import format_summary, inspect_artifacts
+    from hgrt.inspect import format_ops, format_summary, inspect_artifacts
 
     summary, files = inspect_artifacts(args.artifacts, args.out)
     print(format_summary(summary))
+    if args.ops:
+        print(format_ops(summary["ops"]))
     print("pictures:", *files, sep="\n  ")
     return 0
 
@@ -457,6 +459,8 @@ def _add_inspect_command(sub: argparse._SubParsersAction) -> None:
     ins = sub.add_parser("inspect", help="nodes per device, copies, memory plan, pictures")
     ins.add_argument("artifacts")
     ins.add_argument("--out", help="where to write the pictures (default ARTIFACTS/inspect)")
+    ins.add_argument("--ops", action="store_true",
+                     help="per kernel: node, op, device, provider, and why each was chosen")
     ins.set_defaults(func=cmd_inspect)
 
 

@@ -93,9 +93,10 @@ class BuildResult:
 
     def print_placement(self) -> str:
         """The placement report as a table (also what ``verbose=True`` prints)."""
-        rows = [("node", "op", "device", "kernels", "reason")]
-        rows += [(r.node, r.op, r.device, r.kernels, r.reason) for r in self.placement_report]
-        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        rows = [("node", "op", "device", "kernels", "reason", "kernels_why")]
+        rows += [(r.node, r.op, r.device, r.kernels, r.reason, r.kernels_why)
+                 for r in self.placement_report]
+        widths = [max(len(r[i]) for r in rows) for i in range(6)]
         return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True))
                          for r in rows)
 

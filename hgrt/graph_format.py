@@ -15,3 +15,7 @@ NOP_FUNC = "__nop"  # a view of its input (a reshape that moves no byte)
 CONCAT_FUNC = "__concat"  # a concatenation whose pieces their kernels wrote in place, in order
 VIEW_FUNCS = (NOP_FUNC, CONCAT_FUNC)  # nodes that are views of bytes other steps write
 SPECIAL_FUNCS = (COPY_FUNC, *VIEW_FUNCS)  # nodes no library function computes
+# a kernel node's attrs that say why it runs where it does and by whom, each "<kind>: <detail>"
+# or "<kind>" (``hgrt inspect --ops``); a graph without them still loads ("not recorded")
+DEVICE_WHY = "device_why"  # why its device: "fallback", "rule 'nn.conv2d'", "auto: 1.2 ms ..."
+PROVIDER_WHY = "provider_why"  # why its provider ("tvm" where no "provider" attr): "asked: ..."

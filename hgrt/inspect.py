@@ -1,6 +1,8 @@
-"""Look inside compiled artifacts: nodes per device, copies, memory per device, and pictures.
+"""Look inside compiled artifacts: nodes per device, copies, memory per device, and pictures;
+per kernel, the device and provider that run it and why.
 
     hgrt inspect out/            # summary + out/inspect/graph.{dot,png} + memory_<dev>.png
+    hgrt inspect out/ --ops      # and a table: node, op, device, provider, why
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ from collections import Counter
 
 from hgrt import providers
 from hgrt.graph import CONCAT_FUNC, COPY_FUNC, NOP_FUNC, Graph
-from hgrt.graph_format import VIEW_FUNCS
+from hgrt.graph_format import DEVICE_WHY, PROVIDER_WHY, SPECIAL_FUNCS, VIEW_FUNCS
 from hgrt.lifetimes import group_bytes, memory_report, merged_ranges
 from hgrt.runtime.profiler import op_label
 
 # One colour per device position (Graphviz / matplotlib names).
 PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#b07aa1", "#76b7b2"]
+NOT_RECORDED = "not recorded"  # a graph built before kernels carried their reasons
 
 
 def summary(g: Graph) -> dict:
@@ -42,6 +45,7 @@ def summary(g: Graph) -> dict:
         "memory": {names[d]: vars(m) for d, m in enumerate(mem) if d < len(names)},
         "streams": _streams(g, names),
         "providers": _providers(g),
+        "reasons": reason_counts(op_rows(g)),
         # concats whose pieces their kernels write in place (concat_views): no step of their own
         "concat_views": sum(1 for n in g.nodes if n.func_name == CONCAT_FUNC),
     }
@@ -56,6 +60,64 @@ def _providers(g: Graph) -> dict[str, int]:
         return f"{attrs['provider']} {isa}".strip()
     return dict(Counter(key(n.attrs) for n in g.nodes
                         if n.op == "tvm_op" and "provider" in n.attrs))
+
+
+def op_rows(g: Graph) -> list[dict[str, str]]:
+    """Per kernel of ``g`` (copies and views aside), in graph order: its ``node``, the ``op`` it
+    computes, its ``device`` and ``provider`` ("tvm": TVM's own kernel), and why each
+    (``device_why``, ``provider_why``: what the build recorded, or ``NOT_RECORDED``)."""
+    names = g.device_names or [f"device {i}" for i in range(1 + max(g.device_index or [0]))]
+    rows = []
+    for nid, node in enumerate(g.nodes):
+        if node.op != "tvm_op" or node.func_name in SPECIAL_FUNCS:
+            continue
+        p = providers.of_node(node.attrs)
+        op = node.attrs.get(p.op_attr, "") if p is not None and p.op_attr else ""
+        rows.append({"node": node.name, "op": op or op_label(node.func_name),
+                     "device": names[g.entry_device(g.entry_id(nid))],
+                     "provider": node.attrs.get("provider", "tvm"),
+                     "device_why": node.attrs.get(DEVICE_WHY, NOT_RECORDED),
+                     "provider_why": node.attrs.get(PROVIDER_WHY, NOT_RECORDED)})
+    return rows
+
+
+def reason_kind(why: str) -> str:
+    """What reasons are counted by: their words before the detail (``auto`` of ``auto: 1.2 ms
+    on cuda:0 vs ...``, ``rule 'nn.conv2d'``, ``size floor``); a fallback from a device that
+    cannot compile the op says which (``fallback: cuda:0 cannot compile it``).
+
+    >>> reason_kind("fallback (cuda:0: data-dependent output shape)")
+    'fallback: cuda:0 cannot compile it'
+    """
+    head = why.split(";")[0].strip()
+    if head.startswith("fallback (") and ": " in head:
+        return f"fallback: {head[len('fallback ('):].split(': ')[0]} cannot compile it"
+    for sep in (": ", " ("):
+        head = head.split(sep)[0]
+    return head.strip() or NOT_RECORDED
+
+
+def reason_counts(rows: list[dict[str, str]]) -> dict[str, dict[str, int]]:
+    """How many kernels each kind of reason put on their provider and on their device:
+    ``{"provider": {"onednn: auto": 26, "tvm: size floor": 3}, "device": {"cpu:0: fallback":
+    29}}``."""
+    out: dict[str, Counter] = {"provider": Counter(), "device": Counter()}
+    for r in rows:
+        out["provider"][f"{r['provider']}: {reason_kind(r['provider_why'])}"] += 1
+        out["device"][f"{r['device']}: {reason_kind(r['device_why'])}"] += 1
+    return {k: dict(c.most_common()) for k, c in out.items()}
+
+
+def format_ops(rows: list[dict[str, str]]) -> str:
+    """``op_rows`` as a table, one kernel a line: node, op, device, provider, why (the
+    provider's reason, then the device's)."""
+    table = [("node", "op", "device", "provider", "why")]
+    table += [(r["node"], r["op"], r["device"], r["provider"],
+               f"{r['provider']}: {r['provider_why']}; {r['device']}: {r['device_why']}")
+              for r in rows]
+    widths = [max(len(t[i]) for t in table) for i in range(4)]
+    return "\n".join("  ".join([*(c.ljust(w) for c, w in zip(t[:4], widths, strict=True)),
+                                t[4]]) for t in table)
 
 
 def _streams(g: Graph, names: list[str]) -> dict[str, dict]:
@@ -86,6 +148,11 @@ def format_summary(s: dict) -> str:
         p = providers.get(name) if name in providers.names() else None
         if w.get("blobs") and p is not None and p.format_weights is not None:
             lines.append(p.format_weights(w))
+    for what, counts in (s.get("reasons") or {}).items():  # (hgrt inspect --ops: per kernel)
+        if counts:
+            lines.append(f"kernels by why of their {what}:")
+            width = max(len(k) for k in counts)
+            lines += [f"  {k:<{width}}  {n}" for k, n in counts.items()]
     if s.get("concat_views"):
         lines.append(f"concats written in place by their pieces' kernels: {s['concat_views']}")
     lines.append(f"copies: {s['num_copies']}")
@@ -312,6 +379,7 @@ def inspect_artifacts(directory: str, out_dir: str | None = None) -> tuple[dict,
         if png:
             files.append(png)
     s = summary(g)
+    s["ops"] = op_rows(g)  # (hgrt inspect --ops)
     s["provider_weights"] = {p.name: p.summarize_weights(iter_params(found[PARAMS_FILE]))
                              for p in providers.registered() if p.weights_summary}
     return s, files

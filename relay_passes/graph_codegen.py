@@ -8,8 +8,9 @@ one ``__nop`` per view (``R.reshape`` left by RewriteDataflowReshape), in ``over
 rename entries. Every entry gets its static shape, dtype and device index; storage ids are one
 per entry until ``plan_memory`` assigns them.
 
-Reads ``ctx.devices`` and ``ctx.weights`` (graph names, which params are weights); adds the
-inline constants to ``ctx.weights``.
+Reads ``ctx.devices``, ``ctx.weights`` (graph names, which params are weights) and
+``ctx.lowered.why`` (each kernel's reasons: node attrs); adds the inline constants to
+``ctx.weights``.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ class _GraphBuilder:
 
 
 # the last pass on Relax: the graph's kernels are the library's functions
-@contract(reads={"devices", "weights"}, writes={"weights"}, after=("build_library",))
+@contract(reads={"devices", "weights", "lowered"}, writes={"weights"},
+          after=("build_library",))
 def graph_codegen(mod: tvm.IRModule, ctx: BuildContext) -> Graph:
     """Translate the lowered ``main`` of ``mod`` into a Graph (storage ids not yet planned)."""
     func = mod["main"]
@@ -163,7 +165,8 @@ def _emit(g: _GraphBuilder, b: relax.VarBinding, dev: dict[relax.Var, int]) -> N
                 for t in _tensor_types(value.ty_args[0])]
         func_name, extra = callee(value)
         attrs = {"func_name": func_name, "num_inputs": str(len(ins)),
-                 "num_outputs": str(len(outs)), "flatten_data": "0", **extra}
+                 "num_outputs": str(len(outs)), "flatten_data": "0",
+                 **g.ctx.lowered.why.get(var, {}), **extra}
         if func_name in g.patterns:
             attrs["op_pattern"] = g.patterns[func_name]
         g.entries[var] = g.add(Node("tvm_op", name, ins, attrs), outs, d)

@@ -18,6 +18,7 @@ from hgrt.relay_passes.inner.lowering_rewrites import (
 )
 from hgrt.relay_passes.util.context import BuildContext
 from hgrt.relay_passes.util.pipeline import contract, located
+from hgrt.relay_passes.util.reasons import aliases, fused_members, kernel_reasons
 from hgrt.relay_passes.util.relax_util import (
     TO_VDEVICE,
     alone,
@@ -63,20 +64,28 @@ def lowering_passes() -> list[tvm.transform.Pass]:
 # after the passes that rewrite Relax ops (they match the ops lowering replaces; a kernel
 # provider's claim passes say ``before=("legalize_and_fuse",)``) and after insert_copies, whose
 # R.to_vdevice on every crossing edge keeps fusion within a device
-@contract(reads={"devices", "weights"},
+# (reads the placement report and kernels to say why each kernel runs where and by whom)
+@contract(reads={"devices", "weights", "placed", "options"}, writes={"lowered"},
           after=("insert_copies", "split_concat", "fold_batch_norm"))
 def legalize_and_fuse(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     """``lowering_passes`` under the first device's target; a failure names the op it fails
-    on."""
+    on. ``ctx.lowered.why``: each kernel's reasons (``util.reasons``)."""
     mod = powers_as_products(mod, ctx)  # (an exponent's value: a weight of ctx's)
+    members: dict[relax.Var, list[str]] = {}
     with located(lambda: _failing_op(mod, ctx)):
-        return _lowered(mod, ctx)
+        lowered = _lowered(mod, ctx, members)
+    ctx.lowered.why = kernel_reasons(lowered, ctx, members, aliases(mod["main"]))
+    return lowered
 
 
-def _lowered(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
+def _lowered(mod: tvm.IRModule, ctx: BuildContext,
+             members: dict[relax.Var, list[str]] | None = None) -> tvm.IRModule:
+    """``mod`` lowered; ``members`` gets what each call after FuseOps computes."""
     with ctx.devices[0].target, tvm.transform.PassContext(opt_level=3):
         for p in lowering_passes():
-            mod = p(mod)
+            before, mod = mod, p(mod)
+            if members is not None and p.info.name == "FuseOps":
+                members.update(fused_members(before["main"], mod))
     return mod
 
 

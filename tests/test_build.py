@@ -139,7 +139,7 @@ def test_precedence_hint_over_override_over_rule_over_preferred():
                    "d": ("cpu:0", "override"), "e": ("cpu:1", "override"),
                    "f": ("cpu:1", "rule 'mul*'")}
     table = res.print_placement().splitlines()
-    assert table[0].split() == ["node", "op", "device", "kernels", "reason"]
+    assert table[0].split() == ["node", "op", "device", "kernels", "reason", "kernels_why"]
     assert any(line.split()[:3] == ["d", "relax.multiply", "cpu:0"] and "override" in line
                for line in table)
     x = np.arange(8, dtype="float32") / 8

@@ -46,7 +46,7 @@ from hgrt.relay_passes.util.relax_util import (
 )
 from hgrt.relay_passes.util.relax_util import float32_shape as _shape
 
-__all__ = ["AUTO_MIN_DENSE_K", "AUTO_MIN_REDUCTION", "claim_cudalibs", "pays"]
+__all__ = ["AUTO_MIN_DENSE_K", "AUTO_MIN_REDUCTION", "claim_cudalibs", "pays", "pays_why"]
 
 _log = logging.getLogger("hgrt.build")
 _said: set[str] = set()
@@ -64,13 +64,28 @@ AUTO_MIN_DENSE_K = 2048  # a dense layer's or matmul's inner dimension (more tha
 
 def pays(c: Chain) -> bool:
     """Whether "auto" gives the chain to cuBLAS/cuDNN (see AUTO_MIN_REDUCTION)."""
+    return pays_why(c)[0]
+
+
+def pays_why(c: Chain) -> tuple[bool, str]:
+    """``pays`` and why, as the placement report's ``kernels_why`` says it."""
     if c.kind == "conv2d":
         o, i, kh, kw = c.weight.shape
         groups = int(c.root.value.attrs.groups)
         if groups > 1:
-            return True
-        return (kh, kw) != (1, 1) and i * kh * kw >= AUTO_MIN_REDUCTION
-    return int(_shape(c.args[0])[-1]) > AUTO_MIN_DENSE_K
+            what = "depthwise" if i == 1 else "grouped"
+            return True, f"pays: {what} convolution {kh}x{kw} (cuDNN pays for grouped ones)"
+        if (kh, kw) == (1, 1):
+            return False, f"TVM faster: 1x1 convolution {i}->{o} (auto)"
+        r = i * kh * kw
+        return (True, f"pays: convolution {kh}x{kw} {i}->{o}, reduction {r} >= "
+                      f"{AUTO_MIN_REDUCTION}") if r >= AUTO_MIN_REDUCTION else \
+            (False, f"TVM faster: convolution {kh}x{kw} {i}->{o}, reduction {r} < "
+                    f"{AUTO_MIN_REDUCTION} (auto)")
+    k = int(_shape(c.args[0])[-1])
+    return (True, f"pays: {c.kind} inner dimension {k} > {AUTO_MIN_DENSE_K}") \
+        if k > AUTO_MIN_DENSE_K else \
+        (False, f"TVM faster: {c.kind} inner dimension {k} <= {AUTO_MIN_DENSE_K} (auto)")
 
 
 FLOAT32 = ("", "None", "void", "float32")  # an op's out_dtype that keeps float32
@@ -225,8 +240,31 @@ def _grow(g: _Graph, c: Chain, block: set[relax.Var]) -> Chain:
             return c
 
 
-def find_chains(g: _Graph, kernels: Kernels, usable: bool) -> list[Chain]:
-    """The chains cuBLAS/cuDNN compute, in binding order (see module doc)."""
+def _cannot(b: relax.VarBinding) -> str:
+    """Why cuBLAS/cuDNN cannot compute the conv2d or matmul of ``b`` (``_conv2d``, ``_matmul``
+    said None)."""
+    a = b.value.attrs
+    if op_name(b.value) == "relax.nn.conv2d" and len(a.padding) == 4:
+        pad = [int(p) for p in a.padding]
+        if pad[0] != pad[2] or pad[1] != pad[3]:
+            return f"asymmetric padding {pad}"
+    return ("its kernels take float32 NCHW convolutions with symmetric padding, matmuls by a "
+            "constant 2-D weight and matmuls of equal batch dimensions")
+
+
+def _why(g: _Graph, names: list[str], why: str, kernels: str | None = None) -> None:
+    """The placement report's rows of ``names`` say ``why`` (and who computes them)."""
+    wanted = set(names)
+    for row in g.ctx.placed.report:
+        if row.node in wanted:
+            row.kernels_why = why
+            row.kernels = kernels or row.kernels
+
+
+def find_chains(g: _Graph, kernels: Kernels, unusable: str | None) -> list[Chain]:
+    """The chains cuBLAS/cuDNN compute, in binding order (see module doc); ``unusable``: why
+    "auto" takes none here (the wheels missing), or None. The report's rows of the ops it
+    could take say why it did or did not."""
     roots = {"relax.nn.conv2d": _conv2d, "relax.matmul": _matmul}
     chains = []
     for block in g.func.body.blocks:
@@ -242,6 +280,8 @@ def find_chains(g: _Graph, kernels: Kernels, usable: bool) -> list[Chain]:
             on_gpu = device is not None and PROVIDER.serves(g.ctx.devices[device])
             chain = roots[op](g, b) if on_gpu else None
             if chain is None:
+                if on_gpu:
+                    _why(g, [b.var.name], f"cuBLAS/cuDNN cannot: {_cannot(b)}")
                 if named and choice == PROVIDER.name:
                     why = ("it is not on a CUDA device" if not on_gpu else
                            "cuBLAS/cuDNN kernels take float32 NCHW convolutions with symmetric "
@@ -250,10 +290,18 @@ def find_chains(g: _Graph, kernels: Kernels, usable: bool) -> list[Chain]:
                     raise BuildError(f"kernels override {b.var.name!r}='cudalibs': cuBLAS/cuDNN "
                                      f"cannot compute this {op}: {why}")
                 continue
-            if choice == "auto" and (not usable or not pays(chain)):
+            took, why = pays_why(chain) if choice == "auto" else \
+                (True, f"asked: {kernels.said(b.var.name, op)}")
+            if choice == "auto" and unusable is not None:
+                took, why = False, f"cuBLAS/cuDNN unavailable: {unusable}"
+            if not took:
+                _why(g, [b.var.name], why)
                 continue
             chains.append(_grow(g, chain, in_block))
             g.claimed.update(chains[-1].members)
+            _why(g, [v.name for v in chains[-1].members], why, PROVIDER.name)
+            # (a folded batch norm's bindings have no row: the root's speaks for them)
+            g.ctx.placed.row_of.update({v.name: b.var.name for v in chains[-1].members})
     return chains
 
 
@@ -326,21 +374,21 @@ def _rewrite(g: _Graph, chains: list[Chain]) -> relax.Function:
     return relax.Function(params + new, body, func.ret_ty, func.is_pure, func.attrs)
 
 
-def _usable(ctx: BuildContext, kernels: Kernels) -> bool:
-    """Whether "auto" takes cuBLAS/cuDNN in this build (the wheels installed here); asking
-    for "cudalibs" by name claims either way (a build for another machine)."""
+def _unusable(ctx: BuildContext, kernels: Kernels) -> str | None:
+    """Why "auto" takes no cuBLAS/cuDNN in this build (the wheels not installed here), or None;
+    asking for "cudalibs" by name claims either way (a build for another machine)."""
     from hgrt.providers.cudalibs import kernels as runtime
 
     reason = runtime.unavailable_reason()
     if reason is None:
-        return True
+        return None
     if any(p == "auto" for _, p in kernels.choices()) and any(
             PROVIDER.serves(d) for d in ctx.devices):
         if reason not in _said:
             _said.add(reason)
             _log.warning("kernels: tvm on CUDA devices (%s)", reason)
         ctx.log(f"kernels: tvm on CUDA devices ({reason})")
-    return False
+    return reason
 
 
 @contract(reads={"devices", "options", "placed", "weights"}, writes={"placed", "weights"},
@@ -354,13 +402,9 @@ def claim_cudalibs(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
             "auto" not in asked or not any(PROVIDER.serves(d) for d in ctx.devices)):
         return mod  # (asked for by name, it is checked even without a CUDA device)
     g = _Graph(func, ctx)
-    chains = find_chains(g, kernels, _usable(ctx, kernels))
+    chains = find_chains(g, kernels, _unusable(ctx, kernels))
     if not chains:
         return mod
-    members = {v.name for c in chains for v in c.members}
-    for row in ctx.placed.report:
-        if row.node in members:
-            row.kernels = PROVIDER.name
     ctx.log(f"cuBLAS/cuDNN claim {len(chains)} ops: "
             + ", ".join(sorted({"+".join(c.label) for c in chains})))
     new = mod.clone()

@@ -83,6 +83,7 @@ class ChainGraph(MainReader):
         self.claimed: set[relax.Var] = set()
         # tensors copied in from another device: a chain never waits for one (see _add)
         self.copied = copied_in(func)
+        self.declined: dict[str, str] = {}  # root binding asked of oneDNN -> why it cannot
 
 
 # ---- chain roots: the op a kernel computes -------------------------------------------------
@@ -302,6 +303,8 @@ def find_chains(g: ChainGraph, kernels: Kernels,
                 why = ("oneDNN kernels take float32 NCHW convolutions and matmuls of an "
                        "activation by a constant 2-D weight")
             if chain is None:
+                if device is None or not ctx.devices[device].is_gpu:  # (a GPU's: not ours)
+                    g.declined[b.var.name] = why
                 if named and choice == "onednn":
                     raise BuildError(f"kernels override {b.var.name!r}='onednn': oneDNN cannot "
                                      f"compute this {op_name(b.value)}: {why}")

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 from tvm import relax
 
+from hgrt.graph_format import PROVIDER_WHY
 from hgrt.providers.onednn import PROVIDER
 from hgrt.relay_passes.util.relax_util import bindings, op_name, per_channel, reads_only_item0
 from hgrt.relay_passes.util.relax_util import float32_shape as _shape
@@ -47,24 +48,31 @@ BINARY = frozenset({"relax.add", "relax.multiply", "relax.subtract", "relax.divi
 POOLS = frozenset({"relax.nn.max_pool2d", "relax.nn.avg_pool2d"})
 
 Builder = Callable[["Rewriter"], relax.Expr]
+# why the ops between oneDNN kernels are oneDNN's too (the graph node's provider_why)
+NHWC_WHY = "channels last: between oneDNN kernels its tensors stay NHWC"
 # NHWC concat on channels: oneDNN's primitive (TVM's concat picks an operand per element)
 CONCAT = relax.ExternFunc(ONEDNN_PREFIX + "concat").with_attr("provider", "onednn") \
-    .with_attr("onednn_op", "concat").with_attr("onednn_layouts", "acdb")
+    .with_attr("onednn_op", "concat").with_attr("onednn_layouts", "acdb") \
+    .with_attr(PROVIDER_WHY, NHWC_WHY)
 # NHWC pooling: oneDNN's (TVM's NHWC pools measured 3x its NCHW ones); attributes in a weight
 POOL = relax.ExternFunc(ONEDNN_PREFIX + "pool").with_attr("provider", "onednn") \
-    .with_attr("onednn_op", "pool").with_attr("onednn_layouts", "acdb")
+    .with_attr("onednn_op", "pool").with_attr("onednn_layouts", "acdb") \
+    .with_attr(PROVIDER_WHY, NHWC_WHY)
 POOL_ATTRS = ("algorithm", "kh", "kw", "sh", "sw", "pad_t", "pad_l", "pad_b", "pad_r", "dil_h",
               "dil_w")  # algorithm: 0 max, 1 average counting the pad, 2 average without it
 # ONNX's LRN across channels, attributes (size, alpha, beta, bias) in a float32 weight
 LRN = relax.ExternFunc(ONEDNN_PREFIX + "lrn").with_attr("provider", "onednn") \
-    .with_attr("onednn_op", "lrn").with_attr("onednn_layouts", "acdb")
+    .with_attr("onednn_op", "lrn").with_attr("onednn_layouts", "acdb") \
+    .with_attr(PROVIDER_WHY, NHWC_WHY)
 # channel shuffle: channels seen as groups x C/groups and transposed; groups in an int64 weight
 SHUFFLE = relax.ExternFunc(ONEDNN_PREFIX + "shuffle").with_attr("provider", "onednn") \
-    .with_attr("onednn_op", "shuffle").with_attr("onednn_layouts", "acdb")
+    .with_attr("onednn_op", "shuffle").with_attr("onednn_layouts", "acdb") \
+    .with_attr(PROVIDER_WHY, NHWC_WHY)
 # NHWC -> NCHW: oneDNN's reorder, a kernel of its own (TVM's transpose fused into the next op
 # made inception's LRN 3x slower)
 TO_NCHW = relax.ExternFunc(ONEDNN_PREFIX + "to_nchw").with_attr("provider", "onednn") \
-    .with_attr("onednn_op", "reorder").with_attr("onednn_layouts", "acdb, plain")
+    .with_attr("onednn_op", "reorder").with_attr("onednn_layouts", "acdb, plain") \
+    .with_attr(PROVIDER_WHY, "channels last: a oneDNN kernel's NHWC result back to NCHW")
 
 
 def pool_window(a: Any) -> list[int] | None:

@@ -242,6 +242,7 @@ def claim_affine(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     for row in ctx.placed.report:
         if row.node in members:
             row.kernels = "onednn"
+            row.kernels_why = "follows: a per-channel scale and shift after a oneDNN kernel"
     ctx.log(f"claim_affine: {len(chains)} per-channel chains on oneDNN: "
             + ", ".join(sorted({"+".join(c.label) for c in chains})))
     new = mod.clone()

@@ -40,7 +40,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from hgrt.providers.onednn import PROVIDER, channels_last
+from hgrt.providers.onednn import PROVIDER, channels_last, reasons
 from hgrt.providers.onednn.blob import (
     ALGO,
     SLOT,
@@ -215,15 +215,18 @@ def claim_onednn(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     check_choices(func, kernels)
     runtime = onednn_runtime(ctx, kernels)
     if runtime is None or "num_input" not in (func.attrs or {}):
+        reasons.unavailable(ctx, func, kernels)  # (the report's why, where "auto" was asked)
         return mod
     g = ChainGraph(func, ctx)
     chains = find_chains(g, kernels)
+    reasons.declined(ctx, g.declined)
     auto = [c for c in chains if c.choice == "auto"]
     macs = sum(c.macs for c in chains)  # the model's, whoever asked: auto's choice is per model
     if auto and macs < AUTO_MIN_MACS:
         ctx.log(f"kernels: tvm for {len(auto)} ops (auto: the {len(chains)} ops oneDNN could take "
                 f"are {macs} multiply-adds, below {AUTO_MIN_MACS}: its per-call cost would "
                 f"outweigh them)")
+        reasons.below_floor(ctx, auto, macs, AUTO_MIN_MACS)
         g = ChainGraph(func, ctx)
         chains = find_chains(g, kernels, frozenset({"onednn"}))
     if not chains:
@@ -233,10 +236,7 @@ def claim_onednn(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     for chain in sorted(chains, key=lambda c: position[c.end]):  # producers first
         emitter.emit(chain)
     drop = {v for c in chains for v in c.members[:-1]}
-    members = {v.name for c in chains for v in c.members}
-    for row in ctx.placed.report:
-        if row.node in members:
-            row.kernels = "onednn"
+    reasons.claimed(ctx, chains, kernels, macs, AUTO_MIN_MACS)  # the report's kernels, why
     ctx.log(f"oneDNN ({emitter.isa}) claims {len(chains)} ops, {len(emitter.plan.nhwc)} "
             f"tensors NHWC: " + ", ".join(sorted({"+".join(c.label) for c in chains})))
     log_winograd(ctx, emitter.winograd_candidates, emitter.winograd_bytes, emitter.plain_bytes,

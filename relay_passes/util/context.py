@@ -28,6 +28,9 @@ class PlacementRow:
     device: str
     reason: str
     kernels: str = "tvm"  # who computes it: "tvm", or the provider whose claim pass took it
+    # why ``kernels`` computes it, "<kind>: <detail>" (a provider's claim pass writes it for the
+    # ops it could take; ``util.reasons`` says why for the rest); the graph's ``provider_why``
+    kernels_why: str = ""
 
 
 @dataclass
@@ -37,6 +40,9 @@ class Placed:
     op_device: dict[str, int] = field(default_factory=dict)  # binding name -> device index
     input_device: dict[str, int] = field(default_factory=dict)  # hinted inputs -> device index
     report: list[PlacementRow] = field(default_factory=list)
+    # a binding a later pass bound an op to that has no row of its own (a claimed chain's call
+    # bound to a batch norm's item) -> the node of the row that speaks for it
+    row_of: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -110,12 +116,16 @@ class LoweringOptions:
 
 @dataclass
 class Lowered:
-    """Written by apply_tuning, schedule_cpu, build_library. (The reports' classes live in the
-    modules of those passes, which import this one.)"""
+    """Written by legalize_and_fuse, apply_tuning, schedule_cpu, build_library. (The reports'
+    classes live in the modules of those passes, which import this one.)"""
 
     tuning: Any = None  # tuning_db.ApplyReport
     cpu_schedule: Any = None  # schedule_cpu.ScheduleReport
     lib: tvm.runtime.Module | None = None
+    # legalize_and_fuse: per kernel binding of the lowered main (keyed by its variable: names
+    # repeat after FuseOps), the graph node attrs that say why it runs where and by whom
+    # (``util.reasons``); graph_codegen adds them to the node
+    why: dict[Any, dict[str, str]] = field(default_factory=dict)
 
 
 @dataclass

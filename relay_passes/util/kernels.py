@@ -80,3 +80,12 @@ class Kernels:
             return self.overrides[node], True
         rule = match_op_rule(op, self.rules)
         return (self.default if rule is None else self.rules[rule]), False
+
+    def said(self, node: str, op: str) -> str:
+        """Where the provider of ``node`` was asked, as a reason says it:
+        ``kernels='tvm'``, ``kernels rule 'matmul'='tvm'``, ``kernels override 'lv3'='tvm'``."""
+        if node in self.overrides:
+            return f"kernels override {node!r}={self.overrides[node]!r}"
+        rule = match_op_rule(op, self.rules)
+        return f"kernels={self.default!r}" if rule is None else \
+            f"kernels rule {rule!r}={self.rules[rule]!r}"
