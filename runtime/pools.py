@@ -28,23 +28,42 @@ def _allocate(nbytes: int, device, what: str):
 
 
 def pinned_pools(graph: Graph, devices: list) -> frozenset[int]:
-    """Positions of the local CPUs whose activation pool a copy reads or writes to or from a
-    local CUDA GPU: that pool is allocated in pinned (page-locked) host memory, which the GPU
-    reads and writes by DMA, without the driver's staging through a bounce buffer. Empty with
-    ``HGRT_PIN_HOST=0``."""
+    """Positions of the local CPUs whose activation pool is allocated in pinned (page-locked)
+    host memory, which a CUDA GPU reads and writes by DMA, without the driver's staging through
+    a bounce buffer: the CPUs that copies reach to or from a local CUDA GPU, unless a copy from
+    that CPU to a GPU would wait for GPU work it does not need. (A copy to or from pinned
+    memory waits for the GPU's queue, see ``frames``: from pageable memory a copy to a GPU
+    returns once staged. After ``overlap_order`` a CPU op that reads nothing of the GPU's runs
+    while the GPU's earlier kernels do; a copy of its result to the GPU then waits for them in
+    pinned memory and not in pageable.) Empty with ``HGRT_PIN_HOST=0``."""
     if os.environ.get("HGRT_PIN_HOST", "1") == "0":
         return frozenset()
     cuda = hdev.KINDS["cuda"].dl_type
-    out = set()
+
+    def on_gpu(d: int) -> bool:
+        return d < len(devices) and devices[d].dlpack_device_type() == cuda
+
+    out, waits = set(), set()
+    ancestors: list[int] = []  # per node, its ancestors as bits
+    gpu_work = 0  # the GPU kernels and copies to a GPU so far, in step order, as bits
     for nid, node in enumerate(graph.nodes):
-        if node.func_name != COPY_FUNC:
+        above = 0
+        for i, _, _ in node.inputs:
+            above |= ancestors[i] | (1 << i)
+        ancestors.append(above)
+        if node.op != "tvm_op":
             continue
-        ends = (graph.entry_device(graph.entry_id(*node.inputs[0][:2])),
-                graph.entry_device(graph.entry_id(nid)))
-        ends = [d for d in ends if d < len(devices)]
-        if any(devices[d].dlpack_device_type() == cuda for d in ends):
-            out.update(d for d in ends if hdev.is_local_cpu(devices[d]))
-    return frozenset(out)
+        here = graph.entry_device(graph.entry_id(nid))
+        if node.func_name == COPY_FUNC:
+            src = graph.entry_device(graph.entry_id(*node.inputs[0][:2]))
+            ends = [d for d in (src, here) if d < len(devices)]
+            if any(on_gpu(d) for d in ends):
+                out.update(d for d in ends if hdev.is_local_cpu(devices[d]))
+            if on_gpu(here) and not on_gpu(src) and gpu_work & ~above:
+                waits.add(src)
+        if on_gpu(here):
+            gpu_work |= 1 << nid
+    return frozenset(out - waits)
 
 
 def _allocate_pinned(nbytes: int, device, what: str):
