@@ -14,32 +14,34 @@ from tvm import relax
 import hgrt
 from hgrt.graph import COPY_FUNC
 
-RULES = {"exp": "cuda:0", "tanh": "cpu:0", "topk": "cpu:0"}
+RULES = {"exp": "cuda:0", "tanh": "cpu:0", "topk": "cpu:0", "add": "cuda:0"}
 
 
-def model() -> tvm.IRModule:
-    """x -> exp -> exp -> topk, and tanh(s) written after them: the tanh reads only s."""
+def model(tanh_of: str = "s", rejoin: bool = False) -> tvm.IRModule:
+    """x -> exp -> exp -> topk, and a tanh written after them (of s: it reads nothing of the
+    exps; of "y": of their result). ``rejoin``: the tanh's result is added to the exps' on the
+    GPU (no topk)."""
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((4, 64), "float32"))
     s = relax.Var("s", relax.TensorType((4, 64), "float32"))
     with bb.function("main", [x, s]):
         with bb.dataflow():
             y = bb.emit(relax.op.exp(bb.emit(relax.op.exp(x))))
-            top = bb.emit(relax.TupleGetItem(relax.op.topk(y, 3, axis=-1), 0))
-            side = bb.emit(relax.op.tanh(s))
-            out = bb.emit_output(relax.Tuple([top, side]))
+            top = None if rejoin else bb.emit(relax.TupleGetItem(relax.op.topk(y, 3, axis=-1), 0))
+            side = bb.emit(relax.op.tanh(y if tanh_of == "y" else s))
+            out = bb.emit_output(relax.op.add(y, side) if rejoin else relax.Tuple([top, side]))
         bb.emit_func_output(out)
     mod = bb.get()
     mod["main"] = mod["main"].with_attr("num_input", 2)
     return mod
 
 
-def build(devices):
+def build(devices, mod: tvm.IRModule | None = None):
     rules = {k: v.replace("cuda:0", devices[1]) for k, v in RULES.items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return hgrt.build(model(), devices, hgrt.Placement(rules=rules), kernels="tvm",
-                          cuda_arch="sm_90")
+        return hgrt.build(model() if mod is None else mod, devices, hgrt.Placement(rules=rules),
+                          kernels="tvm", cuda_arch="sm_90")
 
 
 def positions(graph) -> dict[str, int]:

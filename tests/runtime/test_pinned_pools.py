@@ -16,9 +16,10 @@ from hgrt.runtime.pools import pinned_pools
 from hgrt.runtime.views import pointer_view
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "relay_passes"))
-from test_overlap_order import build  # noqa: E402
+from test_overlap_order import build, model  # noqa: E402
 
 HAS_GPU = tvm.cuda(0).exist
+DEVICES = ["cpu:0", "cuda:0"]
 
 
 def test_the_cpu_pool_that_copies_reach_a_gpu_from_is_pinned(monkeypatch):
@@ -56,34 +57,12 @@ def test_on_a_gpu_the_pool_is_pinned_and_the_outputs_right():
     np.testing.assert_allclose(module.get_output(1).numpy(), np.tanh(x), rtol=1e-5)
 
 
-def _two_branches(dependent: bool):
-    """x -> exp -> exp on the GPU; a tanh on the CPU (of s, or of the GPU's result when
-    ``dependent``) whose result goes back to the GPU for an add."""
-    import warnings
-
-    from tvm import relax
-
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((4, 64), "float32"))
-    s = relax.Var("s", relax.TensorType((4, 64), "float32"))
-    with bb.function("main", [x, s]):
-        with bb.dataflow():
-            y = bb.emit(relax.op.exp(bb.emit(relax.op.exp(x))))
-            t = bb.emit(relax.op.tanh(y if dependent else s))
-            out = bb.emit_output(relax.op.add(y, t))
-        bb.emit_func_output(out)
-    mod = bb.get()
-    mod["main"] = mod["main"].with_attr("num_input", 2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return hgrt.build(mod, ["cpu:0", "cuda:0"], hgrt.Placement(
-            rules={"exp": "cuda:0", "add": "cuda:0", "tanh": "cpu:0"}), kernels="tvm",
-            cuda_arch="sm_90").graph
-
-
 def test_a_copy_to_the_gpu_that_would_wait_for_unrelated_gpu_work_keeps_its_pool_pageable():
-    devices = [tvm.cpu(0), tvm.cuda(0)]
+    def pinned(tanh_of: str) -> frozenset[int]:
+        graph = build(DEVICES, model(tanh_of=tanh_of, rejoin=True)).graph
+        return pinned_pools(graph, [tvm.cpu(0), tvm.cuda(0)])
+
     # the tanh reads the GPU's result: the copy back to the GPU waits for nothing more
-    assert pinned_pools(_two_branches(dependent=True), devices) == {0}
+    assert pinned("y") == {0}
     # the tanh of s runs while the GPU computes the exps: pinned, its copy would wait for them
-    assert pinned_pools(_two_branches(dependent=False), devices) == frozenset()
+    assert pinned("s") == frozenset()
