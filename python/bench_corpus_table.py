@@ -6,6 +6,7 @@ against onnxruntime's CPU provider at the same thread count.
     python python/bench_corpus_table.py --size real --models resnet.dynamo gpt2.dynamo
     python python/bench_corpus_table.py --exporter dynamo --markdown BENCHMARKS.md
     python python/bench_corpus_table.py --size real --kernels tvm        # TVM's kernels only
+    python python/bench_corpus_table.py --size real --batch 8            # 8 samples a run
     python python/bench_corpus_table.py --size real --target 'cpu=llvm -mcpu=haswell' \
         --cap-onnxruntime                                    # AVX2 against AVX2 onnxruntime
 
@@ -41,6 +42,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--exporter", choices=("dynamo", "torchscript"),
                    help="only the files of this exporter")
     p.add_argument("--repeat", type=int, default=10)
+    p.add_argument("--batch", type=int, default=1,
+                   help="samples per run (real size: each batch is an export of its own)")
     p.add_argument("--markdown", help="write the table into this markdown file")
     p.add_argument("--kernels", choices=("auto", "tvm", "onednn"), default="auto",
                    help="hgrt.build's kernels (default auto)")
@@ -53,16 +56,20 @@ def _parse() -> argparse.Namespace:
     return p.parse_args()
 
 
-def _file(entry, size: str) -> tuple[str, dict[str, np.ndarray]]:
-    """The ONNX file of ``entry`` at ``size`` and its seeded inputs by ONNX input name."""
+def _file(entry, size: str, batch: int = 1) -> tuple[str, dict[str, np.ndarray]]:
+    """The ONNX file of ``entry`` at ``size`` with inputs of ``batch`` samples, and its seeded
+    inputs by ONNX input name."""
     if size == "tiny":
+        if batch != 1:
+            raise SystemExit("bench_corpus_table: --batch needs --size real (the committed "
+                             "tiny files take one sample)")
         return entry.path, entry.seeded_inputs()
     from hgrt.corpus import seeded_inputs, spec
     from hgrt.corpus.generate import real_path
     from hgrt.corpus.specs import inputs_of
 
-    return real_path(entry.model, entry.exporter), seeded_inputs(
-        inputs_of(spec(entry.model), "real"))
+    return real_path(entry.model, entry.exporter, batch=batch), seeded_inputs(
+        inputs_of(spec(entry.model), "real", batch))
 
 
 def _int8_run(model, x: dict[str, np.ndarray]) -> list[np.ndarray]:
@@ -90,14 +97,15 @@ def _right(entry, model, x, got, want) -> tuple[str, float]:
     return f"{'yes' if ok else 'NO'} (ORT's int8 spread {spread:.1e})", diff
 
 
-def bench_one(entry, size: str, repeat: int, kernels: str = "auto", target=None) -> str:
+def bench_one(entry, size: str, repeat: int, kernels: str = "auto", target=None,
+              batch: int = 1) -> str:
     import onnx
 
     import hgrt
     from hgrt.frontend import import_model
     from hgrt.testing import input_names, onnx_reference
 
-    path, x = _file(entry, size)
+    path, x = _file(entry, size, batch)
     model = onnx.load(path)
     row = [entry.name, entry.family]
     try:
@@ -146,6 +154,7 @@ def main() -> None:
         f" --models {' '.join(args.models)}" if args.models else "") + (
         f" --exporter {args.exporter}" if args.exporter else "") + (
         f" --repeat {args.repeat}" if args.repeat != 10 else "") + (
+        f" --batch {args.batch}" if args.batch != 1 else "") + (
         f" --kernels {args.kernels}" if args.kernels != "auto" else "") + "".join(
         f" --target '{t}'" for t in args.target or ()) + (
         " --cap-onnxruntime" if args.cap_onnxruntime else "") + (
@@ -154,14 +163,14 @@ def main() -> None:
     def rows() -> list[str]:
         out = {False: [], True: []}
         for e in chosen:
-            line = bench_one(e, args.size, args.repeat, args.kernels, target)
+            line = bench_one(e, args.size, args.repeat, args.kernels, target, args.batch)
             print(line, flush=True)
             out[e.held_out].append(line)
         held = ["", "Held out of tuning:", "", *HEAD, *out[True]] if out[True] else []
         return out[False] + held
 
     block = f"bench_corpus_{args.size}" + (f"_{args.kernels}" if args.kernels != "auto" else "") \
-        + ("_target" if target else "")
+        + ("_target" if target else "") + (f"_batch{args.batch}" if args.batch != 1 else "")
     table(args.markdown, block, command, HEAD, rows)
 
 

@@ -127,3 +127,17 @@ def test_hgrt_zoo_lists_and_writes_corpus_files(tmp_path, capsys):
     assert sorted(np.load(feed)) == ["h0", "x"]
     assert main(["zoo", "corpus/gruu", "-o", str(out)]) == 2
     assert "did you mean 'gru.dynamo'" in capsys.readouterr().err
+
+
+def test_inputs_at_a_batch_scale_the_batch_axis_only():
+    from hgrt.corpus import spec
+    from hgrt.corpus.specs import inputs_of
+
+    for name in ("lstm", "distilbert", "resnet_int8"):
+        one, eight = inputs_of(spec(name), "real"), inputs_of(spec(name), "real", 8)
+        assert [n for n, *_ in one] == [n for n, *_ in eight]
+        for (n, shape, dtype, high), (_, shape8, dtype8, high8) in zip(one, eight, strict=True):
+            axis = 1 if n == "h0" else 0
+            assert shape8[axis] == 8 * shape[axis], (name, n)
+            assert shape8[:axis] + shape8[axis + 1:] == shape[:axis] + shape[axis + 1:]
+            assert (dtype8, high8) == (dtype, high)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from hgrt.corpus.manifest import seeded_inputs
-from hgrt.corpus.specs import Spec, inputs_of
+from hgrt.corpus.specs import BATCH_AXIS, Spec, inputs_of
 from hgrt.errors import HgrtError
 
 LOGITS_STD = 3.0
@@ -26,10 +26,11 @@ class CorpusError(HgrtError, RuntimeError):
     """A corpus model cannot be made or exported as its spec says."""
 
 
-def example_inputs(spec: Spec, size: str, seed: int = 1) -> dict[str, np.ndarray]:
-    """Seeded inputs of ``spec`` at ``size``: standard-normal floats, integer ids below their
-    bound."""
-    return seeded_inputs(inputs_of(spec, size), seed)
+def example_inputs(spec: Spec, size: str, seed: int = 1, batch: int = 1
+                   ) -> dict[str, np.ndarray]:
+    """Seeded inputs of ``spec`` at ``size`` with ``batch`` samples: standard-normal floats,
+    integer ids below their bound."""
+    return seeded_inputs(inputs_of(spec, size, batch), seed)
 
 
 def _hf(kind: str, config: dict):
@@ -162,10 +163,10 @@ def build(spec: Spec, size: str = "tiny") -> Any:
     return model
 
 
-def torch_args(spec: Spec, size: str, seed: int = 1) -> tuple:
+def torch_args(spec: Spec, size: str, seed: int = 1, batch: int = 1) -> tuple:
     import torch
 
-    return tuple(torch.from_numpy(v) for v in example_inputs(spec, size, seed).values())
+    return tuple(torch.from_numpy(v) for v in example_inputs(spec, size, seed, batch).values())
 
 
 def _measure_batch_norm(model, spec: Spec, size: str, passes: int = 4) -> None:
@@ -188,7 +189,7 @@ def _batch(spec: Spec, size: str, seed: int, batch: int = 4) -> tuple:
     import torch
 
     parts = [torch_args(spec, size, seed * 10 + k) for k in range(batch)]
-    return tuple(torch.cat(p, dim=1 if name == "h0" else 0)
+    return tuple(torch.cat(p, dim=BATCH_AXIS.get(name, 0))
                  for (name, *_), p in zip(inputs_of(spec, size), zip(*parts, strict=True),
                                               strict=True))
 

@@ -38,15 +38,16 @@ def op_types(model) -> list[str]:
     return sorted(seen)
 
 
-def export_torch(spec: Spec, size: str, exporter: str, path: str) -> str:
-    """Write ``spec`` at ``size`` to ``path`` with ``exporter`` ("dynamo" or "torchscript")."""
+def export_torch(spec: Spec, size: str, exporter: str, path: str, batch: int = 1) -> str:
+    """Write ``spec`` at ``size`` to ``path`` with ``exporter`` ("dynamo" or "torchscript"),
+    its inputs of ``batch`` samples (shapes are static: each batch is a file of its own)."""
     import torch
 
     if exporter not in EXPORTERS:
         raise CorpusError(f"exporter {exporter!r}: one of {list(EXPORTERS)}")
     model = build(spec, size)
     check_informative(model, spec, size)
-    args = torch_args(spec, size)
+    args = torch_args(spec, size, batch=batch)
     names = [n for n, *_ in inputs_of(spec, size)]
     kwargs = {"input_names": names, "output_names": ["logits"]}
     if exporter == "dynamo":
@@ -59,9 +60,10 @@ def export_torch(spec: Spec, size: str, exporter: str, path: str) -> str:
     return path
 
 
-def quantize(spec: Spec, size: str, float_path: str, path: str, batches: int = 8) -> str:
+def quantize(spec: Spec, size: str, float_path: str, path: str, batches: int = 8,
+             batch: int = 1) -> str:
     """``float_path`` (the torchscript export of ``spec.quantize``) as int8 QDQ, per channel,
-    calibrated on ``batches`` random inputs."""
+    calibrated on ``batches`` random inputs of ``batch`` samples."""
     from onnxruntime.quantization import (
         CalibrationDataReader,
         QuantFormat,
@@ -73,7 +75,8 @@ def quantize(spec: Spec, size: str, float_path: str, path: str, batches: int = 8
 
     class RandomReader(CalibrationDataReader):
         def __init__(self):
-            self.feeds = iter([example_inputs(base, size, seed=200 + i) for i in range(batches)])
+            self.feeds = iter([example_inputs(base, size, seed=200 + i, batch=batch)
+                               for i in range(batches)])
 
         def get_next(self):
             return next(self.feeds, None)
@@ -86,16 +89,17 @@ def quantize(spec: Spec, size: str, float_path: str, path: str, batches: int = 8
     return path
 
 
-def export(name: str, size: str, exporter: str, path: str) -> str:
-    """Write corpus model ``name`` at ``size`` ("tiny" or "real") exported by ``exporter`` to
-    ``path``; an int8 model is quantized from its base's ``torchscript`` export."""
+def export(name: str, size: str, exporter: str, path: str, batch: int = 1) -> str:
+    """Write corpus model ``name`` at ``size`` ("tiny" or "real") with inputs of ``batch``
+    samples, exported by ``exporter``, to ``path``; an int8 model is quantized from its base's
+    ``torchscript`` export."""
     spec = BY_NAME[name]
     if not spec.quantize:
-        return export_torch(spec, size, exporter, path)
+        return export_torch(spec, size, exporter, path, batch)
     with tempfile.TemporaryDirectory() as tmp:
         float_path = os.path.join(tmp, "float.onnx")
-        export_torch(BY_NAME[spec.quantize], size, exporter, float_path)
-        return quantize(spec, size, float_path, path)
+        export_torch(BY_NAME[spec.quantize], size, exporter, float_path, batch)
+        return quantize(spec, size, float_path, path, batch=batch)
 
 
 def describe(path: str) -> dict:

@@ -26,15 +26,16 @@ def cache_dir() -> str:
         os.path.expanduser("~"), ".cache", "hgrt", "corpus")
 
 
-def real_path(name: str, exporter: str, export_missing: bool = True) -> str:
-    """The real config of ``name`` exported by ``exporter``, from the cache (exported first
-    when missing and ``export_missing``)."""
+def real_path(name: str, exporter: str, export_missing: bool = True, batch: int = 1) -> str:
+    """The real config of ``name`` exported by ``exporter`` with inputs of ``batch`` samples,
+    from the cache (exported first when missing and ``export_missing``)."""
     from hgrt.corpus.export import export
 
-    path = os.path.join(cache_dir(), f"{name}.{exporter}.onnx")
+    tail = "" if batch == 1 else f".batch{batch}"
+    path = os.path.join(cache_dir(), f"{name}.{exporter}{tail}.onnx")
     if not os.path.exists(path) and export_missing:
         os.makedirs(cache_dir(), exist_ok=True)
-        export(name, "real", exporter, path + ".tmp")
+        export(name, "real", exporter, path + ".tmp", batch)
         os.replace(path + ".tmp", path)
     return path
 

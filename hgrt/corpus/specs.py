@@ -174,6 +174,18 @@ def spec(name: str) -> Spec:
     return BY_NAME[name]
 
 
-def inputs_of(s: Spec, size: str) -> list[tuple[str, list[int], str, int]]:
-    """The inputs of ``s`` at ``size`` ("tiny" or "real"); a quantized model's are its base's."""
-    return (BY_NAME[s.quantize] if s.quantize else s).inputs[size]
+# inputs whose batch is not their first axis: a recurrent layer's initial state
+BATCH_AXIS = {"h0": 1}
+
+
+def inputs_of(s: Spec, size: str, batch: int = 1) -> list[tuple[str, list[int], str, int]]:
+    """The inputs of ``s`` at ``size`` ("tiny" or "real") with ``batch`` samples; a quantized
+    model's are its base's."""
+    inputs = (BY_NAME[s.quantize] if s.quantize else s).inputs[size]
+    if batch == 1:
+        return inputs
+    out = []
+    for name, shape, dtype, high in inputs:
+        axis = BATCH_AXIS.get(name, 0)
+        out.append((name, [*shape[:axis], shape[axis] * batch, *shape[axis + 1:]], dtype, high))
+    return out
