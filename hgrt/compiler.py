@@ -146,8 +146,9 @@ def build(model: Any, devices: Any, placement: Placement | None = None,
     ``kernels``: who computes each op: a registered kernel provider (``hgrt.providers.names()``;
     ``"onednn"`` computes convolutions and dense layers on x86-64 CPUs with the ``onednn`` extra,
     a BuildError without it), ``"tvm"``, or ``"auto"``: each provider where it is installed and
-    pays (oneDNN: unless the model is too small to pay for its per-call cost; the placement
-    report's ``kernels`` column says who got each op);
+    pays (oneDNN: unless the model is too small to pay for its per-call cost, then per op where
+    what it saves pays for the switches between its threads and TVM's, see docs/kernels.md; the
+    placement report's ``kernels`` column says who got each op);
     or per op, like a device: ``hgrt.Kernels("onednn", rules={"matmul": "tvm"},
     overrides={"lv12": "tvm"})`` (an override names a conv2d or matmul binding as
     ``print_placement()`` lists it).

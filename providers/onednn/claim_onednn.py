@@ -41,6 +41,7 @@ import tvm
 from tvm import relax
 
 from hgrt.providers.onednn import PROVIDER, channels_last, reasons
+from hgrt.providers.onednn.auto_choice import keep_what_pays
 from hgrt.providers.onednn.blob import (
     ALGO,
     SLOT,
@@ -229,6 +230,8 @@ def claim_onednn(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
         reasons.below_floor(ctx, auto, macs, AUTO_MIN_MACS)
         g = ChainGraph(func, ctx)
         chains = find_chains(g, kernels, frozenset({"onednn"}))
+    elif auto:  # per op: what oneDNN saves against the switches between thread pools
+        g, chains = keep_what_pays(func, ctx, kernels, g, chains)
     if not chains:
         return mod
     emitter = _Emitter(g, chains, runtime, kernels.winograd, weight_room(g))

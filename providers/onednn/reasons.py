@@ -14,7 +14,8 @@ from hgrt.relay_passes.util.context import BuildContext
 from hgrt.relay_passes.util.kernels import Kernels
 from hgrt.relay_passes.util.relax_util import bindings, op_name
 
-__all__ = ["below_floor", "claimed", "count", "declined", "unavailable", "what"]
+__all__ = ["below_floor", "claimed", "count", "declined", "switches_cost_more",
+           "unavailable", "what"]
 
 
 def count(n: float) -> str:
@@ -63,6 +64,17 @@ def below_floor(ctx: BuildContext, chains: list[Chain], macs: int, floor: int) -
     why = (f"size floor: the model's {len(chains)} ops oneDNN could take are {count(macs)} MACs "
            f"< {count(floor)} (auto)")
     _set(ctx, {c.root.var.name for c in chains}, why)
+
+
+def switches_cost_more(ctx: BuildContext, chains: list[Chain],
+                       modelled: dict[int, dict[str, float]], switch_us: float) -> None:
+    """``chains`` (auto's) stay TVM's: what oneDNN would save on them (``modelled``: chain id
+    -> us per provider) pays for no switch between thread pools (``auto_choice``)."""
+    for c in chains:
+        us = modelled[id(c)]
+        _set(ctx, {c.root.var.name}, f"TVM faster: {what(c)}: {us['onednn']:.0f} us on oneDNN, "
+             f"{us['tvm']:.0f} us on TVM, a switch between thread pools {switch_us:.0f} us "
+             f"(auto)")
 
 
 def declined(ctx: BuildContext, reasons: dict[str, str]) -> None:

@@ -37,7 +37,7 @@ from hgrt.relay_passes.inner.cpu_schedule_blocks import (
 )
 from hgrt.relay_passes.inner.cpu_schedule_conv import PEEL_HINT
 
-__all__ = ["matmul_parts", "schedule_matmul"]
+__all__ = ["matmul_parts", "schedule_matmul", "tile_rows"]
 
 Axis = tuple[tirx.Var, object, int]  # (block var, loop rv, extent)
 
@@ -127,6 +127,13 @@ def _tile_rows(m: int, vf: int, isa: VectorISA) -> int:
     nvec = -(-vf // isa.lanes())
     limit = max(1, min(MAX_TILE_ROWS, (isa.registers * 3 // 4) // nvec))
     return max(d for d in divisors(m) if d <= limit)
+
+
+def tile_rows(m: int, n: int, isa: VectorISA) -> int:
+    """Rows of the register tile this schedule gives an ``m x n`` product (0: it tiles none):
+    with one row a tile reads its ``K x vf`` slab of ``B`` for a single row of ``A``."""
+    tile = _column_tile(n, isa.lanes())
+    return 0 if tile is None else _tile_rows(m, tile[0], isa)
 
 
 def _pack_weight(sch: s_tir.Schedule, block_rv, p: MatmulParts, source: tirx.Buffer, vf: int,

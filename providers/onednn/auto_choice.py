@@ -1,0 +1,185 @@
+"""Which of the chains that ``"auto"`` may give oneDNN it gives: per op by modelled time, the
+switches between the two thread pools counted (``choose_auto``, for ``claim_onednn``).
+
+oneDNN's kernels run on its OpenMP team, TVM's on TVM's own pool. Where a oneDNN kernel follows
+a TVM kernel that ran on the pool (or the other way round), the workers of one pool must wake
+while the other's spin down: a switch. On 2 cores (AMD EPYC, AVX-512; BENCHMARKS.md, "oneDNN
+or TVM per op") a dense layer of 128 x 768 x 768 takes as long on either provider (1.31 against
+1.32 ms), yet 12 of them with a layer norm after each took 9.31 ms on oneDNN against 8.91 ms on
+TVM's kernels in an idle run (17 us a switch) and 112 against 17 ms beside another busy process
+(4 ms a switch); convnext with 2 of its 59 convolutions and dense layers on oneDNN (one run of
+oneDNN kernels, two switches) took 66.0 against 59.3 ms all on TVM. Small elementwise TVM
+kernels next to oneDNN's run on the calling thread alone (``threads.solo``) and TVM kernels of
+fewer than ``MIN_PARALLEL_WORK`` output elements serial (the schedules' rule): neither wakes a
+pool (a transpose pair after each of the 12 dense layers: 9.24 against 8.76 ms).
+
+A chain costs its multiply-adds at ``MAC_RATE`` on either side (a call's own cost is left out:
+oneDNN's ~3 us more per call, ``policy.AUTO_MIN_MACS``, is about what the reorders around a TVM
+op among NHWC oneDNN kernels cost), except where TVM's schedule is known to be slower: a dense
+layer whose register tile holds a single row (``tile_rows``: rows with no divisor from 2 to 6,
+such as 197 or 49) takes ``ONE_ROW_SLOWDOWN`` times as long, a convolution ``CONV_GAIN`` times.
+Walking ``main``'s bindings in order, every other op that runs on TVM's pool (``on_pool``)
+needs the TVM side, and a switch costs ``SWITCH_US``; the cheapest assignment (two states, one
+pass) says which chains oneDNN keeps. So a transformer's dense layers (tiles of several rows,
+layer norms and attention between them) stay TVM's, a CNN's convolutions oneDNN's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+from tvm import relax
+
+from hgrt.devices import vector_isa
+from hgrt.providers.onednn import channels_last, reasons
+from hgrt.providers.onednn.chains import Chain, ChainGraph, find_chains
+from hgrt.relay_passes.inner.cpu_schedule_blocks import MIN_PARALLEL_WORK
+from hgrt.relay_passes.inner.cpu_schedule_matmul import tile_rows
+from hgrt.relay_passes.util.kernels import Kernels
+from hgrt.relay_passes.util.relax_util import bindings, op_name, static_dims
+from hgrt.relay_passes.util.relax_util import float32_shape as _shape
+
+__all__ = ["SWITCH_US", "choose_auto", "keep_what_pays", "modelled_us", "on_pool"]
+
+# multiply-adds per second and core of either provider's dense kernel at 16 float32 lanes (a
+# register tile of several rows: 12 dense layers of 128 x 768 x 768 and their layer norms in
+# 8.91 ms on 2 cores, AMD EPYC, AVX-512)
+MAC_RATE = 52e9
+# TVM's dense kernel with one row per register tile, against oneDNN's (2 cores, AVX-512):
+# 197 x 768 x 768 4.08 against 2.03 ms, 197 x 768 x 3072 16.6 against 8.4 ms, 49 x 768 x 768
+# 1.01 against 0.51 ms; 194, 198, 200 or 201 rows (tiles of 2 to 6 rows): within 5 %
+ONE_ROW_SLOWDOWN = 2.0
+# TVM's default convolutions against oneDNN's direct ones, whole CNNs on the same kernels
+# (BENCHMARKS.md, oneDNN's zoo against the Relax VM on TVM's: 0.49-0.96, most 0.64-0.84)
+CONV_GAIN = 1.5
+# what a switch between the thread pools is counted at: 17 us in an idle run, 3-4 ms where
+# another process keeps a core busy (above) -- a machine shared with other work
+SWITCH_US = 3000.0
+# ops that become elementwise or layout kernels: up to SOLO_BYTES of output they run on the
+# calling thread next to oneDNN's kernels (runtime/frames.py: SOLO_MAX_BYTES), waking no pool
+ELEMENTWISE = frozenset(f"relax.{op}" for op in (
+    "add", "subtract", "multiply", "divide", "power", "maximum", "minimum", "negative", "abs",
+    "exp", "log", "sqrt", "rsqrt", "erf", "tanh", "sigmoid", "clip", "round", "floor", "ceil",
+    "nn.relu", "nn.gelu", "nn.gelu_tanh", "nn.silu", "nn.leakyrelu", "nn.batch_norm",
+    "astype", "reshape", "permute_dims", "expand_dims", "squeeze", "flatten", "broadcast_to",
+    "strided_slice", "concat", "split", "take", "where", "equal", "not_equal", "less",
+    "greater", "less_equal", "greater_equal", "zeros_like", "ones_like", "full_like"))
+SOLO_BYTES = 4 << 20
+# ops that oneDNN computes itself where their inputs are NHWC, between its kernels
+# (``channels_last``: pools, concat, ONNX's LRN with its 3-D average pool): no switch there
+BESIDE = channels_last.POOLS | {"relax.concat", "relax.nn.avg_pool3d"}
+
+
+def on_pool(b: relax.VarBinding) -> bool:
+    """Whether binding ``b`` becomes a TVM kernel that runs on TVM's pool: anything but an
+    elementwise or layout op of at most ``SOLO_BYTES`` of output, an op of ``BESIDE`` or no
+    kernel at all."""
+    op = op_name(b.value)
+    if op is None or op in BESIDE or op in ("relax.to_vdevice", "relax.hint_on_device"):
+        return False
+    if op not in ELEMENTWISE:
+        return True
+    ty = b.var.ty
+    fields = ty.fields if isinstance(ty, relax.TupleType) else [ty]
+    dims = [static_dims(t) for t in fields]
+    if any(d is None for d in dims):
+        return True
+    nbytes = sum(math.prod(d) * np.dtype(str(t.dtype)).itemsize
+                 for d, t in zip(dims, fields, strict=True))
+    return nbytes > SOLO_BYTES
+
+
+def modelled_us(chain: Chain, ctx: Any) -> dict[str, float]:
+    """Microseconds ``chain`` is modelled to take on each provider."""
+    target = ctx.devices[ctx.placed.op_device[chain.root.var.name]].target
+    isa = vector_isa(target)
+    cores = int(target.attrs.get("num-cores", 1) or 1)
+    work = chain.macs / (MAC_RATE * cores * isa.lanes() / 16) * 1e6
+    if chain.kind == "dense":
+        rows = _shape(chain.x)[-2]
+        slow = rows > 1 and tile_rows(rows, chain.weight.shape[0], isa) <= 1
+        tvm = work * (ONE_ROW_SLOWDOWN if slow else 1.0)
+    else:
+        tvm = work * CONV_GAIN
+    return {"onednn": work, "tvm": tvm}
+
+
+def _elements(var: relax.Var) -> int:
+    dims = static_dims(var.ty)
+    return math.prod(dims) if dims is not None else MIN_PARALLEL_WORK
+
+
+def _options(b: relax.VarBinding, chain: Chain | None, ctx: Any) -> list[tuple[str, str | None,
+                                                                              float]]:
+    """What binding ``b`` may run as: ``(provider, the pool it leaves awake (None: the one
+    that was), modelled us)``. A TVM kernel with fewer than ``MIN_PARALLEL_WORK`` output
+    elements runs serial on the calling thread (the schedules' rule): it wakes no pool."""
+    pool = "tvm" if _elements(b.var) >= MIN_PARALLEL_WORK else None
+    if chain is None:
+        return [("tvm", pool, 0.0)]
+    us = modelled_us(chain, ctx)
+    options = [("onednn", "onednn", us["onednn"])]
+    if chain.choice == "auto":
+        options.append(("tvm", pool, us["tvm"]))
+    return options
+
+
+def choose_auto(g: ChainGraph, chains: list[Chain]) -> tuple[set[int], dict[str, float]]:
+    """The chains (by id) that oneDNN computes: those asked for by name (``choice ==
+    "onednn"``) and the ``"auto"`` ones where the cheapest assignment of ``main`` puts them (see
+    the module's doc) in ``g``'s ``main``; and that assignment's modelled microseconds, and
+    with every ``"auto"`` chain on TVM's side (``{"chosen": .., "tvm": ..}``). The members of a
+    composite (``channels_last``: ONNX's LRN, a channel shuffle) count as one oneDNN op."""
+    roots = {c.root.var: c for c in chains}
+    absorbed = {v for c in chains for v in c.members[1:]}
+    for comp in channels_last.find_composites(g).values():  # one oneDNN primitive each
+        absorbed.update([*comp.members, comp.end])
+    cost = {"tvm": 0.0, "onednn": 0.0}  # the cheapest so far, by the pool left awake
+    steps: list[tuple[Chain | None, dict[str, tuple[str, str]]]] = []
+    all_tvm = 0.0
+    for b in bindings(g.func):
+        chain = roots.get(b.var)
+        if chain is None and (b.var in absorbed or not on_pool(b)):
+            continue
+        options = _options(b, chain, g.ctx)
+        all_tvm += options[-1][2]
+        new: dict[str, float] = {}
+        came: dict[str, tuple[str, str]] = {}  # pool awake -> (the one before, provider)
+        for provider, pool, us in options:
+            for before, so_far in cost.items():
+                after = pool or before
+                total = so_far + us + (SWITCH_US if after != before else 0.0)
+                if total < new.get(after, math.inf):
+                    new[after], came[after] = total, (before, provider)
+        cost = {state: new.get(state, math.inf) for state in cost}
+        steps.append((chain, came))
+    state = min(cost, key=lambda s: (cost[s], s != "tvm"))  # a tie: TVM's
+    best, chosen = cost[state], set()
+    for chain, came in reversed(steps):
+        state, provider = came[state]
+        if chain is not None and provider == "onednn":
+            chosen.add(id(chain))
+    return chosen, {"chosen": best, "tvm": all_tvm}
+
+
+def keep_what_pays(func: relax.Function, ctx: Any, kernels: Kernels, g: ChainGraph,
+                   chains: list[Chain]) -> tuple[ChainGraph, list[Chain]]:
+    """``(g, chains)`` without the ``"auto"`` chains that ``choose_auto`` leaves to TVM (found
+    anew, those roots TVM's as if an override said so), the choice in the build log."""
+    chosen, us = choose_auto(g, chains)
+    left = [c for c in chains if id(c) not in chosen]
+    if not left:
+        return g, chains
+    ctx.log(f"kernels: tvm for {len(left)} of the {len(chains)} ops oneDNN could take (auto: "
+            f"modelled {us['chosen'] / 1e3:.2f} ms with a switch between thread pools at "
+            f"{SWITCH_US:.0f} us, against {us['tvm'] / 1e3:.2f} ms all on TVM): "
+            + ", ".join(sorted({"+".join(c.label) for c in left})))
+    tvm_roots = {c.root.var.name: "tvm" for c in left}
+    again = dataclasses.replace(kernels, overrides={**kernels.overrides, **tvm_roots})
+    g = ChainGraph(func, ctx)
+    chains = find_chains(g, again)
+    reasons.switches_cost_more(ctx, left, {id(c): modelled_us(c, ctx) for c in left}, SWITCH_US)
+    return g, chains
