@@ -52,6 +52,11 @@ MAC_RATE = 52e9
 # 197 x 768 x 768 4.08 against 2.03 ms, 197 x 768 x 3072 16.6 against 8.4 ms, 49 x 768 x 768
 # 1.01 against 0.51 ms; 194, 198, 200 or 201 rows (tiles of 2 to 6 rows): within 5 %
 ONE_ROW_SLOWDOWN = 2.0
+# TVM's dense kernel against oneDNN's where the target's vector ISA is narrower than the widest
+# (2 cores, AMD EPYC, an AVX2 build with oneDNN capped to AVX2: 128 x 768 x 768 2.16 against
+# 0.87 ms, 128 x 768 x 3072 6.31 against 3.26, 128 x 3072 x 768 6.30 against 2.99; the same
+# shapes on AVX-512 within 9 %): TVM's register tile of 8 lanes, oneDNN's kernel at its full rate
+TVM_DENSE_BY_ISA = {"avx2": 2.2}
 # TVM's default convolutions against oneDNN's direct ones, whole CNNs on the same kernels
 # (BENCHMARKS.md, oneDNN's zoo against the Relax VM on TVM's: 0.49-0.96, most 0.64-0.84)
 CONV_GAIN = 1.5
@@ -101,7 +106,7 @@ def modelled_us(chain: Chain, ctx: Any) -> dict[str, float]:
     if chain.kind == "dense":
         rows = _shape(chain.x)[-2]
         slow = rows > 1 and tile_rows(rows, chain.weight.shape[0], isa) <= 1
-        tvm = work * (ONE_ROW_SLOWDOWN if slow else 1.0)
+        tvm = work * (ONE_ROW_SLOWDOWN if slow else 1.0) * TVM_DENSE_BY_ISA.get(isa.name, 1.0)
     else:
         tvm = work * CONV_GAIN
     return {"onednn": work, "tvm": tvm}

@@ -59,9 +59,9 @@ def onednn_denses(model) -> int:
 
 
 def test_a_transformer_s_dense_layers_stay_tvm_s_where_its_tile_is_as_fast():
-    """128 rows (register tiles of several rows): TVM's kernel is as fast as oneDNN's, so
-    oneDNN would only add switches between thread pools around each layer norm; the placement
-    report says so."""
+    """128 rows (register tiles of several rows), a layer norm after each: what oneDNN's kernel
+    saves a layer (on AVX2 2.2x less time, ``TVM_DENSE_BY_ISA``) does not pay for the two
+    switches between thread pools around it; the placement report says so."""
     model = dense_stack(128, 768, 4, "layer_norm")
     assert onednn_denses(model) == 0
     with warnings.catch_warnings():
@@ -108,3 +108,17 @@ def test_a_mixed_build_equals_onnxruntime(monkeypatch):
         res = hgrt.build(model, ["cpu"], kernels="auto", target=TARGET)
     assert sum(n.func_name == claim.FUNC_NAME["dense"] for n in res.graph.nodes) == 3
     assert_close_to(run_hgrt(res, x), reference(model, x))
+
+
+def test_a_run_of_dense_layers_goes_to_onednn_on_avx2_and_stays_tvm_s_on_avx512():
+    """12 dense layers of 128 rows joined by ReLUs (one run of oneDNN kernels, two switches):
+    on AVX2 TVM's kernel takes ``TVM_DENSE_BY_ISA`` times oneDNN's, which pays for the
+    switches; on AVX-512 the two are as fast, and TVM keeps them."""
+    model = dense_stack(128, 768, 12, "relu")
+    assert auto_choice.TVM_DENSE_BY_ISA["avx2"] > 1
+    assert onednn_denses(model) == 12
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = hgrt.build(model, ["cpu"], kernels="auto",
+                         target={"cpu": "llvm -mcpu=skylake-avx512 -num-cores=2"})
+    assert sum(n.func_name == claim.FUNC_NAME["dense"] for n in res.graph.nodes) == 0
