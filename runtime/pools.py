@@ -38,10 +38,8 @@ def pinned_pools(graph: Graph, devices: list) -> frozenset[int]:
     pinned memory and not in pageable.) Empty with ``HGRT_PIN_HOST=0``."""
     if os.environ.get("HGRT_PIN_HOST", "1") == "0":
         return frozenset()
-    cuda = hdev.KINDS["cuda"].dl_type
-
     def on_gpu(d: int) -> bool:
-        return d < len(devices) and devices[d].dlpack_device_type() == cuda
+        return d < len(devices) and hdev.is_local_cuda(devices[d])
 
     out, waits = set(), set()
     ancestors: list[int] = []  # per node, its ancestors as bits
@@ -70,8 +68,7 @@ def _allocate_pinned(nbytes: int, device, what: str):
     """Pinned host memory for a CPU pool (``pinned_pools``), or None where the CUDA runtime
     cannot give it (the pool is then allocated as any CPU's, and said once)."""
     try:
-        return tvm.runtime.empty((max(1, nbytes),), "uint8",
-                                 tvm.runtime.Device(hdev.KDL_CUDA_HOST, 0))
+        return tvm.runtime.empty((max(1, nbytes),), "uint8", hdev.pinned_host_device())
     except Exception as e:  # TVM raises several types for out-of-memory / a missing runtime
         if not _said_unpinned:
             _said_unpinned.append(True)

@@ -143,6 +143,17 @@ def is_local_cpu(obj: Any) -> bool:
     return _device(obj).dlpack_device_type() == KINDS["cpu"].dl_type
 
 
+def is_local_cuda(obj: Any) -> bool:
+    """Whether a Device, or a tensor, is a CUDA GPU of this process (not of an RPC session)."""
+    return _device(obj).dlpack_device_type() == KINDS["cuda"].dl_type
+
+
+def pinned_host_device() -> tvm.runtime.Device:
+    """Where TVM allocates pinned (page-locked) CUDA host memory: memory of the CPU that a CUDA
+    GPU reads and writes by DMA (TVM's ``cuda_host``, present where its CUDA runtime is)."""
+    return tvm.runtime.Device(KDL_CUDA_HOST, 0)
+
+
 def is_numpy_device(obj: Any) -> bool:
     """Whether a Device, or a tensor, is where a numpy array's memory is: this process's cpu(0)
     (what DLPack reports for host memory)."""
