@@ -38,6 +38,7 @@ def pinned_pools(graph: Graph, devices: list) -> frozenset[int]:
     pinned memory and not in pageable.) Empty with ``HGRT_PIN_HOST=0``."""
     if os.environ.get("HGRT_PIN_HOST", "1") == "0":
         return frozenset()
+
     def on_gpu(d: int) -> bool:
         return d < len(devices) and hdev.is_local_cuda(devices[d])
 
