@@ -93,9 +93,6 @@ class StoragePools:
         self.devices = list(devices)
         self.device_bytes = [0] * len(devices)  # bytes allocated here per device position
         self.buffers: list = [] if weights is None else [weights]  # keeps shared weights alive
-        # id(buffer) -> the device its views say they are on, where not the buffer's own
-        # (a CPU's pool in pinned CUDA host memory: ``pinned_pools``)
-        self.shown_as: dict[int, object] = {} if weights is None else dict(weights.shown_as)
         if graph.pool_bytes is not None:
             self._allocate_arenas(devices, weights)
         else:
@@ -121,8 +118,6 @@ class StoragePools:
         for d, nbytes in enumerate(g.pool_bytes[:len(devices)]):
             what = f"the pool of device {d}"
             arena = _allocate_pinned(nbytes, devices[d], what) if d in pinned else None
-            if arena is not None:
-                self.shown_as[id(arena)] = devices[d]
             arenas[d, False] = arena if arena is not None else \
                 _allocate(nbytes, devices[d], what)
             self.device_bytes[d] += int(nbytes)
@@ -165,14 +160,18 @@ class StoragePools:
         for e in moved:
             self.base[e], self.offset[e] = other.base[src], other.offset[src] + within[e]
         self.buffers.append(other)  # keep the other module's memory alive as long as ours
-        self.shown_as.update(other.shown_as)
         self._kernel_views = {k: v for k, v in self._kernel_views.items() if k[0] not in moved}
         for e in moved:
             self._user_views.pop(e, None)
 
     def pinned(self, eid: int) -> bool:
         """Whether entry ``eid`` lies in pinned host memory (``pinned_pools``)."""
-        return id(self.base[eid]) in self.shown_as
+        return hdev.is_pinned_host(self.base[eid])
+
+    def _shown_as(self, eid: int):
+        """The device views of entry ``eid`` say they are on where not their buffer's: the CPU
+        whose pool lies in pinned CUDA host memory (CPU kernels take CPU tensors only)."""
+        return self.devices[self.graph.entry_device(eid)] if self.pinned(eid) else None
 
     def kernel_view(self, eid: int, flat: bool = False):
         """The tensor passed to kernels for entry ``eid`` (1-D when ``flat``)."""
@@ -185,9 +184,8 @@ class StoragePools:
                 for s in shape:
                     n *= s
                 shape = (n,)
-            base = self.base[eid]
-            view = pointer_view(base, shape, self.graph.dtypes[eid], self.offset[eid],
-                                own_base=False, device=self.shown_as.get(id(base)))
+            view = pointer_view(self.base[eid], shape, self.graph.dtypes[eid], self.offset[eid],
+                                own_base=False, device=self._shown_as(eid))
             self._kernel_views[key] = view
         return view
 
@@ -195,12 +193,11 @@ class StoragePools:
         """An owning tensor for entry ``eid``, safe to hand out (it keeps its buffer alive)."""
         view = self._user_views.get(eid)
         if view is None:
-            base = self.base[eid]
             if self.offset[eid] == 0:
                 view = self.kernel_view(eid)
-            elif id(base) in self.shown_as:
-                view = pointer_view(base, self.graph.shapes[eid], self.graph.dtypes[eid],
-                                    self.offset[eid], device=self.shown_as[id(base)])
+            elif self.pinned(eid):
+                view = pointer_view(self.base[eid], self.graph.shapes[eid], self.graph.dtypes[eid],
+                                    self.offset[eid], device=self._shown_as(eid))
             else:
                 view = self.base[eid]._create_view(self.graph.shapes[eid], self.graph.dtypes[eid],
                                                    self.offset[eid])

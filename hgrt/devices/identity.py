@@ -148,6 +148,11 @@ def is_local_cuda(obj: Any) -> bool:
     return _device(obj).dlpack_device_type() == KINDS["cuda"].dl_type
 
 
+def is_pinned_host(obj: Any) -> bool:
+    """Whether a Device, or a tensor, is pinned CUDA host memory (``pinned_host_device``)."""
+    return _device(obj).dlpack_device_type() == KDL_CUDA_HOST
+
+
 def pinned_host_device() -> tvm.runtime.Device:
     """Where TVM allocates pinned (page-locked) CUDA host memory: memory of the CPU that a CUDA
     GPU reads and writes by DMA (TVM's ``cuda_host``, present where its CUDA runtime is)."""

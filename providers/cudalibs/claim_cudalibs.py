@@ -252,15 +252,6 @@ def _cannot(b: relax.VarBinding) -> str:
             "constant 2-D weight and matmuls of equal batch dimensions")
 
 
-def _why(g: _Graph, names: list[str], why: str, kernels: str | None = None) -> None:
-    """The placement report's rows of ``names`` say ``why`` (and who computes them)."""
-    wanted = set(names)
-    for row in g.ctx.placed.report:
-        if row.node in wanted:
-            row.kernels_why = why
-            row.kernels = kernels or row.kernels
-
-
 def find_chains(g: _Graph, kernels: Kernels, unusable: str | None) -> list[Chain]:
     """The chains cuBLAS/cuDNN compute, in binding order (see module doc); ``unusable``: why
     "auto" takes none here (the wheels missing), or None. The report's rows of the ops it
@@ -281,7 +272,7 @@ def find_chains(g: _Graph, kernels: Kernels, unusable: str | None) -> list[Chain
             chain = roots[op](g, b) if on_gpu else None
             if chain is None:
                 if on_gpu:
-                    _why(g, [b.var.name], f"cuBLAS/cuDNN cannot: {_cannot(b)}")
+                    g.ctx.placed.say_why({b.var.name}, f"cuBLAS/cuDNN cannot: {_cannot(b)}")
                 if named and choice == PROVIDER.name:
                     why = ("it is not on a CUDA device" if not on_gpu else
                            "cuBLAS/cuDNN kernels take float32 NCHW convolutions with symmetric "
@@ -295,11 +286,11 @@ def find_chains(g: _Graph, kernels: Kernels, unusable: str | None) -> list[Chain
             if choice == "auto" and unusable is not None:
                 took, why = False, f"cuBLAS/cuDNN unavailable: {unusable}"
             if not took:
-                _why(g, [b.var.name], why)
+                g.ctx.placed.say_why({b.var.name}, why)
                 continue
             chains.append(_grow(g, chain, in_block))
             g.claimed.update(chains[-1].members)
-            _why(g, [v.name for v in chains[-1].members], why, PROVIDER.name)
+            g.ctx.placed.say_why({v.name for v in chains[-1].members}, why, PROVIDER.name)
             # (a folded batch norm's bindings have no row: the root's speaks for them)
             g.ctx.placed.row_of.update({v.name: b.var.name for v in chains[-1].members})
     return chains

@@ -238,11 +238,8 @@ def claim_affine(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
         blocks.append(type(block)(kept))
     body = relax.SeqExpr(blocks, func.body.body)
     params = w.kept_params(func, body, {v for c in chains for v in c.read})
-    members = {v.name for c in chains for v in c.members}
-    for row in ctx.placed.report:
-        if row.node in members:
-            row.kernels = "onednn"
-            row.kernels_why = "follows: a per-channel scale and shift after a oneDNN kernel"
+    ctx.placed.say_why({v.name for c in chains for v in c.members},
+                       "follows: a per-channel scale and shift after a oneDNN kernel", "onednn")
     ctx.log(f"claim_affine: {len(chains)} per-channel chains on oneDNN: "
             + ", ".join(sorted({"+".join(c.label) for c in chains})))
     new = mod.clone()

@@ -38,14 +38,6 @@ def what(chain: Chain) -> str:
     return f"{'+'.join(chain.label)} {shape}, {count(chain.macs)} MACs"
 
 
-def _set(ctx: BuildContext, names: set[str], why: str, kernels: str | None = None) -> None:
-    for row in ctx.placed.report:
-        if row.node in names:
-            row.kernels_why = why
-            if kernels is not None:
-                row.kernels = kernels
-
-
 def claimed(ctx: BuildContext, chains: list[Chain], kernels: Kernels, macs: int,
             floor: int) -> None:
     """The rows of every op of ``chains`` say oneDNN computes it, and why."""
@@ -54,7 +46,7 @@ def claimed(ctx: BuildContext, chains: list[Chain], kernels: Kernels, macs: int,
             why = f"auto: {what(c)} (model {count(macs)} >= floor {count(floor)})"
         else:
             why = f"asked: {kernels.said(c.root.var.name, op_name(c.root.value))}; {what(c)}"
-        _set(ctx, {v.name for v in c.members}, why, PROVIDER.name)
+        ctx.placed.say_why({v.name for v in c.members}, why, PROVIDER.name)
         # (a batch norm's item, the call's binding, has no row: the root's speaks for it)
         ctx.placed.row_of.update({v.name: c.root.var.name for v in c.members})
 
@@ -63,7 +55,7 @@ def below_floor(ctx: BuildContext, chains: list[Chain], macs: int, floor: int) -
     """``chains`` (auto's) stay TVM's: the model's ops oneDNN could take are too few MACs."""
     why = (f"size floor: the model's {len(chains)} ops oneDNN could take are {count(macs)} MACs "
            f"< {count(floor)} (auto)")
-    _set(ctx, {c.root.var.name for c in chains}, why)
+    ctx.placed.say_why({c.root.var.name for c in chains}, why)
 
 
 def switches_cost_more(ctx: BuildContext, chains: list[Chain],
@@ -72,15 +64,15 @@ def switches_cost_more(ctx: BuildContext, chains: list[Chain],
     -> us per provider) pays for no switch between thread pools (``auto_choice``)."""
     for c in chains:
         us = modelled[id(c)]
-        _set(ctx, {c.root.var.name}, f"TVM faster: {what(c)}: {us['onednn']:.0f} us on oneDNN, "
-             f"{us['tvm']:.0f} us on TVM, a switch between thread pools {switch_us:.0f} us "
-             f"(auto)")
+        ctx.placed.say_why({c.root.var.name}, (
+            f"TVM faster: {what(c)}: {us['onednn']:.0f} us on oneDNN, {us['tvm']:.0f} us on "
+            f"TVM, a switch between thread pools {switch_us:.0f} us (auto)"))
 
 
 def declined(ctx: BuildContext, reasons: dict[str, str]) -> None:
     """Ops oneDNN was asked for and cannot compute (binding name -> why not)."""
     for name, why in reasons.items():
-        _set(ctx, {name}, f"oneDNN cannot: {why}")
+        ctx.placed.say_why({name}, f"oneDNN cannot: {why}")
 
 
 def unavailable(ctx: BuildContext, func: relax.Function, kernels: Kernels) -> None:
@@ -98,4 +90,4 @@ def unavailable(ctx: BuildContext, func: relax.Function, kernels: Kernels) -> No
         device = ctx.placed.op_device.get(b.var.name)
         if op in ROOTS and kernels.choice(b.var.name, op)[0] == "auto" and device is not None \
                 and not ctx.devices[device].is_gpu:
-            _set(ctx, {b.var.name}, f"oneDNN unavailable: {reason}")
+            ctx.placed.say_why({b.var.name}, f"oneDNN unavailable: {reason}")

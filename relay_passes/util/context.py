@@ -44,6 +44,15 @@ class Placed:
     # bound to a batch norm's item) -> the node of the row that speaks for it
     row_of: dict[str, str] = field(default_factory=dict)
 
+    def say_why(self, names: set[str], why: str, kernels: str | None = None) -> None:
+        """The rows of the bindings ``names`` say ``why`` their provider computes them (and
+        that ``kernels`` does, when given): a claim pass's record of its decision."""
+        for row in self.report:
+            if row.node in names:
+                row.kernels_why = why
+                if kernels is not None:
+                    row.kernels = kernels
+
 
 @dataclass
 class Weights:
