@@ -25,6 +25,14 @@ binding (its anchor); what each rule matches:
   ``R.nn.layer_norm(x, gamma, beta, axes=[-1], epsilon=eps)``; a gamma or beta the model
   lacks, or of another shape than ``(C,)``, is a new weight. ONNX ``LayerNormalization``
   already imports as that op, and ``Softmax`` as one ``R.nn.softmax``.
+* ``global_average_pool``: ``avg_pool1d``/``avg_pool2d``/``avg_pool3d`` whose one window,
+  starting at 0 with no padding and no dilation, covers the whole input (on each spatial axis
+  ``pool_size`` at least the input's extent and the output's extent 1) → ``R.mean(x,
+  axis=spatial, keepdims=True)``: a window past the input's edge (``ceil_mode``) is clipped to
+  it and divided by what it covers, with or without ``count_include_pad``. ONNX
+  ``AveragePool`` with a kernel larger than its input (transformers' EfficientNet: 1280x1280
+  on 7x7) imports so, and TVM's kernel for it pads the input out to the window. Layouts
+  ``NCW``/``NWC``, ``NCHW``/``NHWC`` and ``NCDHW``/``NDHWC``.
 
 A rule rewrites only where it is exact: float32 tensors, constants equal to the pattern's
 within float32 rounding (``RTOL``), scalar where the pattern has a scalar, axes and shapes
@@ -429,8 +437,31 @@ def layer_norm(m: _Main, call: relax.Call) -> Rewrite | None:
     return rewrite
 
 
+# the spatial axes of an average pool's layouts, in the order of its pool_size
+POOL_LAYOUTS = {"NCW": (2,), "NWC": (1,), "NCHW": (2, 3), "NHWC": (1, 2),
+                "NCDHW": (2, 3, 4), "NDHWC": (1, 2, 3)}
+
+
+def global_average_pool(m: _Main, call: relax.Call) -> Rewrite | None:
+    a, x = call.attrs, call.args[0]
+    axes = POOL_LAYOUTS.get(str(a.layout))
+    dims, out = static_dims(x.ty), static_dims(call.ty)
+    if axes is None or str(a.out_layout) != str(a.layout) or dims is None or out is None \
+            or len(dims) != len(axes) + 2 or len(a.pool_size) != len(axes) \
+            or str(x.ty.dtype) != "float32" or str(call.ty.dtype) != "float32":
+        return None
+    if any(out[i] != (1 if i in axes else dims[i]) for i in range(len(dims))) \
+            or any(int(p) != 0 for p in a.padding) or any(int(d) != 1 for d in a.dilation) \
+            or any(int(k) < dims[i] for k, i in zip(a.pool_size, axes, strict=True)):
+        return None
+    return lambda r: relax.op.mean(r.visit_expr(x), axis=list(axes), keepdims=True)
+
+
 Rule = Callable[[_Main, relax.Call], "Rewrite | None"]
 PATTERNS: dict[str, tuple[Rule, ...]] = {
+    "relax.nn.avg_pool1d": (global_average_pool,),
+    "relax.nn.avg_pool2d": (global_average_pool,),
+    "relax.nn.avg_pool3d": (global_average_pool,),
     "relax.minimum": (clip,),
     "relax.maximum": (clip,),
     "relax.multiply": (silu, hardswish, gelu, gelu_tanh, layer_norm),
