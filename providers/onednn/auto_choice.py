@@ -69,7 +69,8 @@ ELEMENTWISE = frozenset(f"relax.{op}" for op in (
     "add", "subtract", "multiply", "divide", "power", "maximum", "minimum", "negative", "abs",
     "exp", "log", "sqrt", "rsqrt", "erf", "tanh", "sigmoid", "clip", "round", "floor", "ceil",
     "nn.relu", "nn.gelu", "nn.gelu_tanh", "nn.silu", "nn.leakyrelu", "nn.batch_norm",
-    "astype", "reshape", "permute_dims", "expand_dims", "squeeze", "flatten", "broadcast_to",
+    "quantize", "dequantize", "astype", "reshape", "permute_dims", "expand_dims", "squeeze",
+    "flatten", "broadcast_to",
     "strided_slice", "concat", "split", "take", "where", "equal", "not_equal", "less",
     "greater", "less_equal", "greater_equal", "zeros_like", "ones_like", "full_like"))
 SOLO_BYTES = 4 << 20

@@ -30,6 +30,8 @@ HEADER_VERSION_WINOGRAD = 5  # a Winograd blob (set at pack): an older shim refu
 # a direct blob with a post-op of ELTWISE_POST_OPS (set at pack): an older shim refuses it, and
 # says to rebuild; blobs without one keep version 4 and load as they always did
 HEADER_VERSION_ELTWISE = 6
+# a direct blob with a post-op of QUANT_POST_OPS (set at pack): a shim of version 6 refuses it
+HEADER_VERSION_QUANT = 7
 HEADER_INT64 = 64  # 512 bytes
 MAX_POST_OPS = 3
 HEADER_SLOTS = ("magic", "version", "kind", "n", "ic", "ih", "iw", "oc", "oh", "ow", "kh", "kw",
@@ -47,10 +49,14 @@ HEADER_SLOTS = ("magic", "version", "kind", "n", "ic", "ih", "iw", "oc", "oh", "
 SLOT = {name: i for i, name in enumerate(HEADER_SLOTS)}
 KIND = {"conv2d": 1, "dense": 2}
 # 0: none; alpha, beta as oneDNN's eltwise algorithm takes them (swish: alpha the factor of x
-# in its sigmoid; hardswish: x * clip(alpha * x + beta, 0, 1))
+# in its sigmoid; hardswish: x * clip(alpha * x + beta, 0, 1)); quant_s8 and quant_u8: alpha
+# the scale, beta the zero point of an int8 or uint8 grid, x -> (clip(round(x / alpha) + beta,
+# grid) - beta) * alpha (ONNX's QuantizeLinear then DequantizeLinear)
 POST_OP = {"relu": 1, "clip": 2, "sum": 3, "gelu_erf": 4, "gelu_tanh": 5, "swish": 6,
-           "hardswish": 7, "sigmoid": 8, "tanh": 9}
-ELTWISE_POST_OPS = ("gelu_erf", "gelu_tanh", "swish", "hardswish", "sigmoid", "tanh")
+           "hardswish": 7, "sigmoid": 8, "tanh": 9, "quant_s8": 10, "quant_u8": 11}
+QUANT_POST_OPS = ("quant_s8", "quant_u8")
+ELTWISE_POST_OPS = ("gelu_erf", "gelu_tanh", "swish", "hardswish", "sigmoid", "tanh",
+                    *QUANT_POST_OPS)
 ALGO = {"direct": 0, "winograd": 1}  # oneDNN's direct convolution, or Winograd F(4x4, 3x3)
 assert len(HEADER_SLOTS) <= HEADER_INT64, "the header overflows its bytes"
 
@@ -66,7 +72,7 @@ def make_header(kind: str, x: tuple[int, ...], out: tuple[int, ...],
                 post: list[tuple[str, float, float]] | None = None) -> np.ndarray:
     """A blob header before packing (``pack`` fills the layout slots): ``kind`` "conv2d"
     (``x``, ``out`` NCHW; ``padding`` top, left, bottom, right) or "dense" (``x``, ``out``
-    2-D); ``post``: post-ops in order, ("relu" | "clip" | "sum", alpha, beta)."""
+    2-D); ``post``: post-ops in order, (a ``POST_OP`` name, alpha, beta)."""
     h = np.zeros(HEADER_INT64, "int64")
     fields = {"magic": MAGIC, "version": HEADER_VERSION, "kind": KIND[kind], "n": x[0],
               "ic": x[1], "oc": out[1], "groups": 1}
@@ -141,6 +147,7 @@ def _constants() -> list[tuple[str, str, str, int]]:
             ("version", "int64_t", "kVersion", HEADER_VERSION),
             ("version_winograd", "int64_t", "kVersionWinograd", HEADER_VERSION_WINOGRAD),
             ("version_eltwise", "int64_t", "kVersionEltwise", HEADER_VERSION_ELTWISE),
+            ("version_quant", "int64_t", "kVersionQuant", HEADER_VERSION_QUANT),
             ("header_int64", "int", "kSlots", HEADER_INT64),
             ("max_post_ops", "int", "kMaxPostOps", MAX_POST_OPS)]
 
@@ -148,8 +155,8 @@ def _constants() -> list[tuple[str, str, str, int]]:
 def blob_format() -> dict[str, int]:
     """Every number of the format by name: what the compiled shim's ``hgrt.onednn.blob_format``
     must report (``slot.<name>``: a slot's position; ``kind.``, ``post_op.``, ``algo.``: codes;
-    ``magic``, ``version``, ``version_winograd``, ``version_eltwise``, ``header_int64``,
-    ``max_post_ops``)."""
+    ``magic``, ``version``, ``version_winograd``, ``version_eltwise``, ``version_quant``,
+    ``header_int64``, ``max_post_ops``)."""
     out = {key: value for key, _, _, value in _constants()}
     for _, _, prefix, items in _enums():
         out.update((f"{prefix}.{name}", value) for name, value in items)

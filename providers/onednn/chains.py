@@ -1,14 +1,15 @@
 """The chains of ``main`` that one oneDNN kernel computes, found for ``claim_onednn``. A chain
 
-    conv2d(x, W)  [+ per-channel weight | batch_norm]*  [+ residual [+ bias]]  [relu | clip]
-                  [max_pool]
-    matmul(x, W)  [+ bias]                                                      [relu | clip]
+    conv2d(x, W)  [+ per-channel weight | batch_norm]*  [post-op]*  [max_pool]
+    matmul(x, W)  [+ bias]  [post-op]*
 
-on a CPU device, W a weight, each intermediate read once (the max pool only after a convolution
-of the model's input: a stem, run in oneDNN's blocked layout), starts at a root op (``ROOTS``)
-and absorbs what follows it, one binding at a time (``STEPS``, a rule per op). Per-channel
-multiplies and adds (batch norms, scale layers) are folded into W and the bias as they are
-absorbed; the residual add and the activation become post-ops. ``header`` is a chain's blob
+a post-op being a residual add (one), an activation, or a quantize read only by a dequantize of
+the same scale and zero point (a QDQ model's activations: the grid as a post-op), up to
+``MAX_POST_OPS`` of them, on a CPU device, W a weight, each intermediate read once (the max pool
+only after a convolution of the model's input: a stem, run in oneDNN's blocked layout), starts
+at a root op (``ROOTS``) and absorbs what follows it, one binding at a time (``STEPS``, a rule
+per op). Per-channel multiplies and adds (batch norms, scale layers, a bias after a residual
+add) are folded into W and the bias as they are absorbed. ``header`` is a chain's blob
 header (``onednn_blob.make_header``).
 """
 
@@ -84,6 +85,9 @@ class ChainGraph(MainReader):
         # tensors copied in from another device: a chain never waits for one (see _add)
         self.copied = copied_in(func)
         self.declined: dict[str, str] = {}  # root binding asked of oneDNN -> why it cannot
+        # the dataflow block of each binding (a chain never spans two)
+        self.block_of = {b.var: k for k, block in enumerate(func.body.blocks)
+                         for b in block.bindings}
 
 
 # ---- chain roots: the op a kernel computes -------------------------------------------------
@@ -224,6 +228,40 @@ def _activation(g: ChainGraph, c: Chain, b: relax.VarBinding) -> bool:
     return True
 
 
+# a quantize's int8 or uint8 grid: the post-op that rounds onto it
+QUANT_POST = {"int8": "quant_s8", "uint8": "quant_u8"}
+
+
+def _quant_scalars(g: ChainGraph, call: relax.Call) -> tuple[float, float] | None:
+    """The scale and zero point of a quantize or dequantize where both are one number."""
+    s, z = g.value(call.args[1]), g.value(call.args[2])
+    if s is None or z is None or s.size != 1 or z.size != 1:
+        return None
+    scale, zero = float(s.reshape(())), float(z.reshape(()))
+    return (scale, zero) if np.isfinite(scale) and scale > 0 else None
+
+
+def _quantize(g: ChainGraph, c: Chain, b: relax.VarBinding) -> bool:
+    """A quantize read only by a dequantize of the same scale and zero point (how a QDQ model
+    writes its activations): the float result rounded onto the grid and clipped to it, one
+    post-op (the shim's ``quant_s8`` or ``quant_u8``: its scale and zero point)."""
+    dq = g.only_user(b.var)
+    kind = QUANT_POST.get(str(b.value.attrs.out_dtype))
+    if (dq is None or kind is None or op_name(dq.value) != "relax.dequantize"
+            or len(c.post) >= MAX_POST_OPS or str(dq.var.ty.dtype) != "float32"
+            or dq.var in g.claimed or g.block_of.get(dq.var) != g.block_of.get(b.var)
+            or g.ctx.placed.op_device.get(dq.var.name) != g.ctx.placed.op_device.get(
+                c.root.var.name)):
+        return False
+    grid = _quant_scalars(g, b.value)
+    if grid is None or grid != _quant_scalars(g, dq.value):
+        return False
+    c.post.append((kind, *grid))
+    c.members += [b.var, dq.var]
+    c.label.append("quantize")
+    return True
+
+
 def _max_pool(g: ChainGraph, c: Chain, b: relax.VarBinding) -> bool:
     """A max pool after a convolution of the model's input (its stem: squeezenet, resnet,
     inception, densenet). oneDNN picks a blocked layout for a convolution of a few plain
@@ -245,7 +283,7 @@ ROOTS: dict[str, Callable[[ChainGraph, relax.VarBinding], Chain | None]] = {
     "relax.nn.conv2d": _conv2d, "relax.matmul": _dense}
 STEPS: dict[str, Callable[[ChainGraph, Chain, relax.VarBinding], bool]] = {
     "relax.add": _add, "relax.multiply": _multiply, "relax.nn.batch_norm": _batch_norm,
-    "relax.clip": _activation, "relax.nn.max_pool2d": _max_pool,
+    "relax.clip": _activation, "relax.nn.max_pool2d": _max_pool, "relax.quantize": _quantize,
     **{op: _activation for op in ACTIVATIONS}}
 
 

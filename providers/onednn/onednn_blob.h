@@ -11,6 +11,7 @@ constexpr int64_t kMagic = 0x4c4e4e4454524748;
 constexpr int64_t kVersion = 4;
 constexpr int64_t kVersionWinograd = 5;
 constexpr int64_t kVersionEltwise = 6;
+constexpr int64_t kVersionQuant = 7;
 constexpr int kSlots = 64;
 constexpr int kMaxPostOps = 3;
 constexpr int64_t kHeaderBytes = 8 * static_cast<int64_t>(kSlots);
@@ -86,6 +87,8 @@ enum PostOp : int64_t {
   kHardswish = 7,
   kSigmoid = 8,
   kTanh = 9,
+  kQuantS8 = 10,
+  kQuantU8 = 11,
 };
 
 enum Algo : int64_t {
@@ -104,6 +107,7 @@ constexpr BlobFormatEntry kBlobFormat[] = {
     {"version", kVersion},
     {"version_winograd", kVersionWinograd},
     {"version_eltwise", kVersionEltwise},
+    {"version_quant", kVersionQuant},
     {"header_int64", kSlots},
     {"max_post_ops", kMaxPostOps},
     {"slot.magic", kMagicSlot},
@@ -168,6 +172,8 @@ constexpr BlobFormatEntry kBlobFormat[] = {
     {"post_op.hardswish", kHardswish},
     {"post_op.sigmoid", kSigmoid},
     {"post_op.tanh", kTanh},
+    {"post_op.quant_s8", kQuantS8},
+    {"post_op.quant_u8", kQuantU8},
     {"algo.direct", kDirect},
     {"algo.winograd", kWinograd},
 };

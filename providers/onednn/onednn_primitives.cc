@@ -68,6 +68,19 @@ bool BinaryResidual(const Header& h) {
   return h[kKind] == kConv2d && h[kSrcTag] > 0 && h[kDstTag] > 0 && h[kResTag] == h[kDstTag];
 }
 
+// ONNX's QuantizeLinear then DequantizeLinear (scale `s`, zero point `z`, an int8 or uint8
+// grid) as four eltwise post-ops: clip(round(x / s) + z, lo, hi) - z is clip(round(x / s),
+// lo - z, hi - z) for an integer z, then times s. Rounding is oneDNN's, to nearest even as
+// ONNX's; x / s is x * (1 / s), which may differ in the last bit (a value exactly between two
+// steps of the grid may land on the other one).
+void AppendQuantize(dnnl::post_ops& ops, bool is_signed, float s, float z) {
+  float lo = is_signed ? -128.f : 0.f, hi = is_signed ? 127.f : 255.f;
+  ops.append_eltwise(dnnl::algorithm::eltwise_linear, 1.f / s, 0.f);
+  ops.append_eltwise(dnnl::algorithm::eltwise_round, 0.f, 0.f);
+  ops.append_eltwise(dnnl::algorithm::eltwise_clip, lo - z, hi - z);
+  ops.append_eltwise(dnnl::algorithm::eltwise_linear, s, 0.f);
+}
+
 // `in_place`: the output buffer holds the residual already (the memory plan put the output
 // in the residual's bytes), so a sum post-op adds into it, whatever the layout.
 dnnl::primitive_attr Attributes(const Header& h, bool in_place = false) {
@@ -84,6 +97,7 @@ dnnl::primitive_attr Attributes(const Header& h, bool in_place = false) {
     if (kind == kHardswish) ops.append_eltwise(dnnl::algorithm::eltwise_hardswish, alpha, beta);
     if (kind == kSigmoid) ops.append_eltwise(dnnl::algorithm::eltwise_logistic, 0.f, 0.f);
     if (kind == kTanh) ops.append_eltwise(dnnl::algorithm::eltwise_tanh, 0.f, 0.f);
+    if (kind == kQuantS8 || kind == kQuantU8) AppendQuantize(ops, kind == kQuantS8, alpha, beta);
     if (kind == kSum && BinaryResidual(h) && !in_place) {
       ops.append_binary(dnnl::algorithm::binary_add, WithTag(DstDims(h), h[kDstTag]));
     } else if (kind == kSum) {

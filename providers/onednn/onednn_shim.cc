@@ -75,7 +75,7 @@ void CheckTensor(const ffi::TensorView& t, const char* what, DLDataType dtype, i
 void CheckOps(const Header& h) {
   for (int k = 0; k < kMaxPostOps; ++k) {
     int64_t kind = h[kPost0 + 3 * k];
-    if (kind < kNoPost || kind > kTanh) {
+    if (kind < kNoPost || kind > kQuantU8) {
       TVM_FFI_THROW(ValueError) << "oneDNN: unknown post-op " << kind << " in the header";
     }
   }

@@ -63,9 +63,19 @@ struct Header {
     }
     return false;
   }
+  // a quantize-dequantize post-op (a QDQ model's grid): a blob of its own version
+  bool has_quant() const {
+    for (int k = 0; k < kMaxPostOps; ++k) {
+      if (v[kPost0 + 3 * k] == kQuantS8 || v[kPost0 + 3 * k] == kQuantU8) return true;
+    }
+    return false;
+  }
   // the version a blob of this header carries: an older shim refuses what it cannot compute
   int64_t version() const {
-    return winograd() ? kVersionWinograd : has_eltwise() ? kVersionEltwise : kVersion;
+    return winograd()      ? kVersionWinograd
+           : has_quant()   ? kVersionQuant
+           : has_eltwise() ? kVersionEltwise
+                           : kVersion;
   }
 };
 
