@@ -9,8 +9,10 @@ inception and densenet put a concat or a pool between most convolutions. So
 
 - the result of an op that has an NHWC form, when its tensor inputs are NHWC: concat on
   channels and max/avg pooling (oneDNN's primitives: TVM's NHWC forms measured 2-3x slower),
-  batch norm, arithmetic with a per-channel weight or of two NHWC tensors, unary element-wise
-  ops, dropout (no kernel); a mean over H and W reads NHWC and gives its plain result;
+  batch norm, arithmetic with a per-channel weight, of two NHWC tensors, or with a computed
+  (N, C, 1, 1) tensor (a squeeze-excite gate: its bytes are the N,1,1,C one, a view), unary
+  element-wise ops, dropout (no kernel); a mean over H and W reads NHWC and gives its plain
+  result;
 - the result of a claimed convolution that a claimed convolution or such an op reads (else the
   kernel writes NCHW itself);
 - the result of an op that the ONNX importer spells as several (``Composite``): ONNX's LRN
@@ -305,11 +307,15 @@ class Plan:
         ours = [a for a in args if a in self.nhwc]
         if not ours or len(args) != 2:
             return None
-        if len(ours) == 2:
-            if _shape(args[0]) != _shape(args[1]):
-                return None
+        if len(ours) == 2 and _shape(args[0]) == _shape(args[1]):
             return (lambda rw: relax.Call(call.op, [rw.new[a] for a in args], call.attrs)), True
-        other = args[1] if args[0] in self.nhwc else args[0]
+        big = max(ours, key=lambda a: int(np.prod(_shape(a))))
+        other = args[1] if args[0].same_as(big) else args[0]
+        per_sample = self._per_sample_channels(other, _shape(big))
+        if per_sample is not None:
+            return per_sample(call, args, big, other), True
+        if len(ours) == 2:
+            return None
         value = self.g.value(other)
         scale = None if value is None else per_channel(value, _shape(ours[0]))
         if scale is None:
@@ -322,6 +328,27 @@ class Plan:
             operands = [rw.new[a] if a in self.nhwc else o for a in args]
             return relax.Call(call.op, operands, call.attrs)
         return build, True
+
+    def _per_sample_channels(self, other: relax.Expr, shape: tuple[int, ...]
+                             ) -> Callable[..., Builder] | None:
+        """How ``x op other`` reads ``other`` when it is a computed (N or 1, C, 1, 1) tensor
+        beside the NHWC ``x`` of ``shape`` (a squeeze-excite gate, EfficientNet's and
+        MobileNetV3's): its N,C bytes are the N,1,1,C tensor that broadcasts over NHWC, a
+        reshape away (a view), so ``x`` needs no reorder to NCHW and back."""
+        s = _shape(other) if isinstance(other, relax.Var) else None
+        if s is None or self.g.value(other) is not None or len(s) != 4 or len(shape) != 4 \
+                or s[0] not in (1, shape[0]) or s[1] != shape[1] or s[2:] != (1, 1):
+            return None
+
+        def make(call: relax.Call, args: list[relax.Expr], big: relax.Var, o: relax.Var
+                 ) -> Builder:
+            def build(rw: Rewriter) -> relax.Expr:
+                src = rw.new[o] if o in self.nhwc else o
+                gate = rw.emit(relax.op.reshape(src, (s[0], 1, 1, s[1])), f"{o.name}_nhwc")
+                return relax.Call(call.op, [rw.new[big] if a.same_as(big) else gate
+                                            for a in args], call.attrs)
+            return build
+        return make
 
     def _pool(self, name: str, a: Any, x: relax.Var, out: relax.Var
               ) -> tuple[Builder, bool] | None:

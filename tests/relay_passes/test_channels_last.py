@@ -165,6 +165,44 @@ def test_a_channel_shuffle_between_convolutions_is_one_nhwc_kernel():
     assert [n for n in g.nodes if "sqrt" in (n.func_name or "")]
 
 
+def _squeeze_excite_onnx(batch: int = 1):
+    """conv → SiLU → squeeze-excite (mean over H, W, 1x1 conv, SiLU, 1x1 conv, sigmoid: the
+    gate) → x * gate → 1x1 conv (output ``y``), EfficientNet's block."""
+    rng = np.random.default_rng(4)
+    inits = [numpy_helper.from_array((rng.standard_normal(s) / np.sqrt(np.prod(s[1:])))
+                                     .astype("float32"), n) for n, s in (
+        ("w0", (24, 8, 3, 3)), ("w1", (6, 24, 1, 1)), ("w2", (24, 6, 1, 1)),
+        ("w3", (16, 24, 1, 1)))]
+    nodes = [
+        helper.make_node("Conv", ["x", "w0"], ["c"], pads=[1] * 4),
+        helper.make_node("Sigmoid", ["c"], ["cs"]), helper.make_node("Mul", ["c", "cs"], ["a"]),
+        helper.make_node("ReduceMean", ["a"], ["m"], axes=[2, 3], keepdims=1),
+        helper.make_node("Conv", ["m", "w1"], ["s1"]),
+        helper.make_node("Sigmoid", ["s1"], ["s1s"]), helper.make_node("Mul", ["s1", "s1s"],
+                                                                       ["s2"]),
+        helper.make_node("Conv", ["s2", "w2"], ["s3"]),
+        helper.make_node("Sigmoid", ["s3"], ["gate"]),
+        helper.make_node("Mul", ["a", "gate"], ["e"]),
+        helper.make_node("Conv", ["e", "w3"], ["y"]),
+    ]
+    graph = helper.make_graph(nodes, "se", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, [batch, 8, 12, 12])], [helper.make_tensor_value_info(
+            "y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_squeeze_excite_gate_multiplies_nhwc_without_a_reorder(batch):
+    """The gate's (N, C, 1, 1) bytes are the (N, 1, 1, C) tensor that broadcasts over NHWC: the
+    multiply reads the convolution's NHWC result as it is, and writes NHWC for the next."""
+    res = _build_and_check(_squeeze_excite_onnx(batch))
+    g = res.graph
+    assert not _by_func(res, "to_nchw")
+    (mul,) = [n for n in g.nodes if "multiply" in (n.func_name or "")]
+    assert g.shapes[g.entry_id(g.nodes.index(mul))] == (batch, 12, 12, 24)
+    assert [c.attrs["onednn_layouts"] for c in _by_func(res, "conv2d")][-1] == "acdb, plain"
+
+
 def test_tvm_kernels_beside_onednn_kernels_run_solo_when_they_only_move_elements():
     """Injective TVM kernels (op pattern <= 2 in the graph: the sigmoid + relu) on a device with
     oneDNN kernels run on their caller's thread alone; a reducing one (the softmax) keeps the
