@@ -4,6 +4,7 @@ Compile a model once (``hgrt.build``), run it across a CPU and an accelerator
 (``hgrt.create``), locally or on a remote machine through TVM RPC.
 """
 
+import hgrt.spin  # noqa: F401  (first: libgomp reads its spin settings when TVM loads it)
 from hgrt.api import create, load
 from hgrt.artifacts import save
 from hgrt.errors import (

@@ -19,6 +19,7 @@ each running kernels on all cores would oversubscribe the machine N times; a cal
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import warnings
@@ -28,20 +29,13 @@ import tvm
 
 from hgrt.devices import usable_cores
 from hgrt.errors import InputError
+from hgrt.spin import LOADED_BEFORE, SPIN_COUNT  # noqa: F401  (set before TVM loads)
 
-# How long an idle worker spins before it sleeps, for TVM's pools and for the OpenMP (libgomp)
-# teams of the kernel providers: each reads its count once, when its first pool or team
-# starts, so they are set when hgrt is imported (a value the user set wins). Their defaults
-# (300000 spins) let one library's idle workers hold the cores the other library's next kernel
-# needs; none at all makes every short kernel pay its workers' wake-up. libgomp spins only its
-# throttled count once more threads than cores are OpenMP masters (a dispatcher, beside the
-# process's first thread): under OMP_WAIT_POLICY=active that count is 1000, enough to bridge
-# the few microseconds between two kernels of one call. The figures behind these choices are
-# in BENCHMARKS.md ("Spin counts").
-SPIN_COUNT = 10000
-os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", str(SPIN_COUNT))
-os.environ.setdefault("GOMP_SPINCOUNT", str(SPIN_COUNT))
-os.environ.setdefault("OMP_WAIT_POLICY", "active")
+if LOADED_BEFORE:
+    logging.getLogger("hgrt").warning(
+        "libgomp was loaded before hgrt (torch imported first?): the kernel providers' OpenMP "
+        "threads spin with its defaults, which can hold cores TVM's next kernels need; set "
+        "GOMP_SPINCOUNT=%d and OMP_WAIT_POLICY=active before Python starts", SPIN_COUNT)
 
 _config_threadpool = tvm.get_global_func("runtime.config_threadpool")
 _num_threads = tvm.get_global_func("runtime.NumThreads")

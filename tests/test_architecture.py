@@ -1,7 +1,8 @@
 """The layering, kept by a test: imports only point down, and no module imports itself back.
 
 api (create/load, CLI, build, tune) → rpc → providers → runtime → relay_passes → base (graph,
-devices, lifetimes, errors, artifacts, and the kernel providers' registry and declarations).
+devices, lifetimes, errors, artifacts, the spin settings, and the kernel providers' registry and
+declarations).
 The scan reads every import statement, lazy ones inside functions included, and maps folders
 (and their sub-packages) onto modules as pyproject.toml's package-dir does.
 
@@ -22,7 +23,7 @@ import tomllib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = {"hgrt.graph", "hgrt.graph_checks", "hgrt.graph_format", "hgrt.devices", "hgrt.lifetimes",
-        "hgrt.errors", "hgrt.artifacts"}
+        "hgrt.errors", "hgrt.artifacts", "hgrt.spin"}
 PROVIDERS = "hgrt.providers"  # the registry (base), one package per provider
 LAYERS = ("api", "rpc", "providers", "runtime", "relay_passes", "base")  # top to bottom
 PRODUCT = ("hgrt", "relay_passes", "runtime", "rpc", "providers")  # the product's folders

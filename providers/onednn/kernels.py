@@ -15,7 +15,7 @@ packs weights at build (``providers/onednn/blob.py`` defines the header,
 
 Threads: a kernel runs on as many OpenMP threads as the calling thread's TVM pool has (hgrt's
 one thread budget, ``runtime/threads.py``, which also keeps TVM's idle pool workers from
-spinning long against oneDNN's threads: ``threads.SPIN_COUNT``).
+spinning long against oneDNN's threads: ``hgrt.spin``).
 """
 
 from __future__ import annotations
