@@ -3,15 +3,14 @@ switches between the two thread pools counted (``choose_auto``, for ``claim_oned
 
 oneDNN's kernels run on its OpenMP team, TVM's on TVM's own pool. Where a oneDNN kernel follows
 a TVM kernel that ran on the pool (or the other way round), the workers of one pool must wake
-while the other's spin down: a switch. On 2 cores (AMD EPYC, AVX-512; BENCHMARKS.md, "oneDNN
-or TVM per op") a dense layer of 128 x 768 x 768 takes as long on either provider (1.31 against
-1.32 ms), yet 12 of them with a layer norm after each took 9.31 ms on oneDNN against 8.91 ms on
-TVM's kernels in an idle run (17 us a switch) and 112 against 17 ms beside another busy process
-(4 ms a switch); convnext with 2 of its 59 convolutions and dense layers on oneDNN (one run of
-oneDNN kernels, two switches) took 66.0 against 59.3 ms all on TVM. Small elementwise TVM
-kernels next to oneDNN's run on the calling thread alone (``threads.solo``) and TVM kernels of
-fewer than ``MIN_PARALLEL_WORK`` output elements serial (the schedules' rule): neither wakes a
-pool (a transpose pair after each of the 12 dense layers: 9.24 against 8.76 ms).
+while the other's spin down: a switch. On 2 cores (AMD EPYC, AVX-512) with the spin settings in
+force (``hgrt/spin.py``), distilbert with its dense layers on oneDNN (36 switches) took 59.6
+against 54.8 ms all on TVM, timed in turns in one process, and 208.8 against 203.3 ms beside a
+busy process: 130-150 us a switch either way. (Before the spin settings took effect, libgomp's
+idle threads spun for milliseconds over the next TVM kernels: 17 us a switch idle, 4 ms beside a
+busy process.) Small elementwise TVM kernels next to oneDNN's run on the calling thread alone
+(``threads.solo``) and TVM kernels of fewer than ``MIN_PARALLEL_WORK`` output elements serial
+(the schedules' rule): neither wakes a pool.
 
 A chain costs its multiply-adds at ``MAC_RATE`` on either side (a call's own cost is left out:
 oneDNN's ~3 us more per call, ``policy.AUTO_MIN_MACS``, is about what the reorders around a TVM
@@ -60,9 +59,10 @@ TVM_DENSE_BY_ISA = {"avx2": 2.2}
 # TVM's default convolutions against oneDNN's direct ones, whole CNNs on the same kernels
 # (BENCHMARKS.md, oneDNN's zoo against the Relax VM on TVM's: 0.49-0.96, most 0.64-0.84)
 CONV_GAIN = 1.5
-# what a switch between the thread pools is counted at: 17 us in an idle run, 3-4 ms where
-# another process keeps a core busy (above) -- a machine shared with other work
-SWITCH_US = 3000.0
+# what a switch between the thread pools is counted at: twice the 130-150 us measured (above).
+# Against 3 ms, in turns in one process (EPYC, AVX-512, 2 cores): vit 257 -> 224 ms, swin 69.7
+# -> 62.5, convnext 69.5 -> 63.3, gpt2 161 -> 159, distilbert and t5_encoder within 1 %
+SWITCH_US = 300.0
 # ops that become elementwise or layout kernels: up to SOLO_BYTES of output they run on the
 # calling thread next to oneDNN's kernels (runtime/frames.py: SOLO_MAX_BYTES), waking no pool
 ELEMENTWISE = frozenset(f"relax.{op}" for op in (

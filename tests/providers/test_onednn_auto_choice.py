@@ -58,18 +58,23 @@ def onednn_denses(model) -> int:
     return sum(n.func_name == claim.FUNC_NAME["dense"] for n in res.graph.nodes)
 
 
+AVX512 = {"cpu": "llvm -mcpu=skylake-avx512 -num-cores=2"}
+
+
 def test_a_transformer_s_dense_layers_stay_tvm_s_where_its_tile_is_as_fast():
-    """128 rows (register tiles of several rows), a layer norm after each: what oneDNN's kernel
-    saves a layer (on AVX2 2.2x less time, ``TVM_DENSE_BY_ISA``) does not pay for the two
-    switches between thread pools around it; the placement report says so."""
+    """128 rows (register tiles of several rows), a layer norm after each, AVX-512: oneDNN's
+    kernel saves nothing to pay for the two switches between thread pools around it; the
+    placement report says so. On AVX2 (TVM's kernel ``TVM_DENSE_BY_ISA`` times oneDNN's: 1.7 ms
+    saved a layer) it pays for them."""
     model = dense_stack(128, 768, 4, "layer_norm")
-    assert onednn_denses(model) == 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        res = hgrt.build(model, ["cpu"], kernels="auto", target=TARGET)
+        res = hgrt.build(model, ["cpu"], kernels="auto", target=AVX512)
+    assert sum(n.func_name == claim.FUNC_NAME["dense"] for n in res.graph.nodes) == 0
     why = [r.kernels_why for r in res.placement_report if r.op == "relax.matmul"]
     assert len(why) == 4 and all(w.startswith("TVM faster: dense") and "thread pools" in w
                                  for w in why), why
+    assert onednn_denses(model) == 4
 
 
 def test_dense_layers_go_to_onednn_where_tvm_s_tile_holds_one_row():
@@ -119,6 +124,5 @@ def test_a_run_of_dense_layers_goes_to_onednn_on_avx2_and_stays_tvm_s_on_avx512(
     assert onednn_denses(model) == 12
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        res = hgrt.build(model, ["cpu"], kernels="auto",
-                         target={"cpu": "llvm -mcpu=skylake-avx512 -num-cores=2"})
+        res = hgrt.build(model, ["cpu"], kernels="auto", target=AVX512)
     assert sum(n.func_name == claim.FUNC_NAME["dense"] for n in res.graph.nodes) == 0
