@@ -28,6 +28,7 @@ from hgrt.relay_passes.inner.cpu_schedule_blocks import (
     uses,
     vector_factor,
 )
+from hgrt.relay_passes.inner.cpu_schedule_conv import PEEL_HINT
 
 __all__ = ["schedule_rows"]
 
@@ -70,7 +71,8 @@ def _inline_single_use(sch: s_tir.Schedule, root) -> None:
 def _split_reduction(sch: s_tir.Schedule, block_rv, lanes: int):
     """Reduce the row through ``lanes`` partial results (``partial[l] += x[o * lanes + l]``,
     then a sum of the partials): the partial block, or None where the row fills no two
-    vectors."""
+    vectors or no whole ones (``rfactor`` of a split that does not divide drops its
+    predicate: the partial results would read past the row)."""
     loops = sch.get_loops(block_rv)
     ext = int(sch.get(loops[-1]).extent)
     if ext % lanes or ext < 2 * lanes:
@@ -97,10 +99,17 @@ def _vectorize_partial(sch: s_tir.Schedule, partial, lanes: int) -> None:
 
 
 def _vectorize_spatial(sch: s_tir.Schedule, block_rv, lanes: int) -> None:
+    """The row's innermost loop in vectors: of a divisor of its length (``vector_factor``),
+    else of whole registers with the last one partial, peeled off at lowering."""
     loops = sch.get_loops(block_rv)
     ext = int(sch.get(loops[-1]).extent)
     vf = vector_factor(ext, lanes)
-    if vf is None:
+    if vf is None or (vf < lanes and ext >= 2 * lanes):
+        if ext < 2 * lanes:
+            return
+        outer, inner = sch.split(loops[-1], [None, lanes])
+        sch.vectorize(inner)
+        sch.annotate(outer, PEEL_HINT, 1)
         return
     if vf < ext:
         loops = sch.split(loops[-1], [None, vf])

@@ -73,6 +73,20 @@ def test_within_a_few_ulp_of_float64_and_libm_at_special_values(name, target):
     assert np.array_equal(s_got[exact], s_want[exact]), (name, SPECIAL[exact], s_got[exact])
 
 
+def test_exp_gives_no_denormal_result():
+    """Below float32's smallest normal result exp is 0 (a denormal result costs an x86 core a
+    microcode assist per element); above it, within 5e-7 of float64 as everywhere."""
+    xs = np.concatenate([np.linspace(-120.0, -80.0, 4096), [-87.34, -87.33, -87.3]]).astype(
+        np.float32)
+    xs = np.concatenate([xs, np.zeros(-len(xs) % 16, np.float32)])
+    out = tvm.runtime.empty(xs.shape, "float32", tvm.cpu())
+    _vectorized(vector_exp, "llvm")["main"](tvm.runtime.tensor(xs, tvm.cpu()), out)
+    got = out.numpy()
+    tiny = np.finfo(np.float32).tiny
+    assert not np.any((got != 0) & (np.abs(got) < tiny))
+    assert np.all(got[xs < -87.34] == 0) and np.all(got[xs > -87.33] >= tiny)
+
+
 def _activations():
     """Softmax, GELU (the op, its tanh form, and the erf subgraph exporters write), SiLU,
     Sigmoid and Tanh of one input, each its own output."""

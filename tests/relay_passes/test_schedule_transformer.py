@@ -59,8 +59,17 @@ def _layer_norm():
     return _model(nodes, {"x": _x(3, 17, 96)}, {"g": _x(96), "b": _x(96)})
 
 
+def _softmax_ragged():
+    """Softmax over rows of 49 (swin's windows: no whole vectors of 8 or 16 lanes) + a mask
+    of -100 on most entries (exp's results below float32's normal range)."""
+    mask = np.where(RNG.random((1, 49, 49)) < 0.6, -100.0, 0.0).astype("float32")
+    nodes = [helper.make_node("Add", ["x", "mask"], ["a"]),
+             helper.make_node("Softmax", ["a"], ["y"], axis=-1)]
+    return _model(nodes, {"x": _x(6, 49, 49), "mask": mask})
+
+
 MODELS = {"linear_ragged": lambda: _linear_gelu(200), "linear": lambda: _linear_gelu(128),
-          "attention": _attention, "layer_norm": _layer_norm}
+          "attention": _attention, "layer_norm": _layer_norm, "softmax_ragged": _softmax_ragged}
 # the rule each kernel of a model's op kind must get
 RULES = {"matmul": "matmul", "softmax": "rows", "layer_norm": "rows"}
 
