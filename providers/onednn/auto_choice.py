@@ -19,8 +19,9 @@ layer whose register tile holds a single row (``tile_rows``: rows with no diviso
 such as 197 or 49) takes ``ONE_ROW_SLOWDOWN`` times as long, a convolution ``CONV_GAIN`` times.
 Walking ``main``'s bindings in order, every other op that runs on TVM's pool (``on_pool``)
 needs the TVM side, and a switch costs ``SWITCH_US``; the cheapest assignment (two states, one
-pass) says which chains oneDNN keeps. So a transformer's dense layers (tiles of several rows,
-layer norms and attention between them) stay TVM's, a CNN's convolutions oneDNN's.
+pass) says which chains oneDNN keeps. So on AVX-512 a transformer's dense layers (tiles of
+several rows, layer norms and attention between them) stay TVM's, on AVX2 (TVM's kernel 2.2x
+oneDNN's) they go to oneDNN, and a CNN's convolutions go to oneDNN.
 """
 
 from __future__ import annotations

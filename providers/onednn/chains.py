@@ -238,7 +238,9 @@ def _quant_scalars(g: ChainGraph, call: relax.Call) -> tuple[float, float] | Non
     if s is None or z is None or s.size != 1 or z.size != 1:
         return None
     scale, zero = float(s.reshape(())), float(z.reshape(()))
-    return (scale, zero) if np.isfinite(scale) and scale > 0 else None
+    with np.errstate(over="ignore", divide="ignore"):
+        inverse = np.float32(1) / np.float32(scale)  # what the post-op multiplies by
+    return (scale, zero) if np.isfinite(scale) and scale > 0 and np.isfinite(inverse) else None
 
 
 def _quantize(g: ChainGraph, c: Chain, b: relax.VarBinding) -> bool:

@@ -302,8 +302,9 @@ class Plan:
         return None
 
     def _binary(self, call: relax.Call, args: list[relax.Expr]) -> tuple[Builder, bool] | None:
-        """``a op b`` of two NHWC tensors of one shape, or of one and a per-channel weight (or a
-        scalar): the weight becomes a new one of shape (C,)."""
+        """``a op b`` of two NHWC tensors of one shape, of one and a per-channel weight (or a
+        scalar: the weight becomes a new one of shape (C,)), or of one and a computed (N or 1,
+        C, 1, 1) tensor (``_per_sample_channels``)."""
         ours = [a for a in args if a in self.nhwc]
         if not ours or len(args) != 2:
             return None

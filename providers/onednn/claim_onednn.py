@@ -6,17 +6,18 @@ leaves the op to TVM; ``"onednn"`` claims it, and is a ``BuildError`` where oneD
 or, for a node named by an override, cannot compute it; ``"auto"`` claims where it can and
 otherwise says once why not (``onednn_policy``). A chain (``onednn_chains``)
 
-    conv2d(x, W)  [+ per-channel weight | batch_norm]*  [+ residual [+ bias]]  [relu | clip]
-                  [max_pool]
-    matmul(x, W)  [+ bias]                                                      [relu | clip]
+    conv2d(x, W)  [+ per-channel weight | batch_norm]*  [post-op]*  [max_pool]
+    matmul(x, W)  [+ bias]  [post-op]*
 
+(a post-op: a residual add, an activation, or a quantize-dequantize of one scale and zero point)
 on a CPU device, W a weight, each intermediate read once (the max pool only after a convolution
 of the model's input: a stem, run in oneDNN's blocked layout), becomes one
 ``R.call_dps_packed("hgrt.onednn.conv2d", (x, packed[, residual]), out)`` bound to the chain's
 last variable. ``packed`` is a new weight (a uint8 blob, ``onednn_blob``): a header
 (``HEADER_SLOTS``), W with batch norms folded in, packed once in the layout oneDNN picks on this
-machine, then the bias. The residual add and the activation are oneDNN post-ops (a binary add
-that reads an NHWC residual in place, else ``sum``; ``eltwise``); the node offers the output
+machine, then the bias. The residual add, the activation and the grid of a quantize-dequantize
+are oneDNN post-ops (a binary add that reads an NHWC residual in place, else ``sum``;
+``eltwise``); the node offers the output
 the residual's bytes (``attrs.inplace``), and where the memory plan takes the offer the kernel
 adds with ``sum`` into them, reading the residual once. Per-channel multiplies and adds (batch
 norms, scale layers) are folded into W and the bias. Weights the chains read are dropped when

@@ -69,10 +69,18 @@ bool BinaryResidual(const Header& h) {
 }
 
 // ONNX's QuantizeLinear then DequantizeLinear (scale `s`, zero point `z`, an int8 or uint8
-// grid) as four eltwise post-ops: clip(round(x / s) + z, lo, hi) - z is clip(round(x / s),
-// lo - z, hi - z) for an integer z, then times s. Rounding is oneDNN's, to nearest even as
+// grid) as kQuantizeOps eltwise post-ops: clip(round(x / s) + z, lo, hi) - z is
+// clip(round(x / s), lo - z, hi - z) for an integer z, then times s. Rounding is oneDNN's, to nearest even as
 // ONNX's; x / s is x * (1 / s), which may differ in the last bit (a value exactly between two
 // steps of the grid may land on the other one).
+constexpr int kQuantizeOps = 4;  // the oneDNN post-ops of one quantize-dequantize
+
+// how many of oneDNN's post-ops a header's post-op `kind` appends (a binary post-op's argument
+// is numbered among them)
+int DnnlPostOps(int64_t kind) {
+  return kind == kNoPost ? 0 : (kind == kQuantS8 || kind == kQuantU8) ? kQuantizeOps : 1;
+}
+
 void AppendQuantize(dnnl::post_ops& ops, bool is_signed, float s, float z) {
   float lo = is_signed ? -128.f : 0.f, hi = is_signed ? 127.f : 255.f;
   ops.append_eltwise(dnnl::algorithm::eltwise_linear, 1.f / s, 0.f);
@@ -238,10 +246,10 @@ std::shared_ptr<Entry> MakeEntry(const char* blob, std::shared_ptr<Repacked> rep
   // the residual is read by a binary post-op, or put where a sum post-op adds into: the dst
   // buffer, in the dst layout
   if (h.has_sum() && BinaryResidual(h)) {
-    for (int k = 0, index = 0; k < kMaxPostOps; ++k) {  // index: among the appended ones
+    for (int k = 0, index = 0; k < kMaxPostOps; ++k) {  // index: among oneDNN's post-ops
       int64_t kind = h[kPost0 + 3 * k];
       if (kind == kSum) e->residual_arg = DNNL_ARG_ATTR_MULTIPLE_POST_OP(index) | DNNL_ARG_SRC_1;
-      if (kind != kNoPost) ++index;
+      index += DnnlPostOps(kind);
     }
   }
   e->reorder_res = h.has_sum() && !e->residual_arg && e->res_user != e->dst;

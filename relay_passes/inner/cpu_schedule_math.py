@@ -64,7 +64,7 @@ def vector_exp(x: tirx.PrimExpr) -> tirx.PrimExpr:
     (``x < EXP_FLUSH``) is 0: x86 cores take a microcode assist for every denormal result (a
     softmax over swin's shifted windows, most of its entries masked to -100, ran 2.2x slower:
     2334 against 1071 us, AMD EPYC)."""
-    # beyond these exp is 0 or inf in float32; the bounds keep n in int32's and 2^n's range
+    # below EXP_FLUSH the result is 0, above 89 inf in float32; the bounds keep n in 2^n's range
     xc = tirx.min(tirx.max(x, _c(EXP_FLUSH)), _c(89.0))
     n = tirx.floor(xc * _c(1.44269504088896341) + _c(0.5))
     r = xc - n * _c(0.693359375) - n * _c(-2.12194440e-4)  # ln2 split: n * hi is exact

@@ -138,6 +138,26 @@ def test_a_qdq_dense_layer_rounds_onto_a_uint8_grid():
     assert len(np.unique(want)) > 20  # informative: many steps of the grid
 
 
+def test_a_residual_after_the_grid_is_read_where_onednn_numbers_it():
+    """conv c1 -> conv c2 -> grid -> + c1 -> 1x1 conv -> + c1: the second convolution's
+    residual (NHWC, still read after it) is a binary post-op after the grid's four oneDNN
+    post-ops, and its argument is numbered among them."""
+    m = _Model(5)
+    m.nodes += [helper.make_node("Conv", ["x", m.weight("w1", (16, 16, 3, 3))], ["c1"],
+                                 pads=[1] * 4),
+                helper.make_node("Conv", ["c1", m.weight("w2", (16, 16, 3, 3))], ["c2"],
+                                 pads=[1] * 4)]
+    m.nodes += [helper.make_node("Add", [m.qdq("c2", "d", 0.05, 3, "int8"), "c1"], ["a"]),
+                helper.make_node("Conv", ["a", m.weight("w3", (16, 16, 1, 1))], ["c3"]),
+                helper.make_node("Add", ["c3", "c1"], ["y"])]
+    model = m.model({"x": [1, 16, 10, 10]}, "y")
+    feeds = _inputs(model)
+    res = hgrt.build(model, ["cpu"], kernels="onednn")
+    assert "conv2d+quantize+add" in _onednn_ops(res)
+    got, want = run_hgrt(res, feeds)[0], _float_onnxruntime(model, feeds)
+    assert np.mean(np.abs(got - want) > 1e-3) < 0.03 and np.abs(got - want).max() < 0.2
+
+
 def test_a_dequantize_of_another_scale_stays_outside_the_kernel():
     model = _conv_block(dq_scale=0.011)
     feeds = _inputs(model)

@@ -13,6 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import hgrt
 from hgrt.relay_passes.inner.cpu_schedule import schedule_cpu_functions
+from hgrt.relay_passes.inner.cpu_schedule_conv import PEEL_HINT
 from hgrt.relay_passes.inner.prepack_weights import pack_columns
 from hgrt.testing import fused_module, onnx_reference, run_hgrt
 
@@ -95,6 +96,19 @@ def test_each_kernel_gets_its_rule_not_the_fallback(name):
                 assert "reduction" not in rules, (func, rules)
                 checked += 1
     assert checked >= (2 if name == "attention" else 1), report.rules
+
+
+@pytest.mark.parametrize("mcpu", ["haswell", "skylake-avx512"])
+def test_a_row_of_no_whole_vectors_runs_whole_registers_and_a_peeled_tail(mcpu):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mod, _ = fused_module(_softmax_ragged())
+    target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu, "num-cores": 2})
+    new, report = schedule_cpu_functions(mod, target)
+    (name,) = [f for f in report.rules if "softmax" in f]
+    assert "rows" in report.rules[name]
+    script = new[name].script()
+    assert PEEL_HINT in script and "T.vectorized(16)" in script  # 49 = 3 x 16 + 1
 
 
 @pytest.mark.parametrize("target", [None, HASWELL], ids=["host", "avx2"])
