@@ -8,6 +8,9 @@ imports the ONNX model itself, so tvm.compile's figure includes the same import)
 
 from __future__ import annotations
 
+import hgrt.spin  # noqa: F401  (first: the spin settings before TVM loads libgomp)
+
+# isort: split
 import sys
 import time
 import warnings

@@ -13,6 +13,9 @@ the sequential plan, and the Relax VM on one device for reference.
 
 from __future__ import annotations
 
+import hgrt.spin  # noqa: F401  (first: the spin settings before TVM loads libgomp)
+
+# isort: split
 import argparse
 import os
 import warnings

@@ -12,6 +12,9 @@ between kernels; ``HGRT_NATIVE_STEPS=0`` runs it in Python, for comparison.
 
 from __future__ import annotations
 
+import hgrt.spin  # noqa: F401  (first: the spin settings before TVM loads libgomp)
+
+# isort: split
 import argparse
 import json
 import threading

@@ -2,6 +2,7 @@
 
     python python/bench_memory.py [model ...]
     python python/bench_memory.py --kernels [model ...]
+    python python/bench_memory.py --kernels resnet.dynamo vit.dynamo   # corpus, real size
 
 With ``--kernels``: per model, the planned bytes of every device (weights and activations) of
 the default build (oneDNN, Winograd within ``claim_onednn.WINOGRAD_SHARE`` of the weights), of
@@ -15,6 +16,9 @@ leaves unplanned (outputs), plus inputs and params (function arguments).
 
 from __future__ import annotations
 
+import hgrt.spin  # noqa: F401  (first: the spin settings before TVM loads libgomp)
+
+# isort: split
 import sys
 import warnings
 
@@ -59,10 +63,23 @@ def vm_planned_bytes(model) -> int:
     return total
 
 
+def _model(name: str):
+    """A light zoo model by name, or a corpus file at its real size (``<model>.<exporter>``,
+    exported on demand into the corpus cache: the corpus extra)."""
+    if "." not in name:
+        return light_model(name)
+    import onnx
+
+    from hgrt.corpus.generate import real_path
+
+    model, exporter = name.split(".", 1)
+    return onnx.load(real_path(model, exporter))
+
+
 def main(models: list[str]) -> None:
     print(f"{'model':14} {'build':12} {'dev':>3} {'planned MB':>10} {'/bound':>7} {'/VM':>6}")
     for name in models:
-        model = light_model(name)
+        model = _model(name)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             vm = vm_planned_bytes(model)
@@ -82,16 +99,16 @@ def kernels_table(models: list[str]) -> None:
     def planned(res) -> int:
         return sum(m.planned_bytes for m in res.memory_report)
 
-    print(f"{'model':14} {'tvm MiB':>8} {'default MiB':>12} {'/tvm':>6} {'all Winograd':>13} "
+    print(f"{'model':24} {'tvm MiB':>8} {'default MiB':>12} {'/tvm':>6} {'all Winograd':>13} "
           f"{'/tvm':>6} {'no Winograd':>12} {'/tvm':>6}")
     for name in models:
-        model = light_model(name)
+        model = _model(name)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             tvm_b = planned(hgrt.build(model, ["cpu"], kernels="tvm"))
             row = [planned(hgrt.build(model, ["cpu"], kernels=k)) for k in
                    ("auto", Kernels("auto", winograd=True), Kernels("auto", winograd=False))]
-        print(f"{name:14} {tvm_b / 2**20:8.1f} " + " ".join(
+        print(f"{name:24} {tvm_b / 2**20:8.1f} " + " ".join(
             f"{b / 2**20:{w}.1f} {b / tvm_b:6.2f}" for b, w in zip(row, (12, 13, 12),
                                                                   strict=True)), flush=True)
 

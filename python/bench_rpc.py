@@ -15,6 +15,9 @@ Starts an hgrt rpc-server (standalone, 127.0.0.1, free port) in this machine, th
 
 from __future__ import annotations
 
+import hgrt.spin  # noqa: F401  (first: the spin settings before TVM loads libgomp)
+
+# isort: split
 import argparse
 import gc
 import multiprocessing

@@ -13,6 +13,9 @@ large to carry), `python/gpu_bench.py` checks the same builds, made here, agains
 
 from __future__ import annotations
 
+import hgrt.spin  # noqa: F401  (first: the spin settings before TVM loads libgomp)
+
+# isort: split
 import argparse
 import os
 import socket

@@ -9,6 +9,9 @@ TVM (``TVM_USE_RUNTIME_LIB=1``); writes ``$OUT/ops.json`` (and ``micro.json``) w
 
 from __future__ import annotations
 
+import hgrt.spin  # noqa: F401  (first: the spin settings before TVM loads libgomp)
+
+# isort: split
 import json
 import os
 import sys

@@ -11,6 +11,9 @@ onnxruntime is not installed).
 
 from __future__ import annotations
 
+import hgrt.spin  # noqa: F401  (first: the spin settings before TVM loads libgomp)
+
+# isort: split
 import argparse
 import time
 from collections import Counter
