@@ -152,7 +152,8 @@ def test_call_threads_are_the_callers_share(mlp):
 
 def test_stateful_api_from_a_second_thread_is_refused(mlp):
     """A run held open (an injected slow step): set_input/run/get_output from another thread
-    raise ExecutionError instead of mixing values."""
+    raise ExecutionError instead of mixing values; a call made meanwhile waits for the cores
+    the run holds (the one thread budget) and reads none of the run's frame."""
     entered, release = threading.Event(), threading.Event()
 
     def slow_step():
@@ -170,7 +171,12 @@ def test_stateful_api_from_a_second_thread_is_refused(mlp):
         for call in (mlp.run, lambda: mlp.set_input("x", x), lambda: mlp.get_output(0)):
             with pytest.raises(hgrt.ExecutionError, match="another thread is using"):
                 call()
-        (y,) = mlp(x=x)  # the call API is not blocked by it, nor reads the run's frame
+        got: list = []
+        caller = threading.Thread(target=lambda: got.append(mlp(x=x)))
+        caller.start()
+        release.set()  # the run ends; the call takes the cores it held
+        caller.join(30)
+        (y,) = got[0]
         assert_reference(y, x)
     finally:
         release.set()
