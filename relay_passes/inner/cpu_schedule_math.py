@@ -127,12 +127,18 @@ def _gelu_tanh(v: tirx.PrimExpr) -> tirx.PrimExpr:
     return _c(0.5) * v * (_c(1.0) + vector_tanh(inner))
 
 
+# a row reduced through vector partial results takes whole vectors of this many lanes (AVX-512's
+# 16 float32, two of AVX2's 8): a softmax row of another length is reduced in two parts
+ROW_LANES = 16
+
+
 def _softmax(x: te.Tensor, axis: int) -> te.Tensor:
     """TOPI's softmax (the same blocks, which ``schedule_rows`` recognizes) with
-    ``vector_exp``."""
+    ``vector_exp``. A row whose length is no whole number of ``ROW_LANES`` (at least two of
+    them) reduces its whole vectors and its last few values apart, then combines them: the
+    first part vectorizes (swin's 49 = 48 + 1, ViT's 197 = 192 + 5)."""
     axis = axis % len(x.shape)
-    k1 = te.reduce_axis((0, x.shape[axis]), name="k")
-    k2 = te.reduce_axis((0, x.shape[axis]), name="k")
+    cols = int(x.shape[axis])
     reduced = tuple(d for i, d in enumerate(x.shape) if i != axis)
 
     def outer(idx):
@@ -141,10 +147,20 @@ def _softmax(x: te.Tensor, axis: int) -> te.Tensor:
     def at(idx, k):
         return (*idx[:axis], k, *idx[axis:])
 
-    top = te.compute(reduced, lambda *i: te.max(x[at(i, k1)], axis=k1), name="T_softmax_maxelem")
+    def rows(name: str, value: Callable, reduce: Callable, combine: Callable) -> te.Tensor:
+        whole = cols - cols % ROW_LANES if cols % ROW_LANES and cols >= 2 * ROW_LANES else cols
+        k = te.reduce_axis((0, whole), name="k")
+        head = te.compute(reduced, lambda *i: reduce(value(at(i, k)), axis=k), name=name)
+        if whole == cols:
+            return head
+        t = te.reduce_axis((0, cols - whole), name="k")  # (from 0: compute_at sizes a
+        tail = te.compute(reduced, lambda *i: reduce(value(at(i, whole + t)), axis=t),  # loop
+                          name=f"{name}_tail")  # of an axis from another minimum wrongly)
+        return te.compute(reduced, lambda *i: combine(head[i], tail[i]), name=f"{name}_all")
+
+    top = rows("T_softmax_maxelem", lambda j: x[j], te.max, tirx.max)
     ex = te.compute(x.shape, lambda *i: vector_exp(x[i] - top[outer(i)]), name="T_softmax_exp")
-    tot = te.compute(reduced, lambda *i: te.sum(ex[at(i, k2)], axis=k2),
-                     name="T_softmax_expsum")
+    tot = rows("T_softmax_expsum", lambda j: ex[j], te.sum, lambda a, b: a + b)
     return te.compute(x.shape, lambda *i: ex[i] / tot[outer(i)], name="T_softmax_norm",
                       attrs={"axis": axis})
 

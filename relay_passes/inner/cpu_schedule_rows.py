@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 
-from tvm import s_tir
+from tvm import s_tir, tirx
 
 from hgrt.devices import VectorISA
 from hgrt.relay_passes.inner.cpu_schedule_blocks import (
@@ -34,20 +34,29 @@ __all__ = ["schedule_rows"]
 
 
 def _row_reduction(sch: s_tir.Schedule, block_rv, cols: int) -> bool:
-    """Whether ``block_rv`` reduces one axis of ``cols`` elements, its innermost, which its
-    reads index only as their last index."""
+    """Whether ``block_rv`` reduces one axis of at most ``cols`` elements (a row, or a part of
+    it), its innermost, which its reads index only as their last index."""
     info = iter_loops(sch, block_rv)
     if not info or "".join(k for k, _, _, _ in info) != "S" * (len(info) - 1) + "R":
         return False
     _, var, _, ext = info[-1]
-    if ext != cols:
+    if ext > cols:
         return False
     for r in sch.get(block_rv).reads:
         idx = [x.min for x in r.region]
         if any(uses(e, var) for e in idx[:-1]) or idx and uses(idx[-1], var) and not \
-                idx[-1].same_as(var):
+                _offset_of(idx[-1], var):
             return False
     return True
+
+
+def _offset_of(expr, var) -> bool:
+    """Whether ``expr`` is ``var`` or ``var`` plus a constant (a row's last values)."""
+    if expr.same_as(var):
+        return True
+    return isinstance(expr, tirx.Add) and (
+        expr.a.same_as(var) and isinstance(expr.b, tirx.IntImm)
+        or expr.b.same_as(var) and isinstance(expr.a, tirx.IntImm))
 
 
 def _inline_single_use(sch: s_tir.Schedule, root) -> None:

@@ -109,6 +109,9 @@ def test_a_row_of_no_whole_vectors_runs_whole_registers_and_a_peeled_tail(mcpu):
     assert "rows" in report.rules[name]
     script = new[name].script()
     assert PEEL_HINT in script and "T.vectorized(16)" in script  # 49 = 3 x 16 + 1
+    # its max and sum: the 48 values of whole vectors through 16 partial results, the last apart
+    assert "T_softmax_maxelem_rf" in script and "T_softmax_expsum_rf" in script
+    assert "T_softmax_maxelem_tail" in script
 
 
 @pytest.mark.parametrize("target", [None, HASWELL], ids=["host", "avx2"])
