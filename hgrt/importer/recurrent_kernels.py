@@ -27,14 +27,13 @@ to 0, as ONNX says.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from tvm import tirx
 from tvm.script import tirx as T
 
-from hgrt.relay_passes.inner.cpu_schedule_math import vector_sigmoid, vector_tanh
+from hgrt.relay_passes.inner.cpu_schedule_math import libm_only, vector_sigmoid, vector_tanh
 from hgrt.relay_passes.util.relax_util import NO_GPU_SCHEDULE_ATTR
 
 # the recurrent op of each kernel, an attr of its PrimFunc: what a kernel provider looks for
@@ -82,7 +81,7 @@ def _vector_math(dtype: str) -> bool:
     """float32 gates as vectorizable arithmetic (``cpu_schedule_math``): libm's sigmoid and
     tanh are one call per value, LLVM vectorizes no loop around them (a GRU of 256 units,
     32 steps: 344 us a layer, AMD EPYC); ``HGRT_LIBM=1`` keeps libm."""
-    return dtype == "float32" and os.environ.get("HGRT_LIBM", "0") != "1"
+    return dtype == "float32" and not libm_only()
 
 
 # the activation functions ONNX names for recurrent ops: (x, alpha, beta, dtype) -> expression

@@ -304,7 +304,7 @@ class Plan:
     def _binary(self, call: relax.Call, args: list[relax.Expr]) -> tuple[Builder, bool] | None:
         """``a op b`` of two NHWC tensors of one shape, of one and a per-channel weight (or a
         scalar: the weight becomes a new one of shape (C,)), or of one and a computed (N or 1,
-        C, 1, 1) tensor (``_per_sample_channels``)."""
+        C, 1, 1) tensor (``_gate``)."""
         ours = [a for a in args if a in self.nhwc]
         if not ours or len(args) != 2:
             return None
@@ -312,9 +312,15 @@ class Plan:
             return (lambda rw: relax.Call(call.op, [rw.new[a] for a in args], call.attrs)), True
         big = max(ours, key=lambda a: int(np.prod(_shape(a))))
         other = args[1] if args[0].same_as(big) else args[0]
-        per_sample = self._per_sample_channels(other, _shape(big))
-        if per_sample is not None:
-            return per_sample(call, args, big, other), True
+        gate = self._gate(other, _shape(big))
+        if gate is not None:
+            def read_gate(rw: Rewriter) -> relax.Expr:  # N,C bytes as the N,1,1,C view
+                src = rw.new[other] if other in self.nhwc else other
+                view = rw.emit(relax.op.reshape(src, (gate[0], 1, 1, gate[1])),
+                               f"{other.name}_nhwc")
+                return relax.Call(call.op, [rw.new[big] if a.same_as(big) else view
+                                            for a in args], call.attrs)
+            return read_gate, True
         if len(ours) == 2:
             return None
         value = self.g.value(other)
@@ -330,26 +336,16 @@ class Plan:
             return relax.Call(call.op, operands, call.attrs)
         return build, True
 
-    def _per_sample_channels(self, other: relax.Expr, shape: tuple[int, ...]
-                             ) -> Callable[..., Builder] | None:
-        """How ``x op other`` reads ``other`` when it is a computed (N or 1, C, 1, 1) tensor
-        beside the NHWC ``x`` of ``shape`` (a squeeze-excite gate, EfficientNet's and
-        MobileNetV3's): its N,C bytes are the N,1,1,C tensor that broadcasts over NHWC, a
-        reshape away (a view), so ``x`` needs no reorder to NCHW and back."""
+    def _gate(self, other: relax.Expr, shape: tuple[int, ...]) -> tuple[int, int] | None:
+        """(N or 1, C) where ``other`` is a computed (N or 1, C, 1, 1) tensor beside an NHWC
+        tensor of ``shape`` (a squeeze-excite gate, EfficientNet's and MobileNetV3's): its
+        bytes are the N,1,1,C tensor that broadcasts over NHWC, a reshape away (a view), so the
+        NHWC side needs no reorder to NCHW and back."""
         s = _shape(other) if isinstance(other, relax.Var) else None
         if s is None or self.g.value(other) is not None or len(s) != 4 or len(shape) != 4 \
                 or s[0] not in (1, shape[0]) or s[1] != shape[1] or s[2:] != (1, 1):
             return None
-
-        def make(call: relax.Call, args: list[relax.Expr], big: relax.Var, o: relax.Var
-                 ) -> Builder:
-            def build(rw: Rewriter) -> relax.Expr:
-                src = rw.new[o] if o in self.nhwc else o
-                gate = rw.emit(relax.op.reshape(src, (s[0], 1, 1, s[1])), f"{o.name}_nhwc")
-                return relax.Call(call.op, [rw.new[big] if a.same_as(big) else gate
-                                            for a in args], call.attrs)
-            return build
-        return make
+        return s[0], s[1]
 
     def _pool(self, name: str, a: Any, x: relax.Var, out: relax.Var
               ) -> tuple[Builder, bool] | None:

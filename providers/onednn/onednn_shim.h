@@ -50,26 +50,18 @@ struct Header {
   // F(4x4, 3x3) Winograd: a 3x3 stride-1 convolution of NHWC activations, its weights packed
   // as the 36 matrices (C x K) of the Winograd domain (see onednn_winograd.cc)
   bool winograd() const { return v[kKind] == kConv2d && v[kAlgo] == kWinograd; }
-  bool has_sum() const {
+  // whether a post-op of kind lo..hi is in the header
+  bool has_post(int64_t lo, int64_t hi) const {
     for (int k = 0; k < kMaxPostOps; ++k) {
-      if (v[kPost0 + 3 * k] == kSum) return true;
+      if (v[kPost0 + 3 * k] >= lo && v[kPost0 + 3 * k] <= hi) return true;
     }
     return false;
   }
+  bool has_sum() const { return has_post(kSum, kSum); }
   // a post-op past relu, clip and sum (GELU, swish, ...): a blob of its own version
-  bool has_eltwise() const {
-    for (int k = 0; k < kMaxPostOps; ++k) {
-      if (v[kPost0 + 3 * k] >= kGeluErf) return true;
-    }
-    return false;
-  }
+  bool has_eltwise() const { return has_post(kGeluErf, kQuantU8); }
   // a quantize-dequantize post-op (a QDQ model's grid): a blob of its own version
-  bool has_quant() const {
-    for (int k = 0; k < kMaxPostOps; ++k) {
-      if (v[kPost0 + 3 * k] == kQuantS8 || v[kPost0 + 3 * k] == kQuantU8) return true;
-    }
-    return false;
-  }
+  bool has_quant() const { return has_post(kQuantS8, kQuantU8); }
   // the version a blob of this header carries: an older shim refuses what it cannot compute
   int64_t version() const {
     return winograd()      ? kVersionWinograd

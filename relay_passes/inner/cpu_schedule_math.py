@@ -26,7 +26,7 @@ from collections.abc import Callable
 import tvm
 from tvm import relax, te, tirx
 
-__all__ = ["VECTOR_MATH", "vector_exp", "vector_erf", "vector_math_legalizations",
+__all__ = ["VECTOR_MATH", "libm_only", "vector_exp", "vector_erf", "vector_math_legalizations",
            "vector_sigmoid", "vector_tanh"]
 
 _F32 = "float32"
@@ -248,9 +248,14 @@ def _rule(op_name: str) -> Callable:
     return legalize
 
 
+def libm_only() -> bool:
+    """``HGRT_LIBM=1``: every kernel keeps libm's transcendental functions."""
+    return os.environ.get("HGRT_LIBM", "0") == "1"
+
+
 def vector_math_legalizations() -> dict[str, Callable]:
     """``LegalizeOps``'s ``customize_legalize_map``: the ops of ``VECTOR_MATH`` on float32 CPU
     tensors in vectorizable form; empty with ``HGRT_LIBM=1``."""
-    if os.environ.get("HGRT_LIBM", "0") == "1":
+    if libm_only():
         return {}
     return {op: _rule(op) for op in VECTOR_MATH}
