@@ -32,6 +32,9 @@ HEADER_VERSION_WINOGRAD = 5  # a Winograd blob (set at pack): an older shim refu
 HEADER_VERSION_ELTWISE = 6
 # a direct blob with a post-op of QUANT_POST_OPS (set at pack): a shim of version 6 refuses it
 HEADER_VERSION_QUANT = 7
+# a blob of int8 weights whose kernel quantizes its input (``src_dt`` uint8): a shim of version 7
+# refuses it
+HEADER_VERSION_INT8 = 8
 HEADER_INT64 = 64  # 512 bytes
 MAX_POST_OPS = 3
 HEADER_SLOTS = ("magic", "version", "kind", "n", "ic", "ih", "iw", "oc", "oh", "ow", "kh", "kw",
@@ -45,7 +48,10 @@ HEADER_SLOTS = ("magic", "version", "kind", "n", "ic", "ih", "iw", "oc", "oh", "
                 # a max pool after the convolution (a model's stem; 0: none), its output H, W
                 "pool_kh", "pool_kw", "pool_sh", "pool_sw", "pool_pad_t", "pool_pad_l",
                 "pool_pad_b", "pool_pad_r", "pool_oh", "pool_ow",
-                "algo")  # a convolution's algorithm: ALGO
+                "algo",  # a convolution's algorithm: ALGO
+                # the input's grid where the kernel computes in int8 (SRC_DT: 0 float32); the
+                # weights are then int8, and their per-channel scales follow the bias
+                "src_dt", "src_scale", "src_zp")
 SLOT = {name: i for i, name in enumerate(HEADER_SLOTS)}
 KIND = {"conv2d": 1, "dense": 2}
 # 0: none; alpha, beta as oneDNN's eltwise algorithm takes them (swish: alpha the factor of x
@@ -57,7 +63,10 @@ POST_OP = {"relu": 1, "clip": 2, "sum": 3, "gelu_erf": 4, "gelu_tanh": 5, "swish
 QUANT_POST_OPS = ("quant_s8", "quant_u8")
 ELTWISE_POST_OPS = ("gelu_erf", "gelu_tanh", "swish", "hardswish", "sigmoid", "tanh",
                     *QUANT_POST_OPS)
-ALGO = {"direct": 0, "winograd": 1}  # oneDNN's direct convolution, or Winograd F(4x4, 3x3)
+ALGO = {"direct": 0, "winograd": 1}
+# what the kernel computes on: float32, or the input quantized to uint8 (x -> round(x / scale)
+# + zero point; ``src_scale`` float64 bits) by int8 weights, their scales per output channel
+SRC_DT = {"float32": 0, "uint8": 1}  # oneDNN's direct convolution, or Winograd F(4x4, 3x3)
 assert len(HEADER_SLOTS) <= HEADER_INT64, "the header overflows its bytes"
 
 
@@ -69,10 +78,12 @@ def _ints(values: Any, n: int) -> list[int]:
 def make_header(kind: str, x: tuple[int, ...], out: tuple[int, ...],
                 kernel: tuple[int, int] = (1, 1), strides: Any = (1, 1), padding: Any = (0,),
                 dilation: Any = (1, 1), groups: int = 1,
-                post: list[tuple[str, float, float]] | None = None) -> np.ndarray:
+                post: list[tuple[str, float, float]] | None = None,
+                grid: tuple[float, int] | None = None) -> np.ndarray:
     """A blob header before packing (``pack`` fills the layout slots): ``kind`` "conv2d"
     (``x``, ``out`` NCHW; ``padding`` top, left, bottom, right) or "dense" (``x``, ``out``
-    2-D); ``post``: post-ops in order, (a ``POST_OP`` name, alpha, beta)."""
+    2-D); ``post``: post-ops in order, (a ``POST_OP`` name, alpha, beta); ``grid``: the
+    uint8 grid (scale, zero point) the input is quantized to for int8 weights (None: float32)."""
     h = np.zeros(HEADER_INT64, "int64")
     fields = {"magic": MAGIC, "version": HEADER_VERSION, "kind": KIND[kind], "n": x[0],
               "ic": x[1], "oc": out[1], "groups": 1}
@@ -86,6 +97,9 @@ def make_header(kind: str, x: tuple[int, ...], out: tuple[int, ...],
         fields[f"post{k}"] = POST_OP[op]
         fields[f"post{k}_alpha"] = int(np.float64(lo).view(np.int64))
         fields[f"post{k}_beta"] = int(np.float64(hi).view(np.int64))
+    if grid is not None:
+        fields.update(src_dt=SRC_DT["uint8"], src_scale=int(np.float64(grid[0]).view(np.int64)),
+                      src_zp=int(grid[1]))
     for name, value in fields.items():
         h[SLOT[name]] = value
     return h
@@ -138,7 +152,8 @@ def _enums() -> list[tuple[str, str, str, list[tuple[str, int]]]]:
     return [("Slot", "int", "slot", list(SLOT.items())),
             ("Kind", "int64_t", "kind", list(KIND.items())),
             ("PostOp", "int64_t", "post_op", list(POST_OP.items())),
-            ("Algo", "int64_t", "algo", list(ALGO.items()))]
+            ("Algo", "int64_t", "algo", list(ALGO.items())),
+            ("SrcDt", "int64_t", "src_dt", list(SRC_DT.items()))]
 
 
 def _constants() -> list[tuple[str, str, str, int]]:
@@ -148,6 +163,7 @@ def _constants() -> list[tuple[str, str, str, int]]:
             ("version_winograd", "int64_t", "kVersionWinograd", HEADER_VERSION_WINOGRAD),
             ("version_eltwise", "int64_t", "kVersionEltwise", HEADER_VERSION_ELTWISE),
             ("version_quant", "int64_t", "kVersionQuant", HEADER_VERSION_QUANT),
+            ("version_int8", "int64_t", "kVersionInt8", HEADER_VERSION_INT8),
             ("header_int64", "int", "kSlots", HEADER_INT64),
             ("max_post_ops", "int", "kMaxPostOps", MAX_POST_OPS)]
 
@@ -156,7 +172,7 @@ def blob_format() -> dict[str, int]:
     """Every number of the format by name: what the compiled shim's ``hgrt.onednn.blob_format``
     must report (``slot.<name>``: a slot's position; ``kind.``, ``post_op.``, ``algo.``: codes;
     ``magic``, ``version``, ``version_winograd``, ``version_eltwise``, ``version_quant``,
-    ``header_int64``, ``max_post_ops``)."""
+    ``version_int8``, ``header_int64``, ``max_post_ops``; ``src_dt.``: codes)."""
     out = {key: value for key, _, _, value in _constants()}
     for _, _, prefix, items in _enums():
         out.update((f"{prefix}.{name}", value) for name, value in items)

@@ -58,6 +58,10 @@ class Chain:
     pool: list[int] | None = None  # a max pool after it (its last member): kh, kw, sh, sw,
     # pads t, l, b, r
     choice: str = "auto"  # the provider asked for it: "auto" or "onednn" (Kernels)
+    # an int8 kernel (int8.to_int8; weight then int8): its input's uint8 grid (scale, zero
+    # point) and the weights' scales per output channel (the input's scale folded in)
+    grid: tuple[float, int] | None = None
+    wscale: np.ndarray | None = None
 
     @property
     def end(self) -> relax.Var:
@@ -67,6 +71,10 @@ class Chain:
     def conv_result(self) -> relax.Var:
         """The convolution's (or dense layer's) result with its post-ops: the pool's input."""
         return self.members[-2] if self.pool is not None else self.end
+
+    def tail(self) -> np.ndarray:
+        """What the blob holds after the weights: the bias, then an int8 kernel's scales."""
+        return self.bias if self.wscale is None else np.concatenate([self.bias, self.wscale])
 
     @property
     def macs(self) -> int:
@@ -88,6 +96,7 @@ class ChainGraph(MainReader):
         # the dataflow block of each binding (a chain never spans two)
         self.block_of = {b.var: k for k, block in enumerate(func.body.blocks)
                          for b in block.bindings}
+        self.binding_of = {b.var: b for b in bindings(func)}
 
 
 # ---- chain roots: the op a kernel computes -------------------------------------------------
@@ -232,7 +241,7 @@ def _activation(g: ChainGraph, c: Chain, b: relax.VarBinding) -> bool:
 QUANT_POST = {"int8": "quant_s8", "uint8": "quant_u8"}
 
 
-def _quant_scalars(g: ChainGraph, call: relax.Call) -> tuple[float, float] | None:
+def quant_scalars(g: ChainGraph, call: relax.Call) -> tuple[float, float] | None:
     """The scale and zero point of a quantize or dequantize where both are one number."""
     s, z = g.value(call.args[1]), g.value(call.args[2])
     if s is None or z is None or s.size != 1 or z.size != 1:
@@ -255,8 +264,8 @@ def _quantize(g: ChainGraph, c: Chain, b: relax.VarBinding) -> bool:
             or g.ctx.placed.op_device.get(dq.var.name) != g.ctx.placed.op_device.get(
                 c.root.var.name)):
         return False
-    grid = _quant_scalars(g, b.value)
-    if grid is None or grid != _quant_scalars(g, dq.value):
+    grid = quant_scalars(g, b.value)
+    if grid is None or grid != quant_scalars(g, dq.value):
         return False
     c.post.append((kind, *grid))
     c.members += [b.var, dq.var]
@@ -360,11 +369,11 @@ def header(chain: Chain) -> np.ndarray:
     if chain.kind == "dense":  # leading dimensions as rows
         xs, out = _shape(chain.x), _shape(chain.end)
         return make_header("dense", (int(np.prod(xs[:-1])), xs[-1]),
-                           (int(np.prod(out[:-1])), out[-1]), post=chain.post)
+                           (int(np.prod(out[:-1])), out[-1]), post=chain.post, grid=chain.grid)
     a = chain.root.value.attrs
     h = make_header("conv2d", _shape(chain.x), _shape(chain.conv_result),
                     chain.weight.shape[2:], a.strides, a.padding, a.dilation, int(a.groups),
-                    chain.post)
+                    chain.post, chain.grid)
     if chain.pool is not None:
         names = ("kh", "kw", "sh", "sw", "pad_t", "pad_l", "pad_b", "pad_r")
         for name, value in zip(names, chain.pool, strict=True):

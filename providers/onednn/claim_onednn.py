@@ -55,6 +55,7 @@ from hgrt.providers.onednn.chains import (
     find_chains,
     header,
 )
+from hgrt.providers.onednn.int8 import quantize_chains
 from hgrt.providers.onednn.policy import (
     AUTO_MIN_MACS,
     choose_winograd,
@@ -157,7 +158,7 @@ class _Emitter:
         h[SLOT["algo"]] = ALGO["winograd"] if winograd else ALGO["direct"]
         if winograd:
             self.winograd_bytes.append(growth)
-        blob = self.runtime.pack(h, chain.weight, chain.bias)
+        blob = self.runtime.pack(h, chain.weight, chain.tail())
         param = _blob_param(chain, blob, self.g, self.taken)
         self.blobs.append(param)
         layouts = [self.runtime.layout_name(self._tag(v))
@@ -235,13 +236,15 @@ def claim_onednn(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
         g, chains = keep_what_pays(func, ctx, kernels, g, chains)
     if not chains:
         return mod
+    int8 = quantize_chains(g, chains, runtime.isa())
     emitter = _Emitter(g, chains, runtime, kernels.winograd, weight_room(g))
     position = {b.var: i for i, b in enumerate(bindings(func))}
     for chain in sorted(chains, key=lambda c: position[c.end]):  # producers first
         emitter.emit(chain)
     drop = {v for c in chains for v in c.members[:-1]}
     reasons.claimed(ctx, chains, kernels, macs, AUTO_MIN_MACS)  # the report's kernels, why
-    ctx.log(f"oneDNN ({emitter.isa}) claims {len(chains)} ops, {len(emitter.plan.nhwc)} "
+    ctx.log(f"oneDNN ({emitter.isa}) claims {len(chains)} ops ({int8} in int8), "
+            f"{len(emitter.plan.nhwc)} "
             f"tensors NHWC: " + ", ".join(sorted({"+".join(c.label) for c in chains})))
     log_winograd(ctx, emitter.winograd_candidates, emitter.winograd_bytes, emitter.plain_bytes,
                  kernels.winograd)

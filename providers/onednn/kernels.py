@@ -122,13 +122,16 @@ def _call(name: str, *args):
 
 
 def pack(header: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarray:
-    """``weight`` (plain OIHW, or OI for dense) and ``bias`` packed for this machine behind
-    ``header`` (int64 slots, ``onednn_blob.HEADER_SLOTS``): the blob a kernel node reads.
+    """``weight`` (plain OIHW, or OI for dense; float32, or int8 where the header says the
+    kernel computes in int8, ``bias`` then followed by the weights' scales per output channel)
+    and ``bias`` packed for this machine behind ``header`` (int64 slots,
+    ``onednn_blob.HEADER_SLOTS``): the blob a kernel node reads.
     Packed on a dispatcher, as kernels run: its OpenMP work never makes another thread an
     OpenMP master (``runtime/dispatch.py``)."""
     cpu = tvm.cpu(0)
     head = tvm.runtime.tensor(np.ascontiguousarray(header, dtype="int64"), cpu)
-    w = tvm.runtime.tensor(np.ascontiguousarray(weight, "float32"), cpu)
+    w = tvm.runtime.tensor(np.ascontiguousarray(
+        weight, "int8" if weight.dtype == np.int8 else "float32"), cpu)
     b = tvm.runtime.tensor(np.ascontiguousarray(bias, "float32"), cpu)
     n = process_threads()
 

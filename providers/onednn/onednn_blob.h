@@ -12,6 +12,7 @@ constexpr int64_t kVersion = 4;
 constexpr int64_t kVersionWinograd = 5;
 constexpr int64_t kVersionEltwise = 6;
 constexpr int64_t kVersionQuant = 7;
+constexpr int64_t kVersionInt8 = 8;
 constexpr int kSlots = 64;
 constexpr int kMaxPostOps = 3;
 constexpr int64_t kHeaderBytes = 8 * static_cast<int64_t>(kSlots);
@@ -68,7 +69,10 @@ enum Slot : int {
   kPoolOH = 48,
   kPoolOW = 49,
   kAlgo = 50,
-  kUsedSlots = 51,
+  kSrcDT = 51,
+  kSrcScale = 52,
+  kSrcZP = 53,
+  kUsedSlots = 54,
 };
 
 enum Kind : int64_t {
@@ -96,6 +100,11 @@ enum Algo : int64_t {
   kWinograd = 1,
 };
 
+enum SrcDt : int64_t {
+  kFloat32 = 0,
+  kUint8 = 1,
+};
+
 struct BlobFormatEntry {
   const char* name;
   int64_t value;
@@ -108,6 +117,7 @@ constexpr BlobFormatEntry kBlobFormat[] = {
     {"version_winograd", kVersionWinograd},
     {"version_eltwise", kVersionEltwise},
     {"version_quant", kVersionQuant},
+    {"version_int8", kVersionInt8},
     {"header_int64", kSlots},
     {"max_post_ops", kMaxPostOps},
     {"slot.magic", kMagicSlot},
@@ -161,6 +171,9 @@ constexpr BlobFormatEntry kBlobFormat[] = {
     {"slot.pool_oh", kPoolOH},
     {"slot.pool_ow", kPoolOW},
     {"slot.algo", kAlgo},
+    {"slot.src_dt", kSrcDT},
+    {"slot.src_scale", kSrcScale},
+    {"slot.src_zp", kSrcZP},
     {"kind.conv2d", kConv2d},
     {"kind.dense", kDense},
     {"post_op.relu", kRelu},
@@ -176,6 +189,8 @@ constexpr BlobFormatEntry kBlobFormat[] = {
     {"post_op.quant_u8", kQuantU8},
     {"algo.direct", kDirect},
     {"algo.winograd", kWinograd},
+    {"src_dt.float32", kFloat32},
+    {"src_dt.uint8", kUint8},
 };
 
 }  // namespace hgrt_onednn

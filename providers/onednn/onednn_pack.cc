@@ -17,7 +17,7 @@ Header ReadPlainHeader(const ffi::TensorView& header) {
 
 // Fills the header's layout slots (tag, offsets, ISA) for this machine.
 Header Layout(Header h) {
-  memory::desc any(WeightDims(h), memory::data_type::f32, Tag::any);
+  memory::desc any(WeightDims(h), WeiDt(h), Tag::any);
   dnnl::primitive_desc pd = MakeDesc(h, any);
   memory::desc chosen = pd.weights_desc();
   int64_t tag = FindTag(chosen);
@@ -52,7 +52,7 @@ std::shared_ptr<Repacked> Repack(const char* blob, const Header& layout) {
   const Header& h = *reinterpret_cast<const Header*>(blob);
   auto r = std::make_shared<Repacked>();
   r->layout = layout;
-  size_t bytes = static_cast<size_t>(r->layout[kBiasOffset] + 4 * h[kOC]);
+  size_t bytes = static_cast<size_t>(r->layout[kBiasOffset] + h.tail_bytes());
   r->storage.reset(new char[bytes + 64]);
   r->base = r->storage.get() + (64 - reinterpret_cast<uintptr_t>(r->storage.get()) % 64) % 64;
   memory src(WeightsWithTag(h, h[kWeiTag]), Engine(), const_cast<char*>(blob) + h[kWeiOffset]);
@@ -61,7 +61,7 @@ std::shared_ptr<Repacked> Repack(const char* blob, const Header& layout) {
   dnnl::reorder(src, dst).execute(Stream(), src, dst);
   Stream().wait();
   std::memcpy(r->base + r->layout[kBiasOffset], blob + h[kBiasOffset],
-              static_cast<size_t>(h[kOC]) * 4);
+              static_cast<size_t>(h.tail_bytes()));
   return r;
 }
 
@@ -92,7 +92,7 @@ int64_t BlobChecksum(const char* blob, size_t bytes) {
 
 int64_t PackedBytes(const ffi::TensorView& header) {
   Header h = Layout(ReadPlainHeader(header));
-  return h[kBiasOffset] + 4 * h[kOC];
+  return h[kBiasOffset] + h.tail_bytes();
 }
 
 void Pack(const ffi::TensorView& header, const ffi::TensorView& weight,
@@ -107,10 +107,13 @@ void Pack(const ffi::TensorView& header, const ffi::TensorView& weight,
     WinogradWeights(h, static_cast<const float*>(plain_data), transformed.data());
     plain_data = transformed.data();
   } else {
-    CheckTensor(weight, "weight", kF32, static_cast<int64_t>(plain.get_size() / 4));
+    int64_t bytes = h.int8() ? 1 : 4;
+    CheckTensor(weight, "weight", h.int8() ? kS8 : kF32,
+                static_cast<int64_t>(plain.get_size()) / bytes);
   }
-  CheckTensor(bias, "bias", kF32, h[kOC]);
-  CheckTensor(blob, "packed weights", kU8, h[kBiasOffset] + 4 * h[kOC]);
+  // the bias, then an int8 kernel's weight scales
+  CheckTensor(bias, "bias", kF32, h.tail_bytes() / 4);
+  CheckTensor(blob, "packed weights", kU8, h[kBiasOffset] + h.tail_bytes());
   char* base = static_cast<char*>(DataOf(blob));
   std::memset(base, 0, static_cast<size_t>(blob.numel()));
   std::memcpy(base, &h, sizeof(Header));
@@ -118,7 +121,7 @@ void Pack(const ffi::TensorView& header, const ffi::TensorView& weight,
   memory dst(WeightsWithTag(h, h[kWeiTag]), Engine(), base + h[kWeiOffset]);
   dnnl::reorder(src, dst).execute(Stream(), src, dst);
   Stream().wait();
-  std::memcpy(base + h[kBiasOffset], DataOf(bias), static_cast<size_t>(h[kOC]) * 4);
+  std::memcpy(base + h[kBiasOffset], DataOf(bias), static_cast<size_t>(h.tail_bytes()));
   h[kChecksum] = 0;
   std::memcpy(base, &h, sizeof(Header));
   h[kChecksum] = BlobChecksum(base, static_cast<size_t>(blob.numel() - kHeaderBytes));

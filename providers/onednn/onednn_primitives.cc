@@ -16,11 +16,21 @@ memory::dims WeightDims(const Header& h) {
   return {h[kOC], h[kIC], h[kKH], h[kKW]};
 }
 
+// int8 weights for an int8 kernel, else float32
+memory::data_type WeiDt(const Header& h) {
+  return h.int8() ? memory::data_type::s8 : memory::data_type::f32;
+}
+
+// what the primitive reads: the input quantized to uint8 for int8 weights, else float32
+memory::data_type SrcDt(const Header& h) {
+  return h.int8() ? memory::data_type::u8 : memory::data_type::f32;
+}
+
 memory::desc PlainWeights(const Header& h) {
   Tag tag = h[kKind] == kDense ? Tag::ab
             : h.winograd()     ? Tag::abc
                                : (h[kGroups] > 1 ? Tag::goihw : Tag::oihw);
-  return memory::desc(WeightDims(h), memory::data_type::f32, tag);
+  return memory::desc(WeightDims(h), WeiDt(h), tag);
 }
 
 memory::dims SrcDims(const Header& h) {
@@ -39,10 +49,10 @@ memory::dims OutDims(const Header& h) {
   return {h[kN], h[kOC], h[kPoolOH], h[kPoolOW]};
 }
 
-memory::desc WithTag(const memory::dims& dims, int64_t tag) {
+memory::desc WithTag(const memory::dims& dims, int64_t tag, memory::data_type dt) {
   dnnl_memory_desc_t md = nullptr;
   dnnl_status_t st = dnnl_memory_desc_create_with_tag(
-      &md, static_cast<int>(dims.size()), dims.data(), dnnl_f32,
+      &md, static_cast<int>(dims.size()), dims.data(), static_cast<dnnl_data_type_t>(dt),
       static_cast<dnnl_format_tag_t>(tag));
   if (st != dnnl_success) {
     TVM_FFI_THROW(RuntimeError) << "oneDNN: layout " << tag << " does not fit a tensor of "
@@ -51,7 +61,9 @@ memory::desc WithTag(const memory::dims& dims, int64_t tag) {
   return memory::desc(md);
 }
 
-memory::desc WeightsWithTag(const Header& h, int64_t tag) { return WithTag(WeightDims(h), tag); }
+memory::desc WeightsWithTag(const Header& h, int64_t tag) {
+  return WithTag(WeightDims(h), tag, WeiDt(h));
+}
 
 // An activation as the graph holds it: plain NCHW (N x C for dense), or a blocked layout that
 // a oneDNN kernel hands the next one (tag > 0).
@@ -115,6 +127,9 @@ dnnl::primitive_attr Attributes(const Header& h, bool in_place = false) {
   dnnl::primitive_attr attr;
   attr.set_post_ops(ops);
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  // int8: the accumulated products times a scale per output channel (the input's scale times
+  // the weights'), then the bias; the output stays float32
+  if (h.int8()) attr.set_scales_mask(DNNL_ARG_WEIGHTS, h[kGroups] > 1 ? 3 : 1);
   return attr;
 }
 
@@ -146,8 +161,12 @@ dnnl::pooling_forward::primitive_desc PoolDesc(dnnl::algorithm algo, const memor
 // A plain input leaves the output's layout to oneDNN too (then reordered to the graph's): the
 // first convolution of a model (3 channels) took 443 us writing NHWC, 240 us this way.
 dnnl::primitive_desc MakeDesc(const Header& h, const memory::desc& wei, bool in_place) {
-  auto any = [](memory::dims d) { return memory::desc(d, memory::data_type::f32, Tag::any); };
-  auto conv_io = [&](memory::dims d, int64_t tag) { return tag > 0 ? WithTag(d, tag) : any(d); };
+  auto any = [](memory::dims d, memory::data_type dt = memory::data_type::f32) {
+    return memory::desc(d, dt, Tag::any);
+  };
+  auto conv_io = [&](memory::dims d, int64_t tag, memory::data_type dt = memory::data_type::f32) {
+    return tag > 0 ? WithTag(d, tag, dt) : any(d, dt);
+  };
   memory::desc bias({h[kOC]}, memory::data_type::f32, Tag::a);
   auto kind = dnnl::prop_kind::forward_inference;
   if (h.winograd()) {  // the 36 products of the Winograd domain, one batched matmul
@@ -159,12 +178,14 @@ dnnl::primitive_desc MakeDesc(const Header& h, const memory::desc& wei, bool in_
         memory::desc({36, tiles, h[kOC]}, memory::data_type::f32, Tag::abc), attr);
   }
   if (h[kKind] == kDense) {
-    return dnnl::inner_product_forward::primitive_desc(Engine(), kind, any(SrcDims(h)), wei, bias,
+    return dnnl::inner_product_forward::primitive_desc(Engine(), kind, any(SrcDims(h), SrcDt(h)),
+                                                       wei, bias,
                                                        any(DstDims(h)), Attributes(h, in_place));
   }
   if (h[kKind] != kConv2d) TVM_FFI_THROW(RuntimeError) << "oneDNN: unknown op kind " << h[kKind];
   return dnnl::convolution_forward::primitive_desc(
-      Engine(), kind, dnnl::algorithm::convolution_direct, conv_io(SrcDims(h), h[kSrcTag]), wei,
+      Engine(), kind, dnnl::algorithm::convolution_direct,
+      conv_io(SrcDims(h), h[kSrcTag], SrcDt(h)), wei,
       bias, conv_io(DstDims(h), h[kSrcTag] > 0 ? h[kDstTag] : 0), {h[kSH], h[kSW]},
       {h[kDilH] - 1, h[kDilW] - 1}, {h[kPadT], h[kPadL]}, {h[kPadB], h[kPadR]},
       Attributes(h, in_place));
@@ -176,7 +197,8 @@ int64_t FindTag(const memory::desc& md) {
   memory::dims dims = md.get_dims();
   for (int t = static_cast<int>(dnnl_a); t < static_cast<int>(dnnl_format_tag_last); ++t) {
     dnnl_memory_desc_t c = nullptr;
-    if (dnnl_memory_desc_create_with_tag(&c, static_cast<int>(dims.size()), dims.data(), dnnl_f32,
+    if (dnnl_memory_desc_create_with_tag(&c, static_cast<int>(dims.size()), dims.data(),
+                                         static_cast<dnnl_data_type_t>(md.get_data_type()),
                                          static_cast<dnnl_format_tag_t>(t)) != dnnl_success) {
       continue;
     }
@@ -195,8 +217,7 @@ int64_t FindTag(const memory::desc& md) {
 // count) gets the primitive that takes the packed layout, if any does.
 dnnl::primitive_desc RunDesc(const Header& h) {
   memory::desc packed = WeightsWithTag(h, h[kWeiTag]);
-  dnnl::primitive_desc pd = MakeDesc(h, memory::desc(WeightDims(h), memory::data_type::f32,
-                                                     Tag::any));
+  dnnl::primitive_desc pd = MakeDesc(h, memory::desc(WeightDims(h), WeiDt(h), Tag::any));
   if (pd.weights_desc() == packed) return pd;
   try {
     return MakeDesc(h, packed);
@@ -259,7 +280,21 @@ std::shared_ptr<Entry> MakeEntry(const char* blob, std::shared_ptr<Repacked> rep
     prim = dnnl::reorder(pd);
     pad = pd.scratchpad_desc();
   };
-  if (e->reorder_src) reorder(e->to_src, e->to_src_pad, e->src_user, e->src);
+  if (h.int8()) {  // the input quantized onto its grid: x / scale + zero point, rounded
+    e->src_scale = static_cast<float>(AsDouble(h[kSrcScale]));
+    e->src_zp = static_cast<int32_t>(h[kSrcZP]);
+    e->scale_1 = memory::desc({1}, memory::data_type::f32, Tag::a);
+    e->zp_1 = memory::desc({1}, memory::data_type::s32, Tag::a);
+    e->wei_scales = memory::desc({h[kOC]}, memory::data_type::f32, Tag::a);
+    dnnl::primitive_attr attr = UserScratchpad();
+    attr.set_scales_mask(DNNL_ARG_DST, 0);
+    attr.set_zero_points_mask(DNNL_ARG_DST, 0);
+    auto pd = dnnl::reorder::primitive_desc(Engine(), e->src_user, Engine(), e->src, attr);
+    e->to_src = dnnl::reorder(pd);
+    e->to_src_pad = pd.scratchpad_desc();
+  } else if (e->reorder_src) {
+    reorder(e->to_src, e->to_src_pad, e->src_user, e->src);
+  }
   if (e->reorder_dst) {
     reorder(e->from_dst, e->from_dst_pad, h.pooled() ? e->pooled : e->dst, e->dst_user);
   }
@@ -298,7 +333,7 @@ std::shared_ptr<Entry> GetEntry(const char* blob, int threads) {
                               << " bytes, the blob holds " << h[kWeiBytes];
   }
   // the weights are the ones packed: once per blob and header, one pass over its bytes
-  size_t bytes = static_cast<size_t>(h[kBiasOffset] + 4 * h[kOC] - kHeaderBytes);
+  size_t bytes = static_cast<size_t>(h[kBiasOffset] + h.tail_bytes() - kHeaderBytes);
   if (BlobChecksum(blob, bytes) != h[kChecksum]) {
     TVM_FFI_THROW(ValueError) << "oneDNN: the packed weights or their header do not match the "
                                  "header's checksum (a damaged params file?); load the params "
@@ -345,7 +380,7 @@ bool InPlaceTwin(Entry& e) {
     const Header& h = e.layout;
     try {
       dnnl::primitive_desc pd = MakeDesc(
-          h, memory::desc(WeightDims(h), memory::data_type::f32, Tag::any), true);
+          h, memory::desc(WeightDims(h), WeiDt(h), Tag::any), true);
       if (pd.weights_desc() != e.wei) pd = MakeDesc(h, e.wei, true);
       std::string impl = pd.impl_info_str();
       if (pd.src_desc() != e.src || pd.dst_desc() != e.dst || impl.rfind("ref", 0) == 0) return;

@@ -20,6 +20,7 @@
 #include <tvm/ffi/reflection/registry.h>
 #include <tvm/ffi/string.h>
 
+#include <cmath>
 #include <optional>
 
 #include "onednn_shim.h"
@@ -62,7 +63,9 @@ void CheckTensor(const ffi::TensorView& t, const char* what, DLDataType dtype, i
   }
   if (t.dtype().code != dtype.code || t.dtype().bits != dtype.bits || !t.IsContiguous()) {
     TVM_FFI_THROW(ValueError) << "oneDNN kernel: " << what << " must be contiguous "
-                              << (dtype.code == kDLFloat ? "float32" : "uint8");
+                              << (dtype.code == kDLFloat ? "float32"
+                                  : dtype.code == kDLInt ? "int8"
+                                                         : "uint8");
   }
   if (numel >= 0 && t.numel() != numel) {
     TVM_FFI_THROW(ValueError) << "oneDNN kernel: " << what << " has " << t.numel()
@@ -87,6 +90,15 @@ void CheckOps(const Header& h) {
     TVM_FFI_THROW(ValueError) << "oneDNN: a Winograd convolution takes relu, clip and sum "
                                  "post-ops only";
   }
+  if (h[kSrcDT] != kFloat32 && h[kSrcDT] != kUint8) {
+    TVM_FFI_THROW(ValueError) << "oneDNN: unknown input type " << h[kSrcDT] << " in the header";
+  }
+  double scale = AsDouble(h[kSrcScale]);
+  if (h.int8() && (h.winograd() || h[kSrcZP] < 0 || h[kSrcZP] > 255 || !(scale > 0) ||
+                   !std::isfinite(static_cast<float>(1.0 / scale)))) {
+    TVM_FFI_THROW(ValueError) << "oneDNN: bad int8 grid in the header (scale " << scale
+                              << ", zero point " << h[kSrcZP] << ", a direct algorithm)";
+  }
   if (h.winograd() && WinogradProblem(h)) {
     TVM_FFI_THROW(ValueError) << "oneDNN: " << WinogradProblem(h);
   }
@@ -110,7 +122,7 @@ const Header& ReadHeader(const ffi::TensorView& blob) {
   int64_t n = blob.numel();
   if (h[kOC] < 1 || h[kOC] > n / 4 || h[kWeiOffset] < kHeaderBytes || h[kWeiOffset] > n ||
       h[kWeiBytes] < 0 || h[kWeiBytes] > n || h[kBiasOffset] < 0 || h[kBiasOffset] > n ||
-      h[kWeiOffset] + h[kWeiBytes] > h[kBiasOffset] || h[kBiasOffset] + 4 * h[kOC] > n) {
+      h[kWeiOffset] + h[kWeiBytes] > h[kBiasOffset] || h[kBiasOffset] + h.tail_bytes() > n) {
     TVM_FFI_THROW(ValueError) << "oneDNN: packed weights truncated";
   }
   if (h.pooled() && (h[kKind] != kConv2d || h[kPoolKW] < 1 || h[kPoolSH] < 1 ||
@@ -190,6 +202,10 @@ void Run(const ffi::TensorView& x, const ffi::TensorView& blob,
     a.Set(DNNL_ARG_FROM, e->src_user, DataOf(x));
     a.Set(DNNL_ARG_TO, e->src, src);
     a.Set(DNNL_ARG_SCRATCHPAD, e->to_src_pad, s.reorder_pad.get(e->to_src_pad.get_size() + 64));
+    if (h.int8()) {  // onto the input's grid
+      a.Set(DNNL_ARG_ATTR_SCALES | DNNL_ARG_DST, e->scale_1, &e->src_scale);
+      a.Set(DNNL_ARG_ATTR_ZERO_POINTS | DNNL_ARG_DST, e->zp_1, &e->src_zp);
+    }
     e->to_src.execute(stream, a.map());
   }
   // the output's buffer may hold the residual (the plan wrote the output over it, node attr
@@ -217,6 +233,10 @@ void Run(const ffi::TensorView& x, const ffi::TensorView& blob,
   conv.Set(DNNL_ARG_WEIGHTS, e->wei, weights + e->layout[kWeiOffset]);
   conv.Set(DNNL_ARG_BIAS, e->bias, weights + e->layout[kBiasOffset]);
   conv.Set(DNNL_ARG_DST, e->dst, dst);
+  if (h.int8()) {  // the weights' scales follow the bias
+    conv.Set(DNNL_ARG_ATTR_SCALES | DNNL_ARG_WEIGHTS, e->wei_scales,
+             weights + e->layout[kBiasOffset] + 4 * h[kOC]);
+  }
   const memory::desc& pad = twin ? e->in_place_scratch : e->scratch;
   conv.Set(DNNL_ARG_SCRATCHPAD, pad, s.pad.get(pad.get_size() + 64));
   (twin ? e->in_place : e->prim).execute(stream, conv.map());

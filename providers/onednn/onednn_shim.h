@@ -62,9 +62,14 @@ struct Header {
   bool has_eltwise() const { return has_post(kGeluErf, kQuantU8); }
   // a quantize-dequantize post-op (a QDQ model's grid): a blob of its own version
   bool has_quant() const { return has_post(kQuantS8, kQuantU8); }
+  // int8 weights, the input quantized to uint8 by the kernel (the grid: src_scale, src_zp)
+  bool int8() const { return v[kSrcDT] == kUint8; }
+  // the bytes after the weights: the float32 bias, then (int8) the weights' scales per channel
+  int64_t tail_bytes() const { return 4 * v[kOC] * (int8() ? 2 : 1); }
   // the version a blob of this header carries: an older shim refuses what it cannot compute
   int64_t version() const {
-    return winograd()      ? kVersionWinograd
+    return int8()          ? kVersionInt8
+           : winograd()    ? kVersionWinograd
            : has_quant()   ? kVersionQuant
            : has_eltwise() ? kVersionEltwise
                            : kVersion;
@@ -93,6 +98,7 @@ inline void* DataOf(const ffi::TensorView& t) {
 
 const DLDataType kF32{kDLFloat, 32, 1};
 const DLDataType kU8{kDLUInt, 8, 1};
+const DLDataType kS8{kDLInt, 8, 1};
 
 void CheckTensor(const ffi::TensorView& t, const char* what, DLDataType dtype, int64_t numel);
 void CheckOps(const Header& h);
@@ -220,7 +226,9 @@ memory::desc PlainWeights(const Header& h);
 memory::dims SrcDims(const Header& h);
 memory::dims DstDims(const Header& h);
 memory::dims OutDims(const Header& h);
-memory::desc WithTag(const memory::dims& dims, int64_t tag);
+memory::desc WithTag(const memory::dims& dims, int64_t tag,
+                     memory::data_type dt = memory::data_type::f32);
+memory::data_type WeiDt(const Header& h);
 memory::desc WeightsWithTag(const Header& h, int64_t tag);
 dnnl::pooling_forward::primitive_desc PoolDesc(dnnl::algorithm algo, const memory::desc& src,
                                                const memory::desc& dst,
@@ -258,6 +266,10 @@ struct Entry {
   dnnl::primitive pool;
   memory::desc pooled, pool_scratch;
   dnnl::reorder to_src, from_dst, residual_to_dst;
+  // an int8 kernel: the input's grid (to_src quantizes by it) and the weights' scales
+  float src_scale = 1.f;
+  int32_t src_zp = 0;
+  memory::desc scale_1, zp_1, wei_scales;
   memory::desc to_src_pad, from_dst_pad, residual_pad;  // their scratchpads (the caller's)
 };
 

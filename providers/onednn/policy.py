@@ -96,6 +96,8 @@ def winograd_pays(h: np.ndarray, nhwc: int) -> bool:
     has_sum = any(v[f"post{k}"] == POST_OP["sum"] for k in range(MAX_POST_OPS))
     if any(v[f"post{k}"] in (POST_OP[p] for p in ELTWISE_POST_OPS) for k in range(MAX_POST_OPS)):
         return False  # the Winograd kernels add relu, clip and sum only
+    if v["src_dt"]:
+        return False  # an int8 convolution runs direct (4x faster than float32 already)
     if v["pool_kh"] or v["src_tag"] != nhwc or v["dst_tag"] != nhwc \
             or (has_sum and v["res_tag"] != nhwc):
         return False

@@ -1,7 +1,9 @@
 """QDQ models on oneDNN: a QuantizeLinear read only by a DequantizeLinear of the same scale and
 zero point is a post-op of the convolution or dense layer before it (the grid: round, clip,
-scale), against onnxruntime running the same file as float ops (its QDQ fusions off, so that
-its int8 kernels' own requantization does not enter the comparison)."""
+scale), and a layer whose input is dequantized from a grid and whose weights are an int8 grid
+per output channel computes in int8 where the host has VNNI; against onnxruntime running the
+same file as float ops (its QDQ fusions off, so that its int8 kernels' own requantization does
+not enter the comparison)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,14 @@ from onnx import TensorProto, helper, numpy_helper
 import hgrt
 from hgrt.providers.onednn import claim_onednn as claim
 from hgrt.providers.onednn import kernels as onednn
-from hgrt.providers.onednn.blob import HEADER_INT64, HEADER_VERSION_QUANT, SLOT
+from hgrt.providers.onednn.blob import (
+    HEADER_INT64,
+    HEADER_VERSION_INT8,
+    HEADER_VERSION_QUANT,
+    SLOT,
+    SRC_DT,
+)
+from hgrt.providers.onednn.int8 import VNNI_ISAS, weight_grid
 from hgrt.testing import run_hgrt
 
 REASON = onednn.unavailable_reason()
@@ -41,15 +50,16 @@ class _Model:
                        helper.make_node("DequantizeLinear", [f"{name}_q", s2, z], [name])]
         return name
 
-    def weight(self, name: str, shape: tuple[int, ...]) -> str:
-        """An int8 weight with a scale per output channel, dequantized (axis 0)."""
+    def weight(self, name: str, shape: tuple[int, ...], axis: int = 0) -> str:
+        """An int8 weight with a scale per index of ``axis``, dequantized."""
         w = self.rng.integers(-127, 128, shape).astype("int8")
-        s = (self.rng.uniform(0.5, 1.5, shape[0]) / 127 / np.sqrt(np.prod(shape[1:]))).astype(
+        n = shape[axis]
+        s = (self.rng.uniform(0.5, 1.5, n) / 127 / np.sqrt(np.prod(shape) / n)).astype(
             "float32")
         self.nodes.append(helper.make_node(
             "DequantizeLinear", [self.init(f"{name}_i8", w), self.init(f"{name}_ws", s),
-                                 self.init(f"{name}_wz", np.zeros(shape[0], "int8"))],
-            [name], axis=0))
+                                 self.init(f"{name}_wz", np.zeros(n, "int8"))],
+            [name], axis=axis))
         return name
 
     def model(self, inputs: dict[str, list[int]], out: str):
@@ -164,3 +174,102 @@ def test_a_dequantize_of_another_scale_stays_outside_the_kernel():
     res = hgrt.build(model, ["cpu"], kernels="onednn")
     assert _onednn_ops(res) == ["conv2d+bias"]
     _on_the_grid(run_hgrt(res, feeds)[0], _float_onnxruntime(model, feeds), 0.04)
+
+
+# ---- int8 kernels ----------------------------------------------------------------------------
+
+VNNI = REASON is None and onednn.isa() in VNNI_ISAS
+
+
+def _header(res) -> np.ndarray:
+    (blob,) = [v for v in res.params.values() if v.dtype == np.uint8]
+    return blob[:HEADER_INT64 * 8].view(np.int64)
+
+
+def _relu_grid_convolution(groups: int = 1, c: int = 32, hw: int = 14):
+    """A ReLU's output on its grid (int8, zero point -128: uint8 zero 0) into a padded 3x3
+    convolution (depthwise where ``groups`` is ``c``), its result onto a grid of its own."""
+    m = _Model(3)
+    m.nodes.append(helper.make_node("Relu", ["x"], ["r"]))
+    x = m.qdq("r", "rq", 0.02, -128, "int8")
+    b = m.init("b", m.rng.standard_normal(c).astype("float32") * 0.1)
+    m.nodes.append(helper.make_node("Conv", [x, m.weight("w", (c, c // groups, 3, 3)), b], ["c"],
+                                    pads=[1, 1, 1, 1], group=groups))
+    return m.model({"x": [1, c, hw, hw]}, m.qdq("c", "y", 0.01, 5, "int8"))
+
+
+@pytest.mark.parametrize("groups", [1, 32])
+def test_a_convolution_of_a_relu_s_grid_computes_in_int8(groups):
+    model = _relu_grid_convolution(groups)
+    feeds = _inputs(model)
+    res = hgrt.build(model, ["cpu"], kernels="onednn")
+    want = _float_onnxruntime(model, feeds)
+    if not VNNI:
+        assert _onednn_ops(res) == ["conv2d+bias+quantize"]
+    else:
+        assert _onednn_ops(res) == ["conv2d(int8)+bias+quantize"]
+        h = _header(res)
+        assert h[SLOT["version"]] == HEADER_VERSION_INT8 and h[SLOT["src_dt"]] == SRC_DT["uint8"]
+        assert h[SLOT["src_zp"]] == 0  # int8 -128 is uint8 0: the padding reads the grid's zero
+    _on_the_grid(run_hgrt(res, feeds)[0], want, 0.01)
+    assert len(np.unique(want)) > 20
+
+
+def test_an_int8_dense_layer_takes_its_zero_point_into_the_bias():
+    """An int8 grid of zero point 3 (uint8 131) into a dense layer: nothing pads a dense layer,
+    so the zero point's share of each sum is a constant per output channel in the bias."""
+    m = _Model(4)
+    x = m.qdq("x", "xq", 0.03, 3, "int8")
+    m.nodes += [helper.make_node("MatMul", [x, m.weight("w", (96, 40), axis=1)], ["m"]),
+                helper.make_node("Add", ["m", m.init("b", np.full(40, -0.2, "float32"))],
+                                 ["a"])]
+    model = m.model({"x": [7, 96]}, m.qdq("a", "y", 0.02, -1, "int8"))
+    feeds = _inputs(model)
+    res = hgrt.build(model, ["cpu"], kernels="onednn")
+    assert _onednn_ops(res) == ["dense(int8)+bias+quantize" if VNNI else "dense+bias+quantize"]
+    if VNNI:
+        assert _header(res)[SLOT["src_zp"]] == 131
+    want = _float_onnxruntime(model, feeds)
+    _on_the_grid(run_hgrt(res, feeds)[0], want, 0.02)
+    assert len(np.unique(want)) > 20
+
+
+def test_a_padded_convolution_of_a_grid_with_a_zero_point_stays_float():
+    """uint8 zero point 128 under a padded convolution: the border would read 0, not the grid's
+    zero, in int8; the layer runs in float32 on the grid's numbers."""
+    res = hgrt.build(_conv_block(), ["cpu"], kernels="onednn")
+    assert _header(res)[SLOT["src_dt"]] == SRC_DT["float32"]
+
+
+def test_int8_weights_are_recovered_bit_for_bit_or_not_at_all():
+    rng = np.random.default_rng(7)
+    q = rng.integers(-128, 128, (24, 3, 3, 3)).astype(np.int8)
+    q[5] = 0  # a channel of zeros
+    q[6] = rng.integers(-40, 41, (3, 3, 3))  # a channel whose peak is far from the grid's end
+    for scale in (rng.uniform(1e-4, 1e-2, 24).astype(np.float32),  # per channel
+                  np.full(24, np.float32(0.00731))):  # one for the tensor
+        w = q.astype(np.float32) * scale[:, None, None, None]
+        got = weight_grid(w)
+        assert got is not None
+        back = got[0].astype(np.float32) * got[1][:, None, None, None]
+        assert np.array_equal(back, w)
+        assert np.array_equal(got[0][[0, 1, 7]], q[[0, 1, 7]])
+        w[3, 1, 1, 1] = np.nextafter(w[3, 1, 1, 1], np.float32(1))  # off the grid by one ulp
+        assert weight_grid(w) is None
+    assert weight_grid(rng.standard_normal((8, 16)).astype(np.float32)) is None
+
+
+@pytest.mark.skipif(not VNNI, reason="int8 kernels need VNNI")
+def test_a_header_with_a_grid_off_uint8_is_refused():
+    import tvm
+
+    model = _relu_grid_convolution()
+    res = hgrt.build(model, ["cpu"], kernels="onednn")
+    (name,) = [k for k, v in res.params.items() if v.dtype == np.uint8]
+    blob = res.params[name].copy()
+    blob[:HEADER_INT64 * 8].view(np.int64)[SLOT["src_zp"]] = 300
+    x = tvm.runtime.tensor(np.zeros((1, 32, 14, 14), "float32"))
+    out = tvm.runtime.tensor(np.zeros((1, 32, 14, 14), "float32"))
+    with pytest.raises(Exception, match="bad int8 grid"):
+        onednn.kernel_function(claim.FUNC_NAME["conv2d"])(
+            x, tvm.runtime.tensor(blob), out)

@@ -1,7 +1,7 @@
 """The packed-weight blob's header is defined once, in providers/onednn/blob.py: the C++
-header the shim compiles (providers/onednn/onednn_blob.h) is what that module generates, every file of
-the shim is in the key of its build cache, and the compiled shim reports the format Python
-writes."""
+header the shim compiles (providers/onednn/onednn_blob.h) is what that module generates, every
+file of the shim is in the key of its build cache, and the compiled shim reports the format
+Python writes."""
 
 from __future__ import annotations
 
