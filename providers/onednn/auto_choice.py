@@ -19,9 +19,14 @@ layer whose register tile holds a single row (``tile_rows``: rows with no diviso
 such as 197 or 49) takes ``ONE_ROW_SLOWDOWN`` times as long, a convolution ``CONV_GAIN`` times.
 Walking ``main``'s bindings in order, every other op that runs on TVM's pool (``on_pool``)
 needs the TVM side, and a switch costs ``SWITCH_US``; the cheapest assignment (two states, one
-pass) says which chains oneDNN keeps. So on AVX-512 a transformer's dense layers (tiles of
-several rows, layer norms and attention between them) stay TVM's, on AVX2 (TVM's kernel 2.2x
-oneDNN's) they go to oneDNN, and a CNN's convolutions go to oneDNN.
+pass) says which chains oneDNN keeps. The row ops oneDNN can take (``rows``: layer norms,
+softmaxes, matmuls of two activations) are choices of the same pass: a matmul costs its
+multiply-adds, the others the bytes they move (``ROW_BYTES_PER_US``), TVM's kernels
+``ROW_TVM_SLOWDOWN`` times oneDNN's. So a transformer's layer norms and attention join its
+dense layers on oneDNN where those go there (one run of oneDNN kernels, no switch inside: vit
+224 -> 203 ms, swin 82 -> 56 ms, EPYC AVX-512, 2 threads), a CNN's convolutions go to oneDNN,
+and where nothing else of a block does (a dense layer whose TVM tile is as fast as oneDNN's,
+an op only TVM computes between) the switches keep it TVM's.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from tvm import relax
 from hgrt.devices import vector_isa
 from hgrt.providers.onednn import channels_last, reasons
 from hgrt.providers.onednn.chains import Chain, ChainGraph, find_chains
+from hgrt.providers.onednn.rows import RowOp
 from hgrt.relay_passes.inner.cpu_schedule_blocks import MIN_PARALLEL_WORK
 from hgrt.relay_passes.inner.cpu_schedule_matmul import tile_rows
 from hgrt.relay_passes.util.kernels import Kernels
@@ -60,6 +66,13 @@ TVM_DENSE_BY_ISA = {"avx2": 2.2}
 # TVM's default convolutions against oneDNN's direct ones, whole CNNs on the same kernels
 # (BENCHMARKS.md, oneDNN's zoo against the Relax VM on TVM's: 0.49-0.96, most 0.64-0.84)
 CONV_GAIN = 1.5
+# a layer norm's or softmax's bytes read and written per microsecond and core (either provider:
+# vit's (197, 768) layer norm 21 us on oneDNN, 2 threads), and TVM's kernels of a row op
+# against oneDNN's (EPYC AVX-512, 2 threads): vit's attention matmuls (12, 197, 64) x (12, 64,
+# 197) 980 against 284 us and (12, 197, 197) x (12, 197, 64) 600 against 259 us, its softmax
+# with the NaN check after it 427 against 207 us
+ROW_BYTES_PER_US = 20e3
+ROW_TVM_SLOWDOWN = {"matmul": 2.5, "softmax": 2.0, "layer_norm": 1.0}
 # what a switch between the thread pools is counted at: twice the 130-150 us measured (above).
 # Against 3 ms, in turns in one process (EPYC, AVX-512, 2 cores): vit 257 -> 224 ms, swin 69.7
 # -> 62.5, convnext 69.5 -> 63.3, gpt2 161 -> 159, distilbert and t5_encoder within 1 %
@@ -99,12 +112,16 @@ def on_pool(b: relax.VarBinding) -> bool:
     return nbytes > SOLO_BYTES
 
 
-def modelled_us(chain: Chain, ctx: Any) -> dict[str, float]:
+def modelled_us(chain: Chain | RowOp, ctx: Any) -> dict[str, float]:
     """Microseconds ``chain`` is modelled to take on each provider."""
     target = ctx.devices[ctx.placed.op_device[chain.root.var.name]].target
     isa = vector_isa(target)
     cores = int(target.attrs.get("num-cores", 1) or 1)
     work = chain.macs / (MAC_RATE * cores * isa.lanes() / 16) * 1e6
+    if isinstance(chain, RowOp):  # a matmul by its MACs, the others by the bytes they move
+        if chain.kind != "matmul":
+            work = 8 * chain.elements / (ROW_BYTES_PER_US * cores)
+        return {"onednn": work, "tvm": work * ROW_TVM_SLOWDOWN[chain.kind]}
     if chain.kind == "dense":
         rows = _shape(chain.x)[-2]
         slow = rows > 1 and tile_rows(rows, chain.weight.shape[0], isa) <= 1
@@ -119,8 +136,8 @@ def _elements(var: relax.Var) -> int:
     return math.prod(dims) if dims is not None else MIN_PARALLEL_WORK
 
 
-def _options(b: relax.VarBinding, chain: Chain | None, ctx: Any) -> list[tuple[str, str | None,
-                                                                              float]]:
+def _options(b: relax.VarBinding, chain: Chain | RowOp | None,
+             ctx: Any) -> list[tuple[str, str | None, float]]:
     """What binding ``b`` may run as: ``(provider, the pool it leaves awake (None: the one
     that was), modelled us)``. A TVM kernel with fewer than ``MIN_PARALLEL_WORK`` output
     elements runs serial on the calling thread (the schedules' rule): it wakes no pool."""
@@ -134,7 +151,8 @@ def _options(b: relax.VarBinding, chain: Chain | None, ctx: Any) -> list[tuple[s
     return options
 
 
-def choose_auto(g: ChainGraph, chains: list[Chain]) -> tuple[set[int], dict[str, float]]:
+def choose_auto(g: ChainGraph, chains: list[Chain | RowOp]
+                ) -> tuple[set[int], dict[str, float]]:
     """The chains (by id) that oneDNN computes: those asked for by name (``choice ==
     "onednn"``) and the ``"auto"`` ones where the cheapest assignment of ``main`` puts them (see
     the module's doc) in ``g``'s ``main``; and that assignment's modelled microseconds, and
@@ -173,13 +191,19 @@ def choose_auto(g: ChainGraph, chains: list[Chain]) -> tuple[set[int], dict[str,
 
 
 def keep_what_pays(func: relax.Function, ctx: Any, kernels: Kernels, g: ChainGraph,
-                   chains: list[Chain]) -> tuple[ChainGraph, list[Chain]]:
-    """``(g, chains)`` without the ``"auto"`` chains that ``choose_auto`` leaves to TVM (found
-    anew, those roots TVM's as if an override said so), the choice in the build log."""
-    chosen, us = choose_auto(g, chains)
+                   chains: list[Chain], rows: list[RowOp]
+                   ) -> tuple[ChainGraph, list[Chain], list[RowOp]]:
+    """``(g, chains, rows)`` without the ``"auto"`` chains and row ops that ``choose_auto``
+    leaves to TVM (the chains found anew, those roots TVM's as if an override said so), the
+    choice in the build log."""
+    chosen, us = choose_auto(g, [*chains, *rows])
+    kept_rows = [r for r in rows if id(r) in chosen]
+    if len(kept_rows) < len(rows):
+        ctx.log(f"kernels: tvm for {len(rows) - len(kept_rows)} of the {len(rows)} layer norms, "
+                f"softmaxes and matmuls of two activations oneDNN could take (auto)")
     left = [c for c in chains if id(c) not in chosen]
     if not left:
-        return g, chains
+        return g, chains, kept_rows
     ctx.log(f"kernels: tvm for {len(left)} of the {len(chains)} ops oneDNN could take (auto: "
             f"modelled {us['chosen'] / 1e3:.2f} ms with a switch between thread pools at "
             f"{SWITCH_US:.0f} us, against {us['tvm'] / 1e3:.2f} ms all on TVM): "
@@ -189,4 +213,5 @@ def keep_what_pays(func: relax.Function, ctx: Any, kernels: Kernels, g: ChainGra
     g = ChainGraph(func, ctx)
     chains = find_chains(g, again)
     reasons.switches_cost_more(ctx, left, {id(c): modelled_us(c, ctx) for c in left}, SWITCH_US)
-    return g, chains
+    g.claimed.update(v for r in kept_rows for v in r.members)
+    return g, chains, kept_rows

@@ -354,7 +354,9 @@ def find_chains(g: ChainGraph, kernels: Kernels,
             if chain is None:
                 if device is None or not ctx.devices[device].is_gpu:  # (a GPU's: not ours)
                     g.declined[b.var.name] = why
-                if named and choice == "onednn":
+                two = op_name(b.value) == "relax.matmul" and all(  # (a row kernel's, rows.py)
+                    isinstance(a, relax.Var) and a not in g.weights for a in b.value.args)
+                if named and choice == "onednn" and not two:
                     raise BuildError(f"kernels override {b.var.name!r}='onednn': oneDNN cannot "
                                      f"compute this {op_name(b.value)}: {why}")
                 continue

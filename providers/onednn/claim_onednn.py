@@ -63,6 +63,8 @@ from hgrt.providers.onednn.policy import (
     onednn_runtime,
     weight_room,
 )
+from hgrt.providers.onednn.rows import FUNC_NAME as ROW_FUNC
+from hgrt.providers.onednn.rows import RowOp, find_rows
 from hgrt.relay_passes.util.context import BuildContext
 from hgrt.relay_passes.util.kernels import Kernels
 from hgrt.relay_passes.util.pipeline import contract
@@ -183,6 +185,28 @@ class _Emitter:
         self.calls[end] = (var, relax.op.call_dps_packed(func, relax.Tuple(args), var.ty))
 
 
+    def emit_row(self, op: RowOp) -> bool:
+        """The call of row op ``op``, unless an activation it reads is NHWC here (then it
+        stays TVM's: the row kernels read plain tensors). Whether it made one."""
+        if any(a in self.plan.nhwc for a in op.args):
+            return False
+        args = list(op.args)
+        if op.params is not None:
+            first = op.read[0] if op.read else None
+            name = self.g.weights.get(first, op.end.name) if first is not None else op.end.name
+            args.append(self._weight(f"{name}.{op.kind}", op.params, op.args[0].ty.vdevice))
+        func = relax.ExternFunc(ROW_FUNC[op.kind])
+        attrs = {"provider": "onednn", "onednn_op": "+".join(op.label),
+                 "onednn_isa": self.isa}
+        if op.macs:
+            attrs["flops"] = str(2 * op.macs)
+        for key, value in attrs.items():
+            func = func.with_attr(key, value)
+        self.calls[op.end] = (op.end, relax.op.call_dps_packed(func, relax.Tuple(args),
+                                                               op.end.ty))
+        return True
+
+
 def _rewrite(func: relax.Function, emitter: _Emitter, drop: set[relax.Var],
              ctx: BuildContext) -> relax.Function:
     """``func`` with each chain's last binding bound to its call, the rest of it dropped, the
@@ -222,6 +246,9 @@ def claim_onednn(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
         return mod
     g = ChainGraph(func, ctx)
     chains = find_chains(g, kernels)
+    rows = find_rows(g, kernels)
+    for r in rows:  # a matmul of two activations: not a chain's, a row kernel's
+        g.declined.pop(r.root.var.name, None)
     reasons.declined(ctx, g.declined)
     auto = [c for c in chains if c.choice == "auto"]
     macs = sum(c.macs for c in chains)  # the model's, whoever asked: auto's choice is per model
@@ -232,18 +259,22 @@ def claim_onednn(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
         reasons.below_floor(ctx, auto, macs, AUTO_MIN_MACS)
         g = ChainGraph(func, ctx)
         chains = find_chains(g, kernels, frozenset({"onednn"}))
-    elif auto:  # per op: what oneDNN saves against the switches between thread pools
-        g, chains = keep_what_pays(func, ctx, kernels, g, chains)
-    if not chains:
+        rows = [r for r in rows if r.choice == "onednn"]
+    elif auto or any(r.choice == "auto" for r in rows):  # per op: what oneDNN saves against
+        # the switches between thread pools
+        g, chains, rows = keep_what_pays(func, ctx, kernels, g, chains, rows)
+    if not chains and not rows:
         return mod
     int8 = quantize_chains(g, chains, runtime.isa())
     emitter = _Emitter(g, chains, runtime, kernels.winograd, weight_room(g))
     position = {b.var: i for i, b in enumerate(bindings(func))}
     for chain in sorted(chains, key=lambda c: position[c.end]):  # producers first
         emitter.emit(chain)
-    drop = {v for c in chains for v in c.members[:-1]}
-    reasons.claimed(ctx, chains, kernels, macs, AUTO_MIN_MACS)  # the report's kernels, why
-    ctx.log(f"oneDNN ({emitter.isa}) claims {len(chains)} ops ({int8} in int8), "
+    rows = [r for r in rows if emitter.emit_row(r)]
+    drop = {v for c in [*chains, *rows] for v in c.members[:-1]}
+    reasons.claimed(ctx, [*chains, *rows], kernels, macs, AUTO_MIN_MACS)  # the report's why
+    ctx.log(f"oneDNN ({emitter.isa}) claims {len(chains)} ops ({int8} in int8) and "
+            f"{len(rows)} layer norms, softmaxes and matmuls of two activations, "
             f"{len(emitter.plan.nhwc)} "
             f"tensors NHWC: " + ", ".join(sorted({"+".join(c.label) for c in chains})))
     log_winograd(ctx, emitter.winograd_candidates, emitter.winograd_bytes, emitter.plain_bytes,

@@ -43,11 +43,12 @@ __all__ = ["FUNCTIONS", "INSTALL_HINT", "blob_format", "cache_root", "forget", "
 INSTALL_HINT = "pip install -e '.[onednn]'"
 # what graph nodes call
 FUNCTIONS = tuple(PREFIX + f for f in ("conv2d", "dense", "concat", "pool", "shuffle", "lrn",
-                                           "affine", "to_nchw"))
+                                           "affine", "to_nchw", "layer_norm", "softmax",
+                                           "matmul"))
 # the shim: its sources, compiled into one library, and the headers they include (the key of
 # the cache covers them all: a changed file rebuilds)
 SOURCES = tuple(Path(__file__).with_name(f"onednn_{part}.cc")
-                for part in ("shim", "primitives", "pack", "winograd", "layout"))
+                for part in ("shim", "primitives", "pack", "winograd", "layout", "rows"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("onednn_shim.h", "onednn_blob.h"))
 _WHEELS = ("onednn-cpu-gomp", "onednn-devel-cpu-gomp")  # libdnnl.so + libgomp; headers
 

@@ -344,6 +344,16 @@ TVM_FFI_STATIC_INIT_BLOCK() {
            [](ffi::TensorView x, ffi::TensorView params, ffi::TensorView out) {
              Catch([&] { Affine(x, params, out); });
            })
+      .def("hgrt.onednn.layer_norm",
+           [](ffi::TensorView x, ffi::TensorView params, ffi::TensorView out) {
+             Catch([&] { LayerNorm(x, params, out); });
+           })
+      .def("hgrt.onednn.softmax",
+           [](ffi::TensorView x, ffi::TensorView params, ffi::TensorView out) {
+             Catch([&] { Softmax(x, params, out); });
+           })
+      .def_packed("hgrt.onednn.matmul",
+                  [](ffi::PackedArgs args, ffi::Any*) { Catch([&] { Matmul(args); }); })
       .def("hgrt.onednn.to_nchw",
            [](ffi::TensorView x, ffi::TensorView out) { Catch([&] { ToNchw(x, out); }); })
       .def_packed("hgrt.onednn.concat",

@@ -7,6 +7,8 @@
 //   onednn_winograd.cc    the hand-written Winograd F(4x4, 3x3) convolution
 //   onednn_layout.cc      the weightless NHWC kernels: concat, pool, shuffle, LRN, affine and
 //                         the reorder back to NCHW
+//   onednn_rows.cc        a transformer's kernels between its dense layers: layer norm,
+//                         softmax, the matmul of two activations
 // into one library. The blob header's slots and codes come from onednn_blob.h, generated from
 // providers/onednn/blob.py.
 #pragma once
@@ -304,5 +306,13 @@ void Shuffle(const ffi::TensorView& x, const ffi::TensorView& attrs, const ffi::
 void Lrn(const ffi::TensorView& x, const ffi::TensorView& attrs, const ffi::TensorView& out);
 void Affine(const ffi::TensorView& x, const ffi::TensorView& params, const ffi::TensorView& out);
 void ToNchw(const ffi::TensorView& x, const ffi::TensorView& out);
+void PushBits(std::vector<int64_t>& key, const float* values, int n);
+
+// ---- onednn_rows.cc ------------------------------------------------------------------------
+
+void LayerNorm(const ffi::TensorView& x, const ffi::TensorView& params,
+               const ffi::TensorView& out);
+void Softmax(const ffi::TensorView& x, const ffi::TensorView& params, const ffi::TensorView& out);
+void Matmul(ffi::PackedArgs args);
 
 }  // namespace hgrt_onednn

@@ -38,14 +38,18 @@ def what(chain: Chain) -> str:
     return f"{'+'.join(chain.label)} {shape}, {count(chain.macs)} MACs"
 
 
-def claimed(ctx: BuildContext, chains: list[Chain], kernels: Kernels, macs: int,
-            floor: int) -> None:
-    """The rows of every op of ``chains`` say oneDNN computes it, and why."""
+def claimed(ctx: BuildContext, chains: list, kernels: Kernels, macs: int, floor: int) -> None:
+    """The rows of every op of ``chains`` (chains, and the row ops of ``rows.RowOp``: layer
+    norms, softmaxes, matmuls of two activations) say oneDNN computes it, and why."""
     for c in chains:
-        if c.choice == "auto":
-            why = f"auto: {what(c)} (model {count(macs)} >= floor {count(floor)})"
+        if isinstance(c, Chain):
+            detail = what(c)
+            auto = f"auto: {detail} (model {count(macs)} >= floor {count(floor)})"
         else:
-            why = f"asked: {kernels.said(c.root.var.name, op_name(c.root.value))}; {what(c)}"
+            detail = "+".join(c.label) + (f", {count(c.macs)} MACs" if c.macs else "")
+            auto = f"auto: {detail} among oneDNN kernels (no switch between thread pools)"
+        why = auto if c.choice == "auto" else \
+            f"asked: {kernels.said(c.root.var.name, op_name(c.root.value))}; {detail}"
         ctx.placed.say_why({v.name for v in c.members}, why, PROVIDER.name)
         # (a batch norm's item, the call's binding, has no row: the root's speaks for it)
         ctx.placed.row_of.update({v.name: c.root.var.name for v in c.members})

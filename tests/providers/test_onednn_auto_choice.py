@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import hgrt
-from hgrt.providers.onednn import auto_choice
+from hgrt.providers.onednn import auto_choice, rows
 from hgrt.providers.onednn import claim_onednn as claim
 from hgrt.providers.onednn import kernels as onednn
 from hgrt.testing import assert_close_to, onnx_inputs, reference, run_hgrt
@@ -22,9 +22,10 @@ TARGET = {"cpu": "llvm -mcpu=haswell -num-cores=2"}
 
 
 def dense_stack(rows: int, width: int, layers: int, between: str) -> object:
-    """``layers`` x (MatMul by a width x width weight + bias, then ``between``: "layer_norm" (a
-    TVM kernel on its pool), "transpose" (a pair: small layout kernels) or "relu") on a
-    1 x rows x width input, as an ONNX model."""
+    """``layers`` x (MatMul by a width x width weight + bias, then ``between``: "softmax_rows"
+    (a softmax over the rows axis: a TVM kernel on its pool, oneDNN's row kernels reduce the
+    last axis only), "layer_norm" (over the last axis: TVM's or oneDNN's), "transpose" (a pair:
+    small layout kernels) or "relu") on a 1 x rows x width input, as an ONNX model."""
     rng = np.random.default_rng(0)
     inits, nodes, cur = [], [], "x"
     for i in range(layers):
@@ -38,6 +39,8 @@ def dense_stack(rows: int, width: int, layers: int, between: str) -> object:
                       numpy_helper.from_array(np.zeros(width, "float32"), f"z{i}")]
             nodes.append(helper.make_node("LayerNormalization", [f"a{i}", f"g{i}", f"z{i}"],
                                           [f"o{i}"], axis=-1))
+        elif between == "softmax_rows":
+            nodes.append(helper.make_node("Softmax", [f"a{i}"], [f"o{i}"], axis=1))
         elif between == "transpose":
             nodes += [helper.make_node("Transpose", [f"a{i}"], [f"t{i}"], perm=[0, 2, 1]),
                       helper.make_node("Transpose", [f"t{i}"], [f"o{i}"], perm=[0, 2, 1])]
@@ -62,11 +65,11 @@ AVX512 = {"cpu": "llvm -mcpu=skylake-avx512 -num-cores=2"}
 
 
 def test_a_transformer_s_dense_layers_stay_tvm_s_where_its_tile_is_as_fast():
-    """128 rows (register tiles of several rows), a layer norm after each, AVX-512: oneDNN's
-    kernel saves nothing to pay for the two switches between thread pools around it; the
-    placement report says so. On AVX2 (TVM's kernel ``TVM_DENSE_BY_ISA`` times oneDNN's: 1.7 ms
-    saved a layer) it pays for them."""
-    model = dense_stack(128, 768, 4, "layer_norm")
+    """128 rows (register tiles of several rows), a softmax over the rows after each, AVX-512:
+    oneDNN's kernel saves nothing to pay for the two switches between thread pools around it;
+    the placement report says so. On AVX2 (TVM's kernel ``TVM_DENSE_BY_ISA`` times oneDNN's:
+    1.7 ms saved a layer) it pays for them."""
+    model = dense_stack(128, 768, 4, "softmax_rows")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         res = hgrt.build(model, ["cpu"], kernels="auto", target=AVX512)
@@ -80,13 +83,30 @@ def test_a_transformer_s_dense_layers_stay_tvm_s_where_its_tile_is_as_fast():
 def test_dense_layers_go_to_onednn_where_tvm_s_tile_holds_one_row():
     """1009 rows (prime: TVM's register tile holds one row, twice oneDNN's time): 11 ms saved
     a layer on 2 AVX2 cores outweigh two switches."""
-    assert onednn_denses(dense_stack(1009, 768, 2, "layer_norm")) == 2
+    assert onednn_denses(dense_stack(1009, 768, 2, "softmax_rows")) == 2
 
 
 def test_a_small_saving_does_not_pay_for_two_switches():
     """49 rows (one-row tiles) of 192 x 192: 1.8M multiply-adds a layer save tens of
-    microseconds, less than the switches into oneDNN and back around each layer norm."""
-    assert onednn_denses(dense_stack(49, 192, 12, "layer_norm")) == 0
+    microseconds, less than the switches into oneDNN and back around each softmax."""
+    assert onednn_denses(dense_stack(49, 192, 12, "softmax_rows")) == 0
+
+
+def test_layer_norms_between_dense_layers_join_them_on_onednn():
+    """The same layers with a layer norm over the last axis between them: oneDNN's row kernel
+    takes it, and the whole stack is one run of oneDNN kernels, no switch inside; the numbers
+    are onnxruntime's."""
+    model = dense_stack(49, 192, 12, "layer_norm")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = hgrt.build(model, ["cpu"], kernels="auto", target=TARGET)
+    funcs = [n.func_name for n in res.graph.nodes]
+    assert funcs.count(claim.FUNC_NAME["dense"]) == 12
+    assert funcs.count(rows.FUNC_NAME["layer_norm"]) == 12
+    why = [r.kernels_why for r in res.placement_report if r.op == "relax.nn.layer_norm"]
+    assert len(why) == 12 and all("among oneDNN kernels" in w for w in why), why
+    x = onnx_inputs(model)
+    assert_close_to(run_hgrt(res, x), reference(model, x))
 
 
 def test_small_kernels_between_dense_layers_cost_no_switch():
@@ -97,16 +117,16 @@ def test_small_kernels_between_dense_layers_cost_no_switch():
 
 
 def test_the_switch_cost_decides_between_them(monkeypatch):
-    """With switches free the 49-row layers between layer norms go to oneDNN after all."""
+    """With switches free the 49-row layers between softmaxes go to oneDNN after all."""
     monkeypatch.setattr(auto_choice, "SWITCH_US", 0.0)
-    assert onednn_denses(dense_stack(49, 192, 12, "layer_norm")) == 12
+    assert onednn_denses(dense_stack(49, 192, 12, "softmax_rows")) == 12
 
 
 def test_a_mixed_build_equals_onnxruntime(monkeypatch):
-    """Dense layers on oneDNN between layer norms on TVM (switches free): the numbers are
+    """Dense layers on oneDNN between softmaxes on TVM (switches free): the numbers are
     onnxruntime's."""
     monkeypatch.setattr(auto_choice, "SWITCH_US", 0.0)
-    model = dense_stack(49, 192, 3, "layer_norm")
+    model = dense_stack(49, 192, 3, "softmax_rows")
     x = onnx_inputs(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -1,0 +1,172 @@
+"""A transformer's ops between its dense layers as oneDNN kernels (``onednn_rows.cc``): a layer
+norm over the last axis, a softmax over the last axis (with the exporters' ``where(isnan(s),
+value, s)`` after it), and the matmul of two activations (attention's QK^T and its product with
+V; with an add after it of a tensor that broadcasts onto it: the mask). They hold no packed
+weights; ``claim_onednn`` gives one to oneDNN where ``auto_choice`` finds that it pays: on
+oneDNN's OpenMP team, between oneDNN's dense layers, they spare the switches between thread
+pools that TVM's kernels there cost (130-150 us each, ``auto_choice``), and oneDNN's matmul of
+two activations is 2.3-3.5x TVM's (vit's (12, 197, 64) x (12, 64, 197) 284 against 980 us,
+EPYC AVX-512, 2 threads).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+from tvm import relax
+
+from hgrt.providers.onednn import PROVIDER
+from hgrt.providers.onednn.chains import ChainGraph
+from hgrt.providers.onednn.policy import runs_onednn
+from hgrt.relay_passes.util.kernels import Kernels
+from hgrt.relay_passes.util.relax_util import bindings, op_name, static_dims
+
+FUNC_NAME = {kind: PROVIDER.func_prefix + kind for kind in ("layer_norm", "softmax", "matmul")}
+
+__all__ = ["FUNC_NAME", "RowOp", "find_rows"]
+
+
+@dataclass
+class RowOp:
+    """A layer norm, softmax or matmul of two activations that one oneDNN kernel computes."""
+
+    kind: str  # a key of FUNC_NAME
+    root: relax.VarBinding
+    args: list[relax.Var]  # the activations the kernel reads, in order
+    members: list[relax.Var]  # root first, the kernel's result last
+    params: np.ndarray | None = None  # a new float32 weight read after the args
+    read: list[relax.Expr] = field(default_factory=list)  # weights it folded into params
+    label: list[str] = field(default_factory=list)
+    choice: str = "auto"
+    macs: int = 0
+
+    @property
+    def end(self) -> relax.Var:
+        return self.members[-1]
+
+    @property
+    def elements(self) -> int:
+        return math.prod(static_dims(self.end.ty) or (0,))
+
+
+def _float32(v: relax.Expr, g: ChainGraph) -> tuple[int, ...] | None:
+    """The static shape of a float32 activation (a variable, not a weight), else None."""
+    if not isinstance(v, relax.Var) or v in g.weights or str(getattr(v.ty, "dtype", "")) \
+            != "float32":
+        return None
+    dims = static_dims(v.ty)
+    return tuple(dims) if dims is not None else None
+
+
+def _last_axis(axis: int, rank: int) -> bool:
+    return rank >= 1 and axis in (-1, rank - 1)
+
+
+def _layer_norm(g: ChainGraph, b: relax.VarBinding) -> RowOp | None:
+    call, a = b.value, b.value.attrs
+    x, gamma, beta = call.args
+    shape = _float32(x, g)
+    axes = [int(v) for v in a.axes]
+    if shape is None or len(axes) != 1 or not _last_axis(axes[0], len(shape)):
+        return None
+    c = shape[-1]
+    scale, shift = g.value(gamma), g.value(beta)
+    if scale is None or shift is None or scale.size != c or shift.size != c:
+        return None
+    scale = scale.reshape(c) if a.scale else np.ones(c, "float32")
+    shift = shift.reshape(c) if a.center else np.zeros(c, "float32")
+    params = np.concatenate([scale, shift, [float(a.epsilon)]]).astype("float32")
+    return RowOp("layer_norm", b, [x], [b.var], params, [gamma, beta], ["layer_norm"])
+
+
+def _nan_to(g: ChainGraph, s: relax.Var) -> tuple[list[relax.Var], float] | None:
+    """``where(isnan(s), value, s)`` reading ``s`` (and nothing else does): its isnan and where
+    bindings, and the value (a constant number)."""
+    users = g.users.get(s, [])
+    if len(users) != 2 or None in users:
+        return None
+    isnan = next((u for u in users if op_name(u.value) == "relax.isnan"), None)
+    where = g.only_user(isnan.var) if isnan is not None else None
+    if where is None or op_name(where.value) != "relax.where" or where not in users:
+        return None
+    cond, value, other = where.value.args
+    number = g.value(value)
+    if not cond.same_as(isnan.var) or not other.same_as(s) or number is None \
+            or number.size != 1 or static_dims(where.var.ty) != static_dims(s.ty):
+        return None
+    return [isnan.var, where.var], float(number.reshape(()))
+
+
+def _softmax(g: ChainGraph, b: relax.VarBinding) -> RowOp | None:
+    (x,) = b.value.args
+    shape = _float32(x, g)
+    if shape is None or not _last_axis(int(b.value.attrs.axis), len(shape)):
+        return None
+    op = RowOp("softmax", b, [x], [b.var], np.array([0, 0], "float32"), label=["softmax"])
+    nan = _nan_to(g, b.var)
+    if nan is not None:
+        op.members += nan[0]
+        op.params = np.array([1, nan[1]], "float32")
+        op.label.append("nan_to")
+    return op
+
+
+def _broadcasts(d: tuple[int, ...], out: tuple[int, ...]) -> bool:
+    return len(d) <= len(out) and all(
+        x in (1, y) for x, y in zip(reversed(d), reversed(out), strict=False))
+
+
+def _matmul(g: ChainGraph, b: relax.VarBinding) -> RowOp | None:
+    """Two activations of rank 2 or more, the batch dims broadcast; an add after it of a
+    float32 tensor that broadcasts onto the product (read by nothing else) is its post-op."""
+    a, w = b.value.args
+    sa, sw, out = _float32(a, g), _float32(w, g), static_dims(b.var.ty)
+    if (sa is None or sw is None or out is None or len(sa) < 2 or len(sw) < 2
+            or str(b.value.attrs.out_dtype) not in ("", "None", "void", "float32")):
+        return None
+    out = tuple(out)
+    op = RowOp("matmul", b, [a, w], [b.var], label=["matmul"],
+               macs=math.prod(out) * sa[-1])
+    add = g.only_user(b.var)
+    if add is not None and op_name(add.value) == "relax.add" and add.var not in g.claimed:
+        lhs, rhs = add.value.args
+        d = rhs if lhs.same_as(b.var) else lhs
+        sd = d.ty.shape if isinstance(d, relax.Var) else None
+        dims = static_dims(d.ty) if sd is not None else None
+        if (dims is not None and not d.same_as(b.var) and str(d.ty.dtype) == "float32"
+                and static_dims(add.var.ty) == out and _broadcasts(tuple(dims), out)):
+            op.args.append(d)
+            op.members.append(add.var)
+            op.label.append("add")
+    return op
+
+
+FINDERS = {"relax.nn.layer_norm": _layer_norm, "relax.nn.softmax": _softmax,
+           "relax.matmul": _matmul}
+
+
+def find_rows(g: ChainGraph, kernels: Kernels,
+              claim: frozenset[str] = frozenset({"auto", "onednn"})) -> list[RowOp]:
+    """The ops of ``main`` (``FINDERS``) that oneDNN's row kernels can compute and ``kernels``
+    lets a provider in ``claim`` take, on an x86-64 CPU, none claimed by a chain, every member
+    on the root's device."""
+    ctx, rows = g.ctx, []
+    taken = set(g.claimed)
+    for b in bindings(g.func):
+        find = FINDERS.get(op_name(b.value))
+        if find is None or b.var in taken:
+            continue
+        choice, _ = kernels.choice(b.var.name, op_name(b.value))
+        device = ctx.placed.op_device.get(b.var.name)
+        if choice not in claim or device is None or not runs_onednn(ctx, device):
+            continue
+        op = find(g, b)
+        if op is None or any(ctx.placed.op_device.get(v.name) != device or v in taken
+                             for v in op.members):
+            continue
+        op.choice = choice
+        taken.update(op.members)
+        rows.append(op)
+    return rows

@@ -1,0 +1,164 @@
+"""oneDNN's kernels between a transformer's dense layers (providers/onednn/rows.py and
+onednn_rows.cc): a layer norm and a softmax over the last axis, the matmul of two activations
+with an add after it; the kernels against numpy, an attention block against onnxruntime, and
+bad arguments refused with a message."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import numpy as np
+import pytest
+import tvm
+from onnx import TensorProto, helper, numpy_helper
+
+import hgrt
+from hgrt.providers.onednn import kernels as onednn
+from hgrt.providers.onednn import rows
+from hgrt.testing import assert_close_to, reference, run_hgrt
+
+REASON = onednn.unavailable_reason()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"oneDNN unavailable: {REASON}")
+
+
+def _call(kind: str, *arrays: np.ndarray, out_shape: tuple[int, ...]) -> np.ndarray:
+    out = tvm.runtime.tensor(np.zeros(out_shape, "float32"))
+    f = onednn.kernel_function(rows.FUNC_NAME[kind])
+    f(*[tvm.runtime.tensor(np.ascontiguousarray(a)) for a in arrays], out)
+    return out.numpy()
+
+
+def test_the_layer_norm_kernel_is_numpy_s():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 9, 48)).astype("float32") * 3 + 1
+    scale, shift = rng.standard_normal((2, 48)).astype("float32")
+    got = _call("layer_norm", x, np.concatenate([scale, shift, [1e-5]]).astype("float32"),
+                out_shape=x.shape)
+    want = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(got, want * scale + shift, rtol=1e-4, atol=1e-4)
+
+
+def test_the_softmax_kernel_is_numpy_s_with_nans_replaced_where_asked():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 5, 33)).astype("float32") * 4
+    x[1, 2] = -np.inf  # a row masked whole: NaN, as ONNX's softmax gives it
+    with np.errstate(invalid="ignore"):
+        e = np.exp(x - x.max(-1, keepdims=True))
+        want = e / e.sum(-1, keepdims=True)
+    plain = _call("softmax", x, np.array([0, 0], "float32"), out_shape=x.shape)
+    assert np.isnan(plain[1, 2]).all()
+    got = _call("softmax", x, np.array([1, 0.25], "float32"), out_shape=x.shape)
+    assert (got[1, 2] == 0.25).all()
+    want[1, 2] = 0.25
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("a_shape,b_shape,d_shape", [
+    ((1, 4, 7, 8), (4, 8, 7), None),  # a lower rank broadcasts
+    ((2, 1, 7, 8), (1, 3, 8, 5), (1, 1, 7, 5)),  # both batch dims broadcast, an addend
+    ((6, 8), (8, 9), (9,)),
+])
+def test_the_matmul_kernel_is_numpy_s(a_shape, b_shape, d_shape):
+    rng = np.random.default_rng(2)
+    a = rng.standard_normal(a_shape).astype("float32")
+    b = rng.standard_normal(b_shape).astype("float32")
+    want = np.matmul(a, b)
+    args = [a, b]
+    if d_shape is not None:
+        d = rng.standard_normal(d_shape).astype("float32")
+        want, args = want + d, [a, b, d]
+    np.testing.assert_allclose(_call("matmul", *args, out_shape=want.shape), want,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_bad_arguments_are_refused_with_what_is_wrong():
+    x = np.zeros((4, 8), "float32")
+    with pytest.raises(ValueError, match="layer norm parameters"):
+        _call("layer_norm", x, np.zeros(3, "float32"), out_shape=x.shape)
+    with pytest.raises(ValueError, match="bad epsilon"):
+        _call("layer_norm", x, np.array([1] * 16 + [-1], "float32"), out_shape=x.shape)
+    with pytest.raises(ValueError, match="one shape"):
+        _call("softmax", x, np.zeros(2, "float32"), out_shape=(8, 4))
+    with pytest.raises(ValueError, match="softmax: bad parameters"):
+        _call("softmax", x, np.array([3, 0], "float32"), out_shape=x.shape)
+    with pytest.raises(ValueError, match="do not fit"):
+        _call("matmul", x, np.zeros((7, 5), "float32"), out_shape=(4, 5))
+    with pytest.raises(ValueError, match="matmul operand a must be contiguous float32"):
+        _call("matmul", x.astype("float64"), np.zeros((8, 5), "float32"), out_shape=(4, 5))
+
+
+def attention(seq: int = 12, dim: int = 32, heads: int = 4, masked_row: bool = True):
+    """A transformer block's attention as torch.onnx writes it: a layer norm, Q, K, V by
+    constant weights, the scores QK^T (two activations) plus a mask, a softmax with
+    where(isnan) after it, its product with V, the heads merged and projected."""
+    rng = np.random.default_rng(3)
+    hd = dim // heads
+    mask = np.where(np.arange(seq)[None, :] <= np.arange(seq)[:, None], 0.0, -1e9)[None, None]
+    if masked_row:
+        mask[0, 0, 3] = -np.inf  # a query that sees nothing: NaN, then 0
+    inits = [numpy_helper.from_array(np.asarray(v, "float32"), n) for n, v in {
+        "g": rng.uniform(0.5, 1.5, dim), "be": rng.standard_normal(dim) * 0.1,
+        **{w: rng.standard_normal((dim, dim)) / np.sqrt(dim) for w in ("wq", "wk", "wv", "wo")},
+        "mask": mask, "zero": 0.0, "scale": 1 / np.sqrt(hd)}.items()]
+    inits.append(numpy_helper.from_array(np.array([1, seq, heads, hd], "int64"), "split"))
+    inits.append(numpy_helper.from_array(np.array([1, seq, dim], "int64"), "merge"))
+    n = helper.make_node
+    nodes = [n("LayerNormalization", ["x", "g", "be"], ["ln"], axis=-1, epsilon=1e-5)]
+    for h in ("q", "k", "v"):
+        nodes += [n("MatMul", ["ln", f"w{h}"], [f"{h}0"]),
+                  n("Reshape", [f"{h}0", "split"], [f"{h}1"]),
+                  n("Transpose", [f"{h}1"], [h], perm=[0, 2, 3, 1] if h == "k" else [0, 2, 1, 3])]
+    nodes += [n("Mul", ["q", "scale"], ["qs"]), n("MatMul", ["qs", "k"], ["s0"]),
+              n("Add", ["s0", "mask"], ["s1"]), n("Softmax", ["s1"], ["p0"], axis=-1),
+              n("IsNaN", ["p0"], ["nan"]), n("Where", ["nan", "zero", "p0"], ["p"]),
+              n("MatMul", ["p", "v"], ["o0"]), n("Transpose", ["o0"], ["o1"], perm=[0, 2, 1, 3]),
+              n("Reshape", ["o1", "merge"], ["o2"]), n("MatMul", ["o2", "wo"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "attention",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, seq, dim])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, seq, dim])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _build(model, kernels: str):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return hgrt.build(model, ["cpu"], kernels=kernels)
+
+
+def test_an_attention_block_runs_on_the_row_kernels_as_onnxruntime_does():
+    model = attention()
+    x = {"x": np.random.default_rng(4).standard_normal((1, 12, 32)).astype("float32")}
+    res = _build(model, "onednn")
+    ops = sorted(n.attrs.get("onednn_op", "") for n in res.graph.nodes
+                 if n.func_name in rows.FUNC_NAME.values())
+    assert ops == ["layer_norm", "matmul", "matmul+add", "softmax+nan_to"]
+    want = reference(model, x)
+    assert np.isfinite(want[0]).all()
+    assert_close_to(run_hgrt(res, x), want)
+    tvm_only = _build(model, "tvm")
+    assert not [n for n in tvm_only.graph.nodes if n.func_name in rows.FUNC_NAME.values()]
+    assert_close_to(run_hgrt(tvm_only, x), want)
+
+
+def test_row_kernels_called_from_threads_at_once_give_one_run_s_bits():
+    """The kernels' primitives and argument handles are shared by callers: four threads
+    running the block at once give, bit for bit, what one run at the same thread count gave."""
+    model = attention(seq=64, dim=64)
+    res = _build(model, "onednn")
+    rng = np.random.default_rng(5)
+    feeds = [{"x": rng.standard_normal((1, 64, 64)).astype("float32")} for _ in range(4)]
+    alone = [run_hgrt(res, f)[0] for f in feeds]
+    got: dict[int, list[np.ndarray]] = {}
+
+    def work(i: int) -> None:
+        got[i] = [run_hgrt(res, feeds[i])[0] for _ in range(5)]
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(4):
+        assert all(np.array_equal(r, alone[i]) for r in got[i])
