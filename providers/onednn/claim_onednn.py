@@ -25,7 +25,10 @@ nothing else reads them. Activations stay NHWC between oneDNN kernels and throug
 between them where ``channels_last`` says so; a reorder node turns them back to NCHW before any
 other reader. The ExternFunc's attrs become graph node attrs (``provider``, ``onednn_op``,
 ``onednn_isa``, ``onednn_impl``, ``onednn_layouts``, ``flops``, ``inplace``), and the placement
-report's rows of claimed ops say ``kernels: onednn``.
+report's rows of claimed ops say ``kernels: onednn``. Layer norms, softmaxes and matmuls of
+two activations (``rows``) that ``auto_choice`` gives oneDNN become calls of its row kernels;
+convolutions and dense layers whose input is a QDQ grid and whose weights an int8 one compute
+in int8 where the host has VNNI (``int8``).
 
 Reads ``ctx.options.kernels``, the provider's runtime module (``kernels``:
 ``unavailable_reason()``, ``pack()``, ``isa()``, ``implementation()``, ``layout_name()``),
