@@ -22,7 +22,9 @@ needs the TVM side, and a switch costs ``SWITCH_US``; the cheapest assignment (t
 pass) says which chains oneDNN keeps. The row ops oneDNN can take (``rows``: layer norms,
 softmaxes, matmuls of two activations) are choices of the same pass: a matmul costs its
 multiply-adds, the others the bytes they move (``ROW_BYTES_PER_US``), TVM's kernels
-``ROW_TVM_SLOWDOWN`` times oneDNN's. So a transformer's layer norms and attention join its
+``ROW_TVM_SLOWDOWN`` times oneDNN's where its schedule is at its weakest (a matmul whose
+register tile holds one row, a softmax over rows of no whole vectors), else as fast. So a
+transformer's layer norms and attention join its
 dense layers on oneDNN where those go there (one run of oneDNN kernels, no switch inside: vit
 224 -> 203 ms, swin 82 -> 56 ms, EPYC AVX-512, 2 threads), a CNN's convolutions go to oneDNN,
 and where nothing else of a block does (a dense layer whose TVM tile is as fast as oneDNN's,
@@ -68,11 +70,13 @@ TVM_DENSE_BY_ISA = {"avx2": 2.2}
 CONV_GAIN = 1.5
 # a layer norm's or softmax's bytes read and written per microsecond and core (either provider:
 # vit's (197, 768) layer norm 21 us on oneDNN, 2 threads), and TVM's kernels of a row op
-# against oneDNN's (EPYC AVX-512, 2 threads): vit's attention matmuls (12, 197, 64) x (12, 64,
-# 197) 980 against 284 us and (12, 197, 197) x (12, 197, 64) 600 against 259 us, its softmax
-# with the NaN check after it 427 against 207 us
+# against oneDNN's where TVM's schedule is at its weakest (EPYC AVX-512, 2 threads): vit's
+# attention matmuls, whose register tile holds one of 197 rows, (12, 197, 64) x (12, 64, 197)
+# 980 against 284 us and (12, 197, 197) x (12, 197, 64) 600 against 259 us, its softmax over
+# rows of 197 with the NaN check after it 427 against 261 us. Elsewhere (128 rows: distilbert,
+# llama) TVM's are as fast: all of distilbert on oneDNN took 68.9 ms, on TVM 56.4
 ROW_BYTES_PER_US = 20e3
-ROW_TVM_SLOWDOWN = {"matmul": 2.5, "softmax": 2.0, "layer_norm": 1.0}
+ROW_TVM_SLOWDOWN = {"matmul": 2.5, "softmax": 1.6, "layer_norm": 1.0}
 # what a switch between the thread pools is counted at: twice the 130-150 us measured (above).
 # Against 3 ms, in turns in one process (EPYC, AVX-512, 2 cores): vit 257 -> 224 ms, swin 69.7
 # -> 62.5, convnext 69.5 -> 63.3, gpt2 161 -> 159, distilbert and t5_encoder within 1 %
@@ -119,9 +123,7 @@ def modelled_us(chain: Chain | RowOp, ctx: Any) -> dict[str, float]:
     cores = int(target.attrs.get("num-cores", 1) or 1)
     work = chain.macs / (MAC_RATE * cores * isa.lanes() / 16) * 1e6
     if isinstance(chain, RowOp):  # a matmul by its MACs, the others by the bytes they move
-        if chain.kind != "matmul":
-            work = 8 * chain.elements / (ROW_BYTES_PER_US * cores)
-        return {"onednn": work, "tvm": work * ROW_TVM_SLOWDOWN[chain.kind]}
+        return _row_us(chain, work, cores, isa)
     if chain.kind == "dense":
         rows = _shape(chain.x)[-2]
         slow = rows > 1 and tile_rows(rows, chain.weight.shape[0], isa) <= 1
@@ -129,6 +131,21 @@ def modelled_us(chain: Chain | RowOp, ctx: Any) -> dict[str, float]:
     else:
         tvm = work * CONV_GAIN
     return {"onednn": work, "tvm": tvm}
+
+
+def _row_us(op: RowOp, work: float, cores: int, isa: Any) -> dict[str, float]:
+    """A row op's modelled microseconds (``modelled_us``): TVM's kernel slower where its
+    schedule is (``ROW_TVM_SLOWDOWN``: a matmul whose register tile holds one row, a softmax
+    over rows of no whole vectors), else as fast."""
+    dims = static_dims(op.end.ty) or (1, 1)
+    if op.kind == "matmul":
+        rows, cols = dims[-2], dims[-1]
+        slow = rows > 1 and tile_rows(rows, cols, isa) <= 1
+        tvm = work * TVM_DENSE_BY_ISA.get(isa.name, 1.0)
+    else:
+        work = 8 * op.elements / (ROW_BYTES_PER_US * cores)
+        slow, tvm = op.kind == "softmax" and dims[-1] % isa.lanes() != 0, work
+    return {"onednn": work, "tvm": tvm * (ROW_TVM_SLOWDOWN[op.kind] if slow else 1.0)}
 
 
 def _elements(var: relax.Var) -> int:

@@ -298,23 +298,26 @@ STEPS: dict[str, Callable[[ChainGraph, Chain, relax.VarBinding], bool]] = {
     **{op: _activation for op in ACTIVATIONS}}
 
 
-def check_choices(func: relax.Function, kernels: Kernels) -> None:
-    """Every node an override names is a convolution or matmul of ``main``, and every rule can
-    match one (a provider is chosen for those ops only)."""
+def check_choices(func: relax.Function, kernels: Kernels, also: frozenset[str] = frozenset()
+                  ) -> None:
+    """Every node an override names is a convolution or matmul of ``main`` (or an op of
+    ``also``: the row kernels'), and every rule can match one (a provider is chosen for those
+    ops only)."""
+    chosen = set(ROOTS) | also
     ops = {b.var.name: op_name(b.value) for b in bindings(func)}
-    roots = [name for name, op in ops.items() if op in ROOTS]
+    roots = [name for name, op in ops.items() if op in chosen]
     for name in kernels.overrides:
-        if ops.get(name) not in ROOTS:
+        if ops.get(name) not in chosen:
             parts = [r for r in roots if r.startswith(f"{name}_part")]
             what = ("is not a binding of main" if name not in ops else f"is a {ops[name]}") + (
                 f" (split_concat split its convolution into {parts}: name those)" if parts else "")
             raise BuildError(f"kernels override {name!r}: {what}; providers are chosen for "
-                             f"convolutions and matmuls: {roots[:20]}"
+                             f"convolutions, matmuls, layer norms and softmaxes: {roots[:20]}"
                              f"{' ...' if len(roots) > 20 else ''}")
     for rule in kernels.rules:
-        if not any(match_op_rule(op, {rule: None}) for op in ROOTS):
+        if not any(match_op_rule(op, {rule: None}) for op in chosen):
             raise BuildError(f"kernels rule {rule!r} matches no op a provider is chosen for: "
-                             f"{[op.removeprefix('relax.') for op in ROOTS]}")
+                             f"{sorted(op.removeprefix('relax.') for op in chosen)}")
 
 
 def _grow(g: ChainGraph, chain: Chain, block: set[relax.Var]) -> Chain:

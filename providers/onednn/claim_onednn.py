@@ -66,6 +66,7 @@ from hgrt.providers.onednn.policy import (
     onednn_runtime,
     weight_room,
 )
+from hgrt.providers.onednn.rows import FINDERS as ROW_FINDERS
 from hgrt.providers.onednn.rows import FUNC_NAME as ROW_FUNC
 from hgrt.providers.onednn.rows import RowOp, find_rows
 from hgrt.relay_passes.util.context import BuildContext
@@ -242,7 +243,7 @@ def claim_onednn(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     """Claim what oneDNN computes (see module doc); ``mod`` untouched when nothing is claimed."""
     kernels = Kernels.of(ctx.options.kernels)
     func = mod["main"]
-    check_choices(func, kernels)
+    check_choices(func, kernels, frozenset(ROW_FINDERS))
     runtime = onednn_runtime(ctx, kernels)
     if runtime is None or "num_input" not in (func.attrs or {}):
         reasons.unavailable(ctx, func, kernels)  # (the report's why, where "auto" was asked)

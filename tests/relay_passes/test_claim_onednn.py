@@ -511,8 +511,9 @@ def test_auto_weighs_the_whole_model_whoever_asked_for_its_other_ops():
 def test_kernel_choices_name_what_exists():
     model = _block_onnx()
     with pytest.raises(hgrt.BuildError, match=r"override 'nope': is not a binding of main; "
-                                              r"providers are chosen for convolutions and "
-                                              r"matmuls: \['lv', 'lv"):
+                                              r"providers are chosen for convolutions, "
+                                              r"matmuls, layer norms and softmaxes: "
+                                              r"\['lv', 'lv"):
         hgrt.build(model, ["cpu"], kernels=hgrt.Kernels(overrides={"nope": "tvm"}))
     relu = next(r.node for r in hgrt.build(model, ["cpu"], kernels="tvm").placement_report
                 if r.op == "relax.nn.relu")
@@ -525,7 +526,8 @@ def test_kernel_choices_name_what_exists():
     # rules name ops: "conv2d" (not "nn.conv2d") or a relu would silently do nothing
     for rule in ("conv2d", "nn.relu"):
         with pytest.raises(hgrt.BuildError, match=rf"rule '{rule}' matches no op a provider is "
-                                                  r"chosen for: \['nn.conv2d', 'matmul'\]"):
+                                                  r"chosen for: \['matmul', 'nn.conv2d', "
+                                                  r"'nn.layer_norm', 'nn.softmax'\]"):
             hgrt.build(model, ["cpu"], kernels=hgrt.Kernels(rules={rule: "tvm"}))
     with pytest.raises(hgrt.BuildError, match=r"Kernels rules=None: a dict from op pattern"):
         hgrt.build(model, ["cpu"], kernels=hgrt.Kernels(rules=None))
