@@ -44,7 +44,7 @@ INSTALL_HINT = "pip install -e '.[onednn]'"
 # what graph nodes call
 FUNCTIONS = tuple(PREFIX + f for f in ("conv2d", "dense", "concat", "pool", "shuffle", "lrn",
                                            "affine", "to_nchw", "layer_norm", "softmax",
-                                           "matmul"))
+                                           "matmul", "gate"))
 # the shim: its sources, compiled into one library, and the headers they include (the key of
 # the cache covers them all: a changed file rebuilds)
 SOURCES = tuple(Path(__file__).with_name(f"onednn_{part}.cc")

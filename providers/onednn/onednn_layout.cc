@@ -100,6 +100,38 @@ void Pool(const ffi::TensorView& x, const ffi::TensorView& attrs, const ffi::Ten
   Stream().wait();
 }
 
+// A squeeze-excite gate: NHWC x times a computed (N or 1) x C tensor g, broadcast over H and W
+// (oneDNN's binary multiply, on its OpenMP team: as a TVM kernel between oneDNN kernels it ran
+// on the calling thread alone).
+void Gate(const ffi::TensorView& x, const ffi::TensorView& g, const ffi::TensorView& out) {
+  CheckTensor(x, "gate input", kF32, -1);
+  CheckTensor(g, "gate", kF32, -1);
+  CheckTensor(out, "gate output", kF32, x.numel());
+  if (x.ndim() != 4 || out.ndim() != 4 ||
+      !std::equal(x.shape().begin(), x.shape().end(), out.shape().begin())) {
+    TVM_FFI_THROW(ValueError) << "oneDNN gate: expected NHWC input and output of one shape";
+  }
+  const int64_t* s = x.shape().data();
+  int64_t n = g.numel() / std::max<int64_t>(s[3], 1);
+  if (g.numel() != n * s[3] || (n != 1 && n != s[0])) {
+    TVM_FFI_THROW(ValueError) << "oneDNN gate: expected " << s[3] << " or " << s[0] * s[3]
+                              << " gate values (N or 1 times C), got " << g.numel();
+  }
+  int threads = UseBudgetThreads();
+  FlushDenormals flush(threads);
+  memory::desc src = Nhwc(x), dst = Nhwc(out);
+  memory::desc per_channel({n, s[3], 1, 1}, memory::data_type::f32, Tag::nchw);
+  auto prim = Cached<Shared>({s[0], s[1], s[2], s[3], n, threads}, [&] {
+    return MakeShared<dnnl::binary>(dnnl::binary::primitive_desc(
+        Engine(), dnnl::algorithm::binary_mul, src, per_channel, dst, UserScratchpad()));
+  });
+  Args& args = BoundArgs(prim)[0];
+  args.Set(DNNL_ARG_SRC_0, src, DataOf(x));
+  args.Set(DNNL_ARG_SRC_1, per_channel, DataOf(g));
+  args.Set(DNNL_ARG_DST, dst, DataOf(out));
+  prim->Run(args);
+}
+
 // ---- channel shuffle and LRN of NHWC tensors -----------------------------------------------
 
 // The bit patterns of `n` floats appended to a primitive cache key (exact: no two values, NaNs

@@ -344,6 +344,10 @@ TVM_FFI_STATIC_INIT_BLOCK() {
            [](ffi::TensorView x, ffi::TensorView params, ffi::TensorView out) {
              Catch([&] { Affine(x, params, out); });
            })
+      .def("hgrt.onednn.gate",
+           [](ffi::TensorView x, ffi::TensorView g, ffi::TensorView out) {
+             Catch([&] { Gate(x, g, out); });
+           })
       .def("hgrt.onednn.layer_norm",
            [](ffi::TensorView x, ffi::TensorView params, ffi::TensorView out) {
              Catch([&] { LayerNorm(x, params, out); });

@@ -305,6 +305,7 @@ void Pool(const ffi::TensorView& x, const ffi::TensorView& attrs, const ffi::Ten
 void Shuffle(const ffi::TensorView& x, const ffi::TensorView& attrs, const ffi::TensorView& out);
 void Lrn(const ffi::TensorView& x, const ffi::TensorView& attrs, const ffi::TensorView& out);
 void Affine(const ffi::TensorView& x, const ffi::TensorView& params, const ffi::TensorView& out);
+void Gate(const ffi::TensorView& x, const ffi::TensorView& g, const ffi::TensorView& out);
 void ToNchw(const ffi::TensorView& x, const ffi::TensorView& out);
 void PushBits(std::vector<int64_t>& key, const float* values, int n);
 

@@ -194,11 +194,12 @@ def _squeeze_excite_onnx(batch: int = 1):
 @pytest.mark.parametrize("batch", [1, 3])
 def test_a_squeeze_excite_gate_multiplies_nhwc_without_a_reorder(batch):
     """The gate's (N, C, 1, 1) bytes are the (N, 1, 1, C) tensor that broadcasts over NHWC: the
-    multiply reads the convolution's NHWC result as it is, and writes NHWC for the next."""
+    multiply (oneDNN's ``gate`` kernel) reads the convolution's NHWC result as it is, and writes
+    NHWC for the next."""
     res = _build_and_check(_squeeze_excite_onnx(batch))
     g = res.graph
     assert not _by_func(res, "to_nchw")
-    (mul,) = [n for n in g.nodes if "multiply" in (n.func_name or "")]
+    (mul,) = _by_func(res, "gate")
     assert g.shapes[g.entry_id(g.nodes.index(mul))] == (batch, 12, 12, 24)
     assert [c.attrs["onednn_layouts"] for c in _by_func(res, "conv2d")][-1] == "acdb, plain"
 
