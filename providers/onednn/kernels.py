@@ -48,7 +48,8 @@ FUNCTIONS = tuple(PREFIX + f for f in ("conv2d", "dense", "concat", "pool", "shu
 # the shim: its sources, compiled into one library, and the headers they include (the key of
 # the cache covers them all: a changed file rebuilds)
 SOURCES = tuple(Path(__file__).with_name(f"onednn_{part}.cc")
-                for part in ("shim", "primitives", "pack", "winograd", "layout", "rows"))
+                for part in ("shim", "primitives", "pack", "winograd", "layout", "rows",
+                             "swish"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("onednn_shim.h", "onednn_blob.h"))
 _WHEELS = ("onednn-cpu-gomp", "onednn-devel-cpu-gomp")  # libdnnl.so + libgomp; headers
 

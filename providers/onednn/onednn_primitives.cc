@@ -101,12 +101,23 @@ void AppendQuantize(dnnl::post_ops& ops, bool is_signed, float s, float z) {
   ops.append_eltwise(dnnl::algorithm::eltwise_linear, s, 0.f);
 }
 
+bool OwnSwish(const Header& h) {
+  if (SwishLevel() == 0 || h.winograd()) return false;
+  int last = -1;
+  for (int k = 0; k < kMaxPostOps; ++k) {
+    if (h[kPost0 + 3 * k] != kNoPost) last = k;
+  }
+  return last >= 0 && h[kPost0 + 3 * last] == kSwish && AsDouble(h[kPost0 + 3 * last + 1]) == 1.0;
+}
+
 // `in_place`: the output buffer holds the residual already (the memory plan put the output
 // in the residual's bytes), so a sum post-op adds into it, whatever the layout.
 dnnl::primitive_attr Attributes(const Header& h, bool in_place = false) {
   dnnl::post_ops ops;
+  bool own_swish = OwnSwish(h);
   for (int k = 0; k < kMaxPostOps; ++k) {
     int64_t kind = h[kPost0 + 3 * k];
+    if (own_swish && kind == kSwish) break;  // (the last: hgrt's pass after the primitive)
     float alpha = static_cast<float>(AsDouble(h[kPost0 + 3 * k + 1]));
     float beta = static_cast<float>(AsDouble(h[kPost0 + 3 * k + 2]));
     if (kind == kRelu) ops.append_eltwise(dnnl::algorithm::eltwise_relu, 0.f, 0.f);
@@ -274,6 +285,7 @@ std::shared_ptr<Entry> MakeEntry(const char* blob, std::shared_ptr<Repacked> rep
     }
   }
   e->reorder_res = h.has_sum() && !e->residual_arg && e->res_user != e->dst;
+  e->own_swish = OwnSwish(h);
   auto reorder = [](dnnl::reorder& prim, memory::desc& pad, const memory::desc& a,
                     const memory::desc& b) {
     auto pd = ReorderDesc(a, b);

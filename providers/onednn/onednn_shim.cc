@@ -240,6 +240,10 @@ void Run(const ffi::TensorView& x, const ffi::TensorView& blob,
   const memory::desc& pad = twin ? e->in_place_scratch : e->scratch;
   conv.Set(DNNL_ARG_SCRATCHPAD, pad, s.pad.get(pad.get_size() + 64));
   (twin ? e->in_place : e->prim).execute(stream, conv.map());
+  if (e->own_swish) {  // the last post-op, in place, before any pool or reorder
+    stream.wait();
+    Swish(static_cast<float*>(dst), static_cast<int64_t>(e->dst.get_size() / 4), threads);
+  }
   if (h.pooled()) {
     void* pooled = e->reorder_dst ? s.pooled.get(e->pooled.get_size()) : DataOf(out);
     Args& a = args[kPool];
@@ -281,7 +285,8 @@ std::string IsaName(int64_t isa) {
 // Which implementation oneDNN runs for a packed blob (e.g. "brg:avx512_core"), for reports.
 std::string Implementation(const ffi::TensorView& blob) {
   const Header& h = ReadHeader(blob);
-  return (h.winograd() ? "winograd_4x4_3x3+" : "") + std::string(RunDesc(h).impl_info_str());
+  return (h.winograd() ? "winograd_4x4_3x3+" : "") + std::string(RunDesc(h).impl_info_str()) +
+         (OwnSwish(h) ? "+hgrt_swish" : "");
 }
 
 // The format of the blob header this library was built with, a `name=value` line per number

@@ -7,6 +7,7 @@
 //   onednn_winograd.cc    the hand-written Winograd F(4x4, 3x3) convolution
 //   onednn_layout.cc      the weightless NHWC kernels: concat, pool, shuffle, LRN, affine and
 //                         the reorder back to NCHW
+//   onednn_swish.cc       swish after a kernel, in place (faster than oneDNN's post-op)
 //   onednn_rows.cc        a transformer's kernels between its dense layers: layer norm,
 //                         softmax, the matmul of two activations
 // into one library. The blob header's slots and codes come from onednn_blob.h, generated from
@@ -258,6 +259,7 @@ struct Entry {
   memory::desc src, dst, wei, bias, scratch, src_user, dst_user, res_user;
   bool reorder_src = false, reorder_dst = false, reorder_res = false;
   int residual_arg = 0;  // the binary post-op's argument that reads the residual (else 0)
+  bool own_swish = false;  // the last post-op, swish, is hgrt's pass after the primitive
   // the same convolution with a sum post-op, for calls whose output buffer is the residual's
   // (made at the first such call; `has_in_place` false: none fits, the residual is copied)
   std::once_flag in_place_once;
@@ -308,6 +310,14 @@ void Affine(const ffi::TensorView& x, const ffi::TensorView& params, const ffi::
 void Gate(const ffi::TensorView& x, const ffi::TensorView& g, const ffi::TensorView& out);
 void ToNchw(const ffi::TensorView& x, const ffi::TensorView& out);
 void PushBits(std::vector<int64_t>& key, const float* values, int n);
+
+// ---- onednn_swish.cc -----------------------------------------------------------------------
+
+int SwishLevel();
+void Swish(float* y, int64_t n, int threads);
+// a header whose last post-op is swish of alpha 1, on a CPU where hgrt's own pass computes it:
+// the primitive leaves it out, and the kernel runs Swish over its result
+bool OwnSwish(const Header& h);
 
 // ---- onednn_rows.cc ------------------------------------------------------------------------
 

@@ -352,6 +352,31 @@ def test_silu_gelu_sigmoid_and_tanh_are_post_ops(root, act, post):
 
 
 @needs_onednn
+def test_a_last_swish_is_hgrt_s_pass_after_the_primitive_ragged_tail_and_all():
+    """Swish as the last post-op runs as hgrt's own pass over the kernel's result (node attr
+    ``onednn_impl`` ends ``+hgrt_swish`` where the CPU has AVX2 or AVX-512): 3 x 37 outputs
+    (a tail after the whole vectors), inputs up to +-60 (exp's clamps), onnxruntime's numbers."""
+    rng = np.random.default_rng(8)
+    inits = [numpy_helper.from_array(rng.standard_normal((40, 37)).astype("float32") * 2, "w"),
+             numpy_helper.from_array(rng.standard_normal(37).astype("float32"), "b")]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]),
+             helper.make_node("Add", ["m", "b"], ["a"]),
+             helper.make_node("Sigmoid", ["a"], ["s"]), helper.make_node("Mul", ["a", "s"], ["y"])]
+    graph = helper.make_graph(nodes, "swish", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, [3, 40])], [helper.make_tensor_value_info(
+            "y", TensorProto.FLOAT, [3, 37])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    res = _check(model)
+    (node,) = _onednn_nodes(res)
+    assert node.attrs["onednn_op"] == "dense+bias+swish"
+    assert node.attrs["onednn_impl"].endswith("+hgrt_swish") == onednn.isa().startswith(
+        ("avx2", "avx512"))
+    x = {"x": rng.uniform(-4, 4, (3, 40)).astype("float32")}
+    got, want = run_hgrt(res, x)[0], reference(model, x)[0]
+    assert np.abs(want).max() > 50 and np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@needs_onednn
 def test_a_blob_with_an_eltwise_post_op_carries_its_own_version():
     res = _check(_activation_onnx("dense", "gelu"))
     (blob,) = [v for k, v in res.params.items() if v.dtype == np.uint8]
