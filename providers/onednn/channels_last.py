@@ -97,6 +97,42 @@ def nhwc_type(var: relax.Var) -> relax.TensorType:
     return relax.TensorType((n, h, w, c), "float32", var.ty.vdevice)
 
 
+# the batch from which tensors between convolutions go blocked (``blocked``): at 8 samples,
+# oneDNN's direct kernels on nChw16c against its brgemm ones on NHWC (EPYC, AVX-512, 2
+# threads, us): a 3x3 depthwise on 144 channels at 56x56 603 against 1115, a 1x1 16 -> 96 at
+# 112x112 1552 against 2372, a 1x1 32 -> 16 at 112x112 458 against 557; at one sample NHWC's
+# were as fast or faster (60 against 76 us, 106 against 129 us on 1x1 24 -> 144 at 56x56)
+BLOCKED_MIN_BATCH = 8
+
+
+def blocked_type(var: relax.Var, block: int) -> relax.TensorType:
+    """The type of an NCHW tensor ``var`` held in oneDNN's nChw<block>c layout: N, C / block
+    (rounded up: oneDNN pads the channels), H, W, block."""
+    n, c, h, w = _shape(var)
+    return relax.TensorType((n, -(-c // block), h, w, block), "float32", var.ty.vdevice)
+
+
+def blocked(plan: Plan, g: Any, chains: list[Any]) -> set[relax.Var]:
+    """The NHWC tensors of ``plan`` to hold blocked instead (``blocked_type``): of at least
+    ``BLOCKED_MIN_BATCH`` samples, written by a float32 convolution chain without a pool and
+    read only by float32 convolution chains, as their input or residual (no other op ever
+    sees the layout), where those chains' other tensors may be blocked too: the writer's input
+    and the readers' results. (A convolution between a blocked and an NHWC tensor reorders its
+    result; EfficientNet's blocks, whose depthwise results a squeeze-excite reads, would take
+    two reorders each, and stay NHWC.)"""
+    convs = [c for c in chains if c.kind == "conv2d" and c.grid is None]
+    writer = {c.end: c for c in convs if c.pool is None}
+    reader = {c.root.var: c for c in convs} | {c.residual_at: c for c in convs
+                                                 if c.residual_at is not None}
+    maybe = {v for v in plan.nhwc & set(writer) if _shape(v)[0] >= BLOCKED_MIN_BATCH
+             and all(u is not None and u.var in reader for u in g.users.get(v, [None]))}
+
+    def fits(v: relax.Var) -> bool:  # in a layout the candidates share, or none (plain)
+        return v in maybe or v not in plan.nhwc
+    return {v for v in maybe if fits(writer[v].x)
+            and all(fits(reader[u.var].end) for u in g.users[v])}
+
+
 class Composite:
     """One op that the importer wrote as several bindings: ``members`` (read only by the next,
     in order) end in ``end``; ``x`` is its input; ``func`` and ``attrs`` its oneDNN kernel."""

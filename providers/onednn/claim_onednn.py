@@ -122,6 +122,8 @@ class _Emitter:
                                                  if c.residual_at is not None}
         self.plan = channels_last.Plan(g, {c.end for c in convs}, readers, self._weight)
         self.nhwc = runtime.nhwc_tag()
+        self.block, self.block_tag = runtime.blocked_tag()
+        self.blocked = channels_last.blocked(self.plan, g, chains) if self.block_tag else set()
         self.isa = runtime.isa()
         self.calls: dict[relax.Var, tuple[relax.Var, relax.Call]] = {}
         self.blobs: list[relax.Var] = []
@@ -155,6 +157,8 @@ class _Emitter:
         return True
 
     def _tag(self, v: relax.Var | None) -> int:
+        if v in self.blocked:
+            return self.block_tag
         return self.nhwc if v in self.plan.nhwc else 0
 
     def emit(self, chain: Chain) -> None:
@@ -185,7 +189,9 @@ class _Emitter:
             func = func.with_attr(key, value)
         args = [v for v in (chain.x, param, chain.residual) if v is not None]
         end = chain.end
-        var = type(end)(end.name, channels_last.nhwc_type(end)) if end in self.plan.nhwc else end
+        ty = channels_last.blocked_type(end, self.block) if end in self.blocked else \
+            channels_last.nhwc_type(end) if end in self.plan.nhwc else None
+        var = end if ty is None else type(end)(end.name, ty)
         self.calls[end] = (var, relax.op.call_dps_packed(func, relax.Tuple(args), var.ty))
 
 

@@ -161,6 +161,13 @@ def nhwc_tag() -> int:
     return int(_call("nhwc_tag"))
 
 
+def blocked_tag() -> tuple[int, int]:
+    """(block, oneDNN's layout tag) of the blocked layout its direct convolutions run here:
+    16 channels a block on AVX-512 (nChw16c), 8 on AVX2 (nChw8c); (0, 0) on a lesser ISA."""
+    block, tag = (int(v) for v in str(_call("blocked_tag")).split())
+    return block, tag
+
+
 def blob_format() -> dict[str, int]:
     """The blob header's format as the loaded shim was compiled with it, every number by name:
     what ``providers/onednn/blob.py``'s ``blob_format()`` says, when the two agree."""

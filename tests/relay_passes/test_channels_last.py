@@ -258,3 +258,58 @@ def test_tvm_kernels_on_another_cpu_device_run_solo_too():
         assert any("sigmoid" in f for f in on_1), on_1
         assert not any(f.startswith("hgrt.onednn.") for f in on_1)
         assert all(w == (kernels == "onednn") for w in on_1.values()), (kernels, on_1)
+
+
+def _inverted_residual_onnx(batch: int, c: int = 24):
+    """MobileNetV2's block at ``batch`` samples: a 1x1 expansion with ReLU6, a 3x3 depthwise
+    with ReLU6, a 1x1 projection plus the block's input (the residual), then a 1x1 convolution
+    and a global average pool; 24 channels (not a whole number of 16-channel blocks)."""
+    rng = np.random.default_rng(9)
+    inits = []
+
+    def w(name, *shape):
+        inits.append(numpy_helper.from_array(
+            (rng.standard_normal(shape) / np.sqrt(np.prod(shape[1:]))).astype("float32"), name))
+        return name
+
+    six = [numpy_helper.from_array(np.float32(v), n) for n, v in (("lo", 0.0), ("hi", 6.0))]
+    inits += six
+    nodes = [helper.make_node("Conv", ["x", w("w0", c, 8, 3, 3)], ["x0"], pads=[1] * 4),
+             helper.make_node("Conv", ["x0", w("w1", 6 * c, c, 1, 1)], ["e"]),
+             helper.make_node("Clip", ["e", "lo", "hi"], ["e6"]),
+             helper.make_node("Conv", ["e6", w("w2", 6 * c, 1, 3, 3)], ["d"], pads=[1] * 4,
+                              group=6 * c),
+             helper.make_node("Clip", ["d", "lo", "hi"], ["d6"]),
+             helper.make_node("Conv", ["d6", w("w3", c, 6 * c, 1, 1)], ["pr"]),
+             helper.make_node("Add", ["pr", "x0"], ["s"]),
+             helper.make_node("Conv", ["s", w("w4", 32, c, 1, 1)], ["o"]),
+             helper.make_node("GlobalAveragePool", ["o"], ["y"])]
+    graph = helper.make_graph(nodes, "inverted_residual", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, [batch, 8, 14, 14])], [helper.make_tensor_value_info(
+            "y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_tensors_between_convolutions_go_blocked_from_batch_8(batch):
+    """From ``BLOCKED_MIN_BATCH`` samples a tensor that only convolutions write and read (their
+    input or residual, their other tensors blocked or plain) is held in oneDNN's nChw16c
+    (nChw8c on AVX2) layout, its channels padded to whole blocks: the graph's tensor is N,
+    C / block, H, W, block; a convolution from a blocked input to an NHWC output reorders its
+    result. At one sample they stay NHWC. The numbers are onnxruntime's either way."""
+    from hgrt.providers.onednn import channels_last
+
+    res = _build_and_check(_inverted_residual_onnx(batch))
+    g = res.graph
+    block, _ = onednn.blocked_tag()
+    convs = [n for n in g.nodes if n.func_name == "hgrt.onednn.conv2d"]
+    assert len(convs) == 5
+    shapes = [g.shapes[g.entry_id(g.nodes.index(n))] for n in convs[:4]]
+    if batch >= channels_last.BLOCKED_MIN_BATCH and block:
+        # the block's sum stays NHWC: the convolution reading it writes NHWC for the pool
+        assert shapes == [(8, -(-24 // block), 14, 14, block), (8, 144 // block, 14, 14, block),
+                          (8, 144 // block, 14, 14, block), (8, 14, 14, 24)]
+        blocked = f"aBcd{block}b"  # oneDNN's name of nChw16c
+        assert convs[3].attrs["onednn_layouts"] == f"{blocked}, acdb, {blocked}"
+    else:
+        assert [len(s) for s in shapes] == [4, 4, 4, 4]
