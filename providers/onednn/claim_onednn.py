@@ -260,8 +260,9 @@ def claim_onednn(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     for r in rows:  # a matmul of two activations: not a chain's, a row kernel's
         g.declined.pop(r.root.var.name, None)
     reasons.declined(ctx, g.declined)
-    auto = [c for c in chains if c.choice == "auto"]
-    macs = sum(c.macs for c in chains)  # the model's, whoever asked: auto's choice is per model
+    auto = [c for c in [*chains, *rows] if c.choice == "auto"]
+    # the model's, whoever asked: auto's choice is per model
+    macs = sum(c.macs for c in [*chains, *rows])
     if auto and macs < AUTO_MIN_MACS:
         ctx.log(f"kernels: tvm for {len(auto)} ops (auto: the {len(chains)} ops oneDNN could take "
                 f"are {macs} multiply-adds, below {AUTO_MIN_MACS}: its per-call cost would "
@@ -270,8 +271,7 @@ def claim_onednn(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
         g = ChainGraph(func, ctx)
         chains = find_chains(g, kernels, frozenset({"onednn"}))
         rows = [r for r in rows if r.choice == "onednn"]
-    elif auto or any(r.choice == "auto" for r in rows):  # per op: what oneDNN saves against
-        # the switches between thread pools
+    elif auto:  # per op: what oneDNN saves against the switches between thread pools
         g, chains, rows = keep_what_pays(func, ctx, kernels, g, chains, rows)
     if not chains and not rows:
         return mod

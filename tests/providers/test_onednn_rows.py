@@ -162,3 +162,13 @@ def test_row_kernels_called_from_threads_at_once_give_one_run_s_bits():
         t.join()
     for i in range(4):
         assert all(np.array_equal(r, alone[i]) for r in got[i])
+
+
+def test_a_small_model_s_row_ops_stay_tvm_s_under_the_size_floor():
+    """An attention block of a few thousand multiply-adds: below ``AUTO_MIN_MACS`` a oneDNN
+    call's own cost outweighs the work, and ``"auto"`` leaves its row ops to TVM as it does its
+    dense layers (the placement report says so)."""
+    res = _build(attention(seq=4, dim=8, heads=2), "auto")
+    assert not [n for n in res.graph.nodes if n.attrs.get("provider") == "onednn"]
+    why = [r.kernels_why for r in res.placement_report if r.op == "relax.nn.softmax"]
+    assert why and all(w.startswith("size floor") for w in why), why
