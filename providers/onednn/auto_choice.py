@@ -72,7 +72,7 @@ CONV_GAIN = 1.5
 # vit's (197, 768) layer norm 21 us on oneDNN, 2 threads), and TVM's kernels of a row op
 # against oneDNN's where TVM's schedule is at its weakest (EPYC AVX-512, 2 threads): vit's
 # attention matmuls, whose register tile holds one of 197 rows, (12, 197, 64) x (12, 64, 197)
-# 980 against 284 us and (12, 197, 197) x (12, 197, 64) 600 against 259 us, its softmax over
+# 980 against 281 us and (12, 197, 197) x (12, 197, 64) 600 against 259 us, its softmax over
 # rows of 197 with the NaN check after it 427 against 261 us. Elsewhere (128 rows: distilbert,
 # llama) TVM's are as fast: all of distilbert on oneDNN took 68.9 ms, on TVM 56.4
 ROW_BYTES_PER_US = 20e3

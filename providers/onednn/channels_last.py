@@ -99,9 +99,10 @@ def nhwc_type(var: relax.Var) -> relax.TensorType:
 
 # the batch from which tensors between convolutions go blocked (``blocked``): at 8 samples,
 # oneDNN's direct kernels on nChw16c against its brgemm ones on NHWC (EPYC, AVX-512, 2
-# threads, us): a 3x3 depthwise on 144 channels at 56x56 603 against 1115, a 1x1 16 -> 96 at
-# 112x112 1552 against 2372, a 1x1 32 -> 16 at 112x112 458 against 557; at one sample NHWC's
-# were as fast or faster (60 against 76 us, 106 against 129 us on 1x1 24 -> 144 at 56x56)
+# threads, us; python/bench_onednn_primitives.cc): a 3x3 depthwise on 144 channels at 56x56
+# 634 against 996, a 1x1 16 -> 96 at 112x112 1516 against 2208, a 1x1 32 -> 16 455 against
+# 527 (a 1x1 24 -> 144 at 56x56 1041 against 854: not every layer; mobilenet_v2 as a whole
+# 35.2 -> 29.0 ms); at one sample NHWC's were as fast or faster (the depthwise 60 against 77)
 BLOCKED_MIN_BATCH = 8
 
 

@@ -12,8 +12,8 @@ int8 where the host has VNNI (``VNNI_ISAS``) and
 
 The kernel then computes what the float kernel computed on those numbers (the products exact in
 int32, times the input's scale and the weights' per channel, plus the bias, then the post-ops),
-2.5-4x faster (oneDNN's brgconv on AVX-512 VNNI, 2 threads: a 3x3 64 -> 64 convolution at
-56x56 982 -> 253 us, a 1x1 256 -> 64 one 450 -> 116 us).
+about 4x faster (oneDNN's brgconv on AVX-512 VNNI, 2 threads, ``python/bench_onednn_primitives.cc``:
+a 3x3 64 -> 64 convolution at 56x56 980 -> 251 us, a 1x1 256 -> 64 one 447 -> 115 us).
 """
 
 from __future__ import annotations

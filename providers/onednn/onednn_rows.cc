@@ -159,7 +159,9 @@ void Matmul(ffi::PackedArgs args) {
   key.push_back(threads);
   auto row_major = [](const memory::dims& d) {
     memory::dims strides(d.size(), 1);
-    for (int i = static_cast<int>(d.size()) - 2; i >= 0; --i) strides[i] = strides[i + 1] * d[i + 1];
+    for (int i = static_cast<int>(d.size()) - 2; i >= 0; --i) {
+      strides[i] = strides[i + 1] * d[i + 1];
+    }
     return memory::desc(d, memory::data_type::f32, strides);
   };
   memory::desc ma = row_major(da), mb = row_major(db), mc = row_major(dc);

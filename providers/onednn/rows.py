@@ -5,8 +5,8 @@ V; with an add after it of a tensor that broadcasts onto it: the mask). They hol
 weights; ``claim_onednn`` gives one to oneDNN where ``auto_choice`` finds that it pays: on
 oneDNN's OpenMP team, between oneDNN's dense layers, they spare the switches between thread
 pools that TVM's kernels there cost (130-150 us each, ``auto_choice``), and oneDNN's matmul of
-two activations is 2.3-3.5x TVM's (vit's (12, 197, 64) x (12, 64, 197) 284 against 980 us,
-EPYC AVX-512, 2 threads).
+two activations is 2.3-3.5x TVM's (vit's (12, 197, 64) x (12, 64, 197) 281 against 980 us,
+EPYC AVX-512, 2 threads; ``python/bench_onednn_primitives.cc`` and ``hgrt profile``).
 """
 
 from __future__ import annotations

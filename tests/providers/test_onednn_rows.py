@@ -172,3 +172,41 @@ def test_a_small_model_s_row_ops_stay_tvm_s_under_the_size_floor():
     assert not [n for n in res.graph.nodes if n.attrs.get("provider") == "onednn"]
     why = [r.kernels_why for r in res.placement_report if r.op == "relax.nn.softmax"]
     assert why and all(w.startswith("size floor") for w in why), why
+
+
+def test_modules_made_and_dropped_over_and_over_stay_flat():
+    """Forty modules of an attention block and of an int8 QDQ convolution, each made, run and
+    dropped: the kernels' caches return to where they started (the int8 blob's entry goes with
+    its module; the row kernels' primitives are one per shape) and the process's memory stays
+    within a few MiB of where it was after the first ones."""
+    import gc
+    import sys
+
+    import psutil
+
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from test_onednn_qdq import _relu_grid_convolution  # noqa: E402
+
+    models = [(attention(seq=32, dim=64), "x", (1, 32, 64)),
+              (_relu_grid_convolution(), "x", (1, 32, 14, 14))]
+    built = [(_build(m, "onednn"), name, shape) for m, name, shape in models]
+    cached = tvm.get_global_func("hgrt.onednn.cached_entries")
+    rng = np.random.default_rng(6)
+
+    def cycle() -> None:
+        for res, name, shape in built:
+            run_hgrt(res, {name: rng.standard_normal(shape).astype("float32")})
+
+    for _ in range(5):
+        cycle()
+    gc.collect()
+    tvm.get_global_func("hgrt.onednn.forget")(0, 2**63 - 1)
+    cycle()
+    gc.collect()
+    entries, rss = cached(), psutil.Process().memory_info().rss
+    for _ in range(40):
+        cycle()
+    gc.collect()
+    assert cached() == entries
+    grown = psutil.Process().memory_info().rss - rss
+    assert grown < 8 * 2**20, f"{grown / 2**20:.1f} MiB more after 40 cycles"
