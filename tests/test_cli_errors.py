@@ -61,7 +61,8 @@ def test_compile_chooses_kernels_per_op(onnx_file, tmp_path):
                     "-o", str(tmp_path / "bad"))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "kernels override 'nope': is not a binding of main" in proc.stderr.splitlines()[-1]
-    assert "convolutions and matmuls: ['lv" in proc.stderr.splitlines()[-1]
+    assert "convolutions, matmuls, layer norms and softmaxes: ['lv" in \
+        proc.stderr.splitlines()[-1]
     providers = []
     for rule in ("matmul=tvm", "nn.conv*=tvm"):  # the model: a conv + relu, then TVM ops
         art = tmp_path / rule.partition("=")[0].replace("*", "")

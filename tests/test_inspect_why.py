@@ -85,9 +85,10 @@ def test_a_provider_asked_for_says_where(kernels, provider, why):
 
 
 def _two_input_matmul():
-    """a (4, 8) @ b (8, 16), both inputs: no constant weight for oneDNN's dense kernel."""
+    """a (8,) @ b (8, 16), both inputs: no constant weight for oneDNN's dense kernel, and a
+    vector (oneDNN's matmul of two activations takes rank 2 or more)."""
     bb = relax.BlockBuilder()
-    a = relax.Var("a", relax.TensorType((4, 8), "float32"))
+    a = relax.Var("a", relax.TensorType((8,), "float32"))
     b = relax.Var("b", relax.TensorType((8, 16), "float32"))
     with bb.function("main", [a, b]):
         with bb.dataflow():

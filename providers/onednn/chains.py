@@ -353,7 +353,8 @@ def find_chains(g: ChainGraph, kernels: Kernels,
             else:
                 chain = root(g, b)
                 why = ("oneDNN kernels take float32 NCHW convolutions and matmuls of an "
-                       "activation by a constant 2-D weight")
+                       "activation by a constant 2-D weight, or of two activations of rank 2 "
+                       "or more")
             if chain is None:
                 if device is None or not ctx.devices[device].is_gpu:  # (a GPU's: not ours)
                     g.declined[b.var.name] = why

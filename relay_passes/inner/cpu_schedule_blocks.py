@@ -212,6 +212,9 @@ def _tile_loops(sch: s_tir.Schedule, spatial: list, reduce_: list, vi: int, vf: 
             inner.append(n)
         else:
             outer.append(lp)
+    if not outer:  # one vector of outputs (a vector times a matrix): a unit loop around it
+        o, vec_loop = sch.split(vec_loop, [1, None])
+        outer.append(o)
     sch.reorder(*outer, *[lp for _, lp, _ in reduce_], *inner, vec_loop)
     return sch.fuse(*outer) if len(outer) > 1 else outer[0]
 

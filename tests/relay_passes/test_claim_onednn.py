@@ -776,7 +776,8 @@ def _planned(res) -> int:
 
 
 @needs_onednn
-@pytest.mark.parametrize("name", ["squeezenet", "inception_v1"])
+@pytest.mark.parametrize("name", ["squeezenet",
+                                  pytest.param("inception_v1", marks=pytest.mark.slow)])
 def test_the_default_build_plans_at_most_1_1x_the_bytes_of_tvm_kernels(name):
     """Winograd's convolutions are chosen most output tiles first within 10 % of the model's
     weight bytes; with every one (winograd=True) the same models plan 1.47x and 1.61x."""

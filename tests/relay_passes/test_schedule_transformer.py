@@ -145,3 +145,25 @@ def test_a_ragged_weight_is_packed_padded_to_whole_tiles():
     p = pack_columns(w, 64)
     assert p.shape == (4, 5, 64) and not p[3, :, 8:].any()
     np.testing.assert_array_equal(p[3, :, :8], w[:, 192:])
+
+
+@pytest.mark.parametrize("n", [16, 13])
+def test_a_vector_times_a_matrix_builds_and_is_numpy_s(n):
+    """(8,) @ (8, n): one vector of outputs, no loop outside it to parallelize (the schedule
+    puts a unit loop there)."""
+    from tvm import relax
+
+    bb = relax.BlockBuilder()
+    a = relax.Var("a", relax.TensorType((8,), "float32"))
+    b = relax.Var("b", relax.TensorType((8, n), "float32"))
+    with bb.function("main", [a, b]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.matmul(a, b))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    mod["main"] = mod["main"].with_attr("num_input", 2)
+    rng = np.random.default_rng(0)
+    x = {"a": rng.standard_normal(8).astype("float32"),
+         "b": rng.standard_normal((8, n)).astype("float32")}
+    got = run_hgrt(hgrt.build(mod, ["cpu"], kernels="tvm"), x)[0]
+    np.testing.assert_allclose(got, x["a"] @ x["b"], rtol=1e-5, atol=1e-5)
