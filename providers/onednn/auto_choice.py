@@ -228,7 +228,7 @@ def keep_what_pays(func: relax.Function, ctx: Any, kernels: Kernels, g: ChainGra
     tvm_roots = {c.root.var.name: "tvm" for c in left}
     again = dataclasses.replace(kernels, overrides={**kernels.overrides, **tvm_roots})
     g = ChainGraph(func, ctx)
+    g.claimed.update(v for r in kept_rows for v in r.members)  # (no chain grows into them)
     chains = find_chains(g, again)
     reasons.switches_cost_more(ctx, left, {id(c): modelled_us(c, ctx) for c in left}, SWITCH_US)
-    g.claimed.update(v for r in kept_rows for v in r.members)
     return g, chains, kept_rows

@@ -194,7 +194,6 @@ class _Emitter:
         var = end if ty is None else type(end)(end.name, ty)
         self.calls[end] = (var, relax.op.call_dps_packed(func, relax.Tuple(args), var.ty))
 
-
     def emit_row(self, op: RowOp) -> bool:
         """The call of row op ``op``, unless an activation it reads is NHWC here (then it
         stays TVM's: the row kernels read plain tensors). Whether it made one."""
@@ -264,7 +263,8 @@ def claim_onednn(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     # the model's, whoever asked: auto's choice is per model
     macs = sum(c.macs for c in [*chains, *rows])
     if auto and macs < AUTO_MIN_MACS:
-        ctx.log(f"kernels: tvm for {len(auto)} ops (auto: the {len(chains)} ops oneDNN could take "
+        ctx.log(f"kernels: tvm for {len(auto)} ops (auto: the {len(chains) + len(rows)} ops "
+                f"oneDNN could take "
                 f"are {macs} multiply-adds, below {AUTO_MIN_MACS}: its per-call cost would "
                 f"outweigh them)")
         reasons.below_floor(ctx, auto, macs, AUTO_MIN_MACS)
