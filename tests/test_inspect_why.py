@@ -20,7 +20,7 @@ from hgrt.graph_format import DEVICE_WHY, PROVIDER_WHY
 from hgrt.inspect import NOT_RECORDED, format_ops, op_rows, reason_kind, summary
 from hgrt.providers.cudalibs import kernels as cudalibs
 from hgrt.providers.onednn import kernels as onednn
-from hgrt.testing import GraphBuilder
+from hgrt.testing import GraphBuilder, matmul_module
 
 needs_onednn = pytest.mark.skipif(onednn.unavailable_reason() is not None,
                                   reason=f"oneDNN unavailable: {onednn.unavailable_reason()}")
@@ -87,16 +87,7 @@ def test_a_provider_asked_for_says_where(kernels, provider, why):
 def _two_input_matmul():
     """a (8,) @ b (8, 16), both inputs: no constant weight for oneDNN's dense kernel, and a
     vector (oneDNN's matmul of two activations takes rank 2 or more)."""
-    bb = relax.BlockBuilder()
-    a = relax.Var("a", relax.TensorType((8,), "float32"))
-    b = relax.Var("b", relax.TensorType((8, 16), "float32"))
-    with bb.function("main", [a, b]):
-        with bb.dataflow():
-            out = bb.emit_output(relax.op.matmul(a, b))
-        bb.emit_func_output(out)
-    mod = bb.get()
-    mod["main"] = mod["main"].with_attr("num_input", 2)
-    return mod
+    return matmul_module((8,), (8, 16))
 
 
 @needs_onednn

@@ -45,7 +45,14 @@ from hgrt.testing.builds import (
     user_placed,
 )
 from hgrt.testing.graphs import GraphBuilder, N, add_one_chain, elementwise_lib
-from hgrt.testing.models import LOGITS_STD, calibrated, conv_model, zoo_input, zoo_model
+from hgrt.testing.models import (
+    LOGITS_STD,
+    calibrated,
+    conv_model,
+    matmul_module,
+    zoo_input,
+    zoo_model,
+)
 from hgrt.testing.onnx_cases import (
     CASE_DIRS,
     OnnxCase,
@@ -66,7 +73,8 @@ from hgrt.testing.oracle import (
 __all__ = [
     "LOGITS_STD", "N", "GraphBuilder", "OnnxCase", "alternating", "assert_close_to", "calibrated",
     "case_inputs", "check_case", "conv_model", "elementwise_lib", "fused_module", "input_names",
-    "input_shape", "load_case", "one_hot_rows", "onnx_case_names", "onnx_reference", "reference",
-    "run_hgrt", "run_lowered_vm", "run_relax_vm", "user_placed", "zoo_input", "zoo_model",
+    "input_shape", "load_case", "matmul_module", "one_hot_rows", "onnx_case_names",
+    "onnx_reference", "reference", "run_hgrt", "run_lowered_vm", "run_relax_vm", "user_placed",
+    "zoo_input", "zoo_model",
     "CASE_DIRS", "add_one_chain", "build_and_compare", "onnx_inputs"
 ]

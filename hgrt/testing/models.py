@@ -117,3 +117,19 @@ def conv_model(seed: int = 0):
              helper.make_node("Add", ["h", "f"], ["y"])]
     graph = helper.make_graph(nodes, "conv", [x], [y], initializer=inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+def matmul_module(a_shape: tuple[int, ...], b_shape: tuple[int, ...]):
+    """A Relax module whose ``main`` is ``a @ b``, both inputs (``num_input`` 2), float32."""
+    from tvm import relax
+
+    bb = relax.BlockBuilder()
+    a = relax.Var("a", relax.TensorType(a_shape, "float32"))
+    b = relax.Var("b", relax.TensorType(b_shape, "float32"))
+    with bb.function("main", [a, b]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.matmul(a, b))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    mod["main"] = mod["main"].with_attr("num_input", 2)
+    return mod

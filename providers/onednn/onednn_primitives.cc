@@ -89,9 +89,9 @@ int64_t DstTag(const Header& h) { return h[kSrcTag] > 0 && h[kDstTag] > 0 ? h[kS
 
 // ONNX's QuantizeLinear then DequantizeLinear (scale `s`, zero point `z`, an int8 or uint8
 // grid) as kQuantizeOps eltwise post-ops: clip(round(x / s) + z, lo, hi) - z is
-// clip(round(x / s), lo - z, hi - z) for an integer z, then times s. Rounding is oneDNN's, to nearest even as
-// ONNX's; x / s is x * (1 / s), which may differ in the last bit (a value exactly between two
-// steps of the grid may land on the other one).
+// clip(round(x / s), lo - z, hi - z) for an integer z, then times s. Rounding is oneDNN's, to
+// nearest even as ONNX's; x / s is x * (1 / s), which may differ in the last bit (a value
+// exactly between two steps of the grid may land on the other one).
 constexpr int kQuantizeOps = 4;  // the oneDNN post-ops of one quantize-dequantize
 
 // how many of oneDNN's post-ops a header's post-op `kind` appends (a binary post-op's argument

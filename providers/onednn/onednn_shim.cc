@@ -385,11 +385,9 @@ TVM_FFI_STATIC_INIT_BLOCK() {
       .def("hgrt.onednn.blob_format", []() { return ffi::String(BlobFormat()); })
       .def("hgrt.onednn.nhwc_tag", []() { return static_cast<int64_t>(dnnl_nhwc); })
       .def("hgrt.onednn.blocked_tag", []() {  // "block tag": what this CPU's oneDNN may use
-        auto isa = static_cast<unsigned>(dnnl::get_effective_cpu_isa());
-        auto has = [&](dnnl::cpu_isa want) {
-          return (isa & static_cast<unsigned>(want)) == static_cast<unsigned>(want);
-        };
-        int64_t block = has(dnnl::cpu_isa::avx512_core) ? 16 : has(dnnl::cpu_isa::avx2) ? 8 : 0;
+        int64_t block = HasIsa(dnnl::cpu_isa::avx512_core) ? 16
+                        : HasIsa(dnnl::cpu_isa::avx2)      ? 8
+                                                           : 0;
         int64_t tag = block == 16 ? dnnl_nChw16c : block == 8 ? dnnl_nChw8c : 0;
         return ffi::String(std::to_string(block) + " " + std::to_string(tag));
       })

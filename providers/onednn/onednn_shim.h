@@ -313,6 +313,8 @@ void PushBits(std::vector<int64_t>& key, const float* values, int n);
 
 // ---- onednn_swish.cc -----------------------------------------------------------------------
 
+// whether oneDNN may use `want` here (ONEDNN_MAX_CPU_ISA caps it)
+bool HasIsa(dnnl::cpu_isa want);
 int SwishLevel();
 void Swish(float* y, int64_t n, int threads);
 // a header whose last post-op is swish of alpha 1, on a CPU where hgrt's own pass computes it:

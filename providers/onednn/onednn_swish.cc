@@ -79,20 +79,19 @@ __attribute__((target("avx2,fma"))) void Swish256(float* y, int64_t n, int threa
   for (int64_t i = whole; i < n; ++i) y[i] = y[i] / (1.f + std::exp(-y[i]));
 }
 
-bool Has(dnnl::cpu_isa isa, dnnl::cpu_isa want) {
-  auto a = static_cast<unsigned>(isa), w = static_cast<unsigned>(want);
-  return (a & w) == w;
-}
-
 }  // namespace
+
+bool HasIsa(dnnl::cpu_isa want) {
+  auto a = static_cast<unsigned>(dnnl::get_effective_cpu_isa()), w = static_cast<unsigned>(want);
+  return (a & w) == w;  // (oneDNN's ISAs are masks, each holding the ones below it)
+}
 
 // 2: AVX-512, 1: AVX2, 0: neither (oneDNN's post-op then), as far as oneDNN may go here
 // (ONEDNN_MAX_CPU_ISA caps an AVX2 build's kernels, this pass with them)
 int SwishLevel() {
   static const int level = [] {
-    dnnl::cpu_isa isa = dnnl::get_effective_cpu_isa();
-    if (Has(isa, dnnl::cpu_isa::avx512_core) && __builtin_cpu_supports("avx512f")) return 2;
-    if (Has(isa, dnnl::cpu_isa::avx2) && __builtin_cpu_supports("avx2") &&
+    if (HasIsa(dnnl::cpu_isa::avx512_core) && __builtin_cpu_supports("avx512f")) return 2;
+    if (HasIsa(dnnl::cpu_isa::avx2) && __builtin_cpu_supports("avx2") &&
         __builtin_cpu_supports("fma")) {
       return 1;
     }

@@ -133,8 +133,7 @@ def _matmul(g: ChainGraph, b: relax.VarBinding) -> RowOp | None:
     if add is not None and op_name(add.value) == "relax.add" and add.var not in g.claimed:
         lhs, rhs = add.value.args
         d = rhs if lhs.same_as(b.var) else lhs
-        sd = d.ty.shape if isinstance(d, relax.Var) else None
-        dims = static_dims(d.ty) if sd is not None else None
+        dims = static_dims(d.ty) if isinstance(d, relax.Var) else None
         if (dims is not None and not d.same_as(b.var) and str(d.ty.dtype) == "float32"
                 and static_dims(add.var.ty) == out and _broadcasts(tuple(dims), out)):
             op.args.append(d)

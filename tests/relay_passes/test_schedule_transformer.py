@@ -15,7 +15,7 @@ import hgrt
 from hgrt.relay_passes.inner.cpu_schedule import schedule_cpu_functions
 from hgrt.relay_passes.inner.cpu_schedule_conv import PEEL_HINT
 from hgrt.relay_passes.inner.prepack_weights import pack_columns
-from hgrt.testing import fused_module, onnx_reference, run_hgrt
+from hgrt.testing import fused_module, matmul_module, onnx_reference, run_hgrt
 
 RNG = np.random.default_rng(7)
 HASWELL = {"cpu": {"kind": "llvm", "mcpu": "haswell", "num-cores": 2}}
@@ -151,17 +151,7 @@ def test_a_ragged_weight_is_packed_padded_to_whole_tiles():
 def test_a_vector_times_a_matrix_builds_and_is_numpy_s(n):
     """(8,) @ (8, n): one vector of outputs, no loop outside it to parallelize (the schedule
     puts a unit loop there)."""
-    from tvm import relax
-
-    bb = relax.BlockBuilder()
-    a = relax.Var("a", relax.TensorType((8,), "float32"))
-    b = relax.Var("b", relax.TensorType((8, n), "float32"))
-    with bb.function("main", [a, b]):
-        with bb.dataflow():
-            out = bb.emit_output(relax.op.matmul(a, b))
-        bb.emit_func_output(out)
-    mod = bb.get()
-    mod["main"] = mod["main"].with_attr("num_input", 2)
+    mod = matmul_module((8,), (8, n))
     rng = np.random.default_rng(0)
     x = {"a": rng.standard_normal(8).astype("float32"),
          "b": rng.standard_normal((8, n)).astype("float32")}
