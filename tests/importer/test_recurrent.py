@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+import tvm
 from recurrent_onnx_models import recurrent_inputs, recurrent_model, stacked_lstm
 
 import hgrt
@@ -85,6 +86,28 @@ def _id(param) -> str:
 @pytest.mark.parametrize("op, attrs", ATTRIBUTES, ids=[_id(p) for p in ATTRIBUTES])
 def test_attribute(op, attrs):
     _check(recurrent_model(op, **attrs))
+
+
+@pytest.mark.parametrize("op, direction, attrs", [
+    ("GRU", "forward", {}), ("GRU", "reverse", {"linear_before_reset": 1}),
+    ("LSTM", "forward", {"peepholes": True}), ("RNN", "bidirectional", {})])
+def test_units_shared_out_to_threads_give_one_thread_s_bits(op, direction, attrs):
+    """40 hidden units: two tasks of the kernel's parallel loop per direction and batch row,
+    the second short, a batch row's two on different threads (one direction); sequences of
+    different lengths. Right against onnxruntime, and the same bits on 1 and 2 threads (each
+    unit's sums in one order; a step that read a state other threads had not finished would
+    differ)."""
+    model = recurrent_model(op, direction, lens=True, initial=True, hidden=40, **attrs)
+    inputs = recurrent_inputs(model)
+    res = _check(model, inputs=inputs)
+    m = hgrt.create(res.graph_json, res.lib, [tvm.cpu(0)])
+    m.load_params(res.params)
+    got = {}
+    for threads in (1, 2):
+        m.configure_calls(callers=1, threads_per_call=threads)
+        got[threads] = [np.array(o) for o in m(**inputs)]
+    for one, two in zip(got[1], got[2], strict=True):
+        assert np.array_equal(one, two)
 
 
 def _transposed(arrays, perms):
