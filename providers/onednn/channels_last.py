@@ -11,8 +11,8 @@ inception and densenet put a concat or a pool between most convolutions. So
   channels and max/avg pooling (oneDNN's primitives: TVM's NHWC forms measured 2-3x slower),
   batch norm, arithmetic with a per-channel weight, of two NHWC tensors, or with a computed
   (N, C, 1, 1) tensor (a squeeze-excite gate: its bytes are the N,1,1,C one, a view), unary
-  element-wise ops, dropout (no kernel); a mean over H and W reads NHWC and gives its plain
-  result;
+  element-wise ops, dropout (no kernel), a split on channels (every part NHWC); a mean over
+  H and W reads NHWC and gives its plain result;
 - the result of a claimed convolution that a claimed convolution or such an op reads (else the
   kernel writes NCHW itself);
 - the result of an op that the ONNX importer spells as several (``Composite``): ONNX's LRN
@@ -33,7 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from tvm import relax
+from tvm import relax, tirx
 
 from hgrt.graph_format import PROVIDER_WHY
 from hgrt.providers.onednn import PROVIDER
@@ -256,6 +256,7 @@ class Plan:
         self.nhwc: set[relax.Var] = set()
         self.forms: dict[relax.Var, tuple[Builder, bool]] = {}  # var -> (builder, makes NHWC)
         self.tuples: set[relax.Var] = set()  # tuple results (batch norm, dropout) with item 0 NHWC
+        self.splits: set[relax.Var] = set()  # of them, those whose every item is NHWC (split)
         self.composites = find_composites(g)
         self._member_of = {m: c for c in self.composites.values() for m in c.members}
         self.dropped: set[relax.Var] = set()  # members of composites run as one kernel
@@ -293,8 +294,9 @@ class Plan:
             tup = value.tuple_value
             index = value.index
             if tup in self.tuples and (index != 0 or fits):  # item 0 NHWC, the others as they were
-                self.forms[v] = (lambda rw, t=tup, i=index: rw.item(t, i), index == 0)
-                if index == 0:
+                nhwc = index == 0 or tup in self.splits
+                self.forms[v] = (lambda rw, t=tup, i=index: rw.item(t, i), nhwc)
+                if nhwc:
                     self.nhwc.add(v)
             return
         if not fits or not isinstance(value, relax.Call):
@@ -305,8 +307,14 @@ class Plan:
         makes = form[1]
         if makes == "tuple" and not isinstance(self._item0(v), relax.DataflowVar):
             return
+        if makes == "split":  # every item read in the dataflow block, by item
+            if not all(u is not None and isinstance(u.value, relax.TupleGetItem)
+                       and isinstance(u.var, relax.DataflowVar)
+                       for u in self.g.users.get(v, [None])):
+                return
+            self.splits.add(v)
         self.forms[v] = form
-        if makes == "tuple":
+        if makes in ("tuple", "split"):
             self.tuples.add(v)
         elif makes:
             self.nhwc.add(v)
@@ -336,6 +344,14 @@ class Plan:
                 rw.new[x], *args[1:], axis=3, epsilon=float(a.epsilon), center=bool(a.center),
                 scale=bool(a.scale), momentum=float(a.momentum),
                 training=bool(getattr(a, "training", False)))), "tuple"
+        if name == "relax.split" and int(a.axis) in (1, -3) and len(_shape(x)) == 4:
+            # on channels: per pixel, runs of channels copied. ShuffleNetV2's halves between its
+            # units: split NCHW, each unit's concat, shuffle and split were one TVM kernel on
+            # the caller's thread between oneDNN's convolutions; NHWC, its concat and shuffle
+            # are oneDNN's (the model at batch 1: 3.0-3.1 -> 2.7 ms, EPYC AVX-512, 2 threads)
+            parts = a.indices_or_sections
+            parts = int(parts) if isinstance(parts, tirx.IntImm) else [int(i) for i in parts]
+            return (lambda rw: relax.op.split(rw.new[x], parts, axis=3)), "split"
         if name == "relax.nn.dropout" and reads_only_item0(self.g.users, b.var):
             # inference: item 0 is x itself, no kernel
             return (lambda rw: rw.new[x]), "tuple"

@@ -165,6 +165,49 @@ def test_a_channel_shuffle_between_convolutions_is_one_nhwc_kernel():
     assert [n for n in g.nodes if "sqrt" in (n.func_name or "")]
 
 
+def _shufflenet_unit_onnx(half_out: bool = False):
+    """conv → split into halves → the second through a conv → concat → channel shuffle (2
+    groups) → split → the second half through a conv → concat (output ``y``): ShuffleNetV2's
+    unit, twice; with ``half_out`` the shuffle's first half is an output too (``h``)."""
+    rng = np.random.default_rng(3)
+    inits = [numpy_helper.from_array((rng.standard_normal(s) / np.sqrt(np.prod(s[1:])))
+                                     .astype("float32"), n) for n, s in (
+        ("w0", (16, 8, 1, 1)), ("w1", (8, 8, 1, 1)), ("w2", (8, 8, 3, 3)))]
+    inits += [numpy_helper.from_array(np.array(v, "int64"), n) for n, v in (
+        ("halves", [8, 8]), ("groups", [1, 2, 8, 10, 10]), ("join", [1, 16, 10, 10]))]
+    nodes = [
+        helper.make_node("Conv", ["x", "w0"], ["c"]), helper.make_node("Relu", ["c"], ["r"]),
+        helper.make_node("Split", ["r", "halves"], ["a", "b"], axis=1),
+        helper.make_node("Conv", ["b", "w1"], ["bc"]), helper.make_node("Relu", ["bc"], ["br"]),
+        helper.make_node("Concat", ["a", "br"], ["cat"], axis=1),
+        helper.make_node("Reshape", ["cat", "groups"], ["g"]),
+        helper.make_node("Transpose", ["g"], ["t"], perm=[0, 2, 1, 3, 4]),
+        helper.make_node("Reshape", ["t", "join"], ["sh"]),
+        helper.make_node("Split", ["sh", "halves"], ["h", "s2"], axis=1),
+        helper.make_node("Conv", ["s2", "w2"], ["y2"], pads=[1] * 4),
+        helper.make_node("Concat", ["h", "y2"], ["y"], axis=1),
+    ]
+    outs = ["y", "h"] if half_out else ["y"]
+    graph = helper.make_graph(nodes, "unit", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, [1, 8, 10, 10])], [helper.make_tensor_value_info(
+            n, TensorProto.FLOAT, None) for n in outs], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+@pytest.mark.parametrize("half_out", [False, True])
+def test_a_split_on_channels_between_convolutions_splits_nhwc(half_out):
+    """ShuffleNetV2's halves stay NHWC: its splits cut runs of channels per pixel, so its
+    concat and shuffle are oneDNN's and nothing turns NCHW but the outputs (a half that is one
+    too gets its own reorder)."""
+    res = _build_and_check(_shufflenet_unit_onnx(half_out))
+    g = res.graph
+    splits = [n for n in g.nodes if "split" in (n.func_name or "")]
+    nhwc = [n for n in splits if g.shapes[g.entry_id(g.nodes.index(n))] == (1, 10, 10, 8)]
+    assert len(splits) == len(nhwc) == 2
+    assert len(_by_func(res, "shuffle")) == 1
+    assert len(_by_func(res, "to_nchw")) == (2 if half_out else 1)
+
+
 def _squeeze_excite_onnx(batch: int = 1):
     """conv → SiLU → squeeze-excite (mean over H, W, 1x1 conv, SiLU, 1x1 conv, sigmoid: the
     gate) → x * gate → 1x1 conv (output ``y``), EfficientNet's block."""
