@@ -12,7 +12,9 @@ inception and densenet put a concat or a pool between most convolutions. So
   batch norm, arithmetic with a per-channel weight, of two NHWC tensors, or with a computed
   (N, C, 1, 1) tensor (a squeeze-excite gate: its bytes are the N,1,1,C one, a view), unary
   element-wise ops, dropout (no kernel), a split on channels (every part NHWC); a mean over
-  H and W reads NHWC and gives its plain result;
+  H and W reads NHWC and gives its plain result; a transpose to N,H,W,C is a view of the
+  NHWC bytes, and one back to N,C,H,W of a plain N,H,W,C tensor an NHWC-held tensor (no
+  kernel either way) where a reader takes NHWC;
 - the result of a claimed convolution that a claimed convolution or such an op reads (else the
   kernel writes NCHW itself);
 - the result of an op that the ONNX importer spells as several (``Composite``): ONNX's LRN
@@ -253,6 +255,7 @@ class Plan:
         results of claimed convolutions; ``nhwc_readers``: bindings of claimed chains that can
         read an NHWC input or residual; ``new_weight(name, value, vdevice)``: a new weight."""
         self.g, self.new_weight = g, new_weight
+        self.nhwc_readers = nhwc_readers
         self.nhwc: set[relax.Var] = set()
         self.forms: dict[relax.Var, tuple[Builder, bool]] = {}  # var -> (builder, makes NHWC)
         self.tuples: set[relax.Var] = set()  # tuple results (batch norm, dropout) with item 0 NHWC
@@ -330,6 +333,8 @@ class Plan:
                 return None
             return (lambda rw: relax.op.call_dps_packed(
                 CONCAT, relax.Tuple([rw.new[f] for f in fields]), nhwc_type(b.var))), True
+        if name == "relax.permute_dims":
+            return self._permute(call, x, b.var)
         if x not in self.nhwc:
             return self._binary(call, args) if name in BINARY else None
         a = call.attrs
@@ -357,6 +362,30 @@ class Plan:
             return (lambda rw: rw.new[x]), "tuple"
         if name == "relax.mean":
             return self._mean(call, x)
+        return None
+
+    def _permute(self, call: relax.Call, x: relax.Expr, out: relax.Var
+                 ) -> tuple[Builder, bool] | None:
+        """The transposes between NCHW and NHWC that a model writes around its channels-last
+        ops (ConvNeXt's blocks: a depthwise convolution, then layer norm and dense layers on
+        N,H,W,C, then back to add the residual): to NHWC of an NHWC-held tensor is its bytes,
+        a view; to NCHW of a plain N,H,W,C tensor is an NHWC-held one, no kernel, where a
+        reader takes it so (a claimed convolution, or arithmetic with an NHWC tensor)."""
+        axes = [int(a) for a in call.attrs.axes] if call.attrs.axes is not None else None
+        if not isinstance(x, relax.Var) or _shape(x) is None or len(_shape(x)) != 4:
+            return None
+        if axes == [0, 2, 3, 1] and x in self.nhwc:
+            return (lambda rw: relax.op.reshape(rw.new[x], _shape(out))), False
+        if axes != [0, 3, 1, 2] or x in self.nhwc or self.g.value(x) is not None:
+            return None
+        for u in self.g.users.get(out, []):
+            if u is None:
+                continue
+            if u.var in self.nhwc_readers:
+                return (lambda rw: x), True
+            if op_name(u.value) in BINARY and len(u.value.args) == 2 and any(
+                    a in self.nhwc and _shape(a) == _shape(out) for a in u.value.args):
+                return (lambda rw: x), True
         return None
 
     def _binary(self, call: relax.Call, args: list[relax.Expr]) -> tuple[Builder, bool] | None:

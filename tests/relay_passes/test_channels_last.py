@@ -208,6 +208,49 @@ def test_a_split_on_channels_between_convolutions_splits_nhwc(half_out):
     assert len(_by_func(res, "to_nchw")) == (2 if half_out else 1)
 
 
+def _convnext_block_onnx():
+    """stem conv → ConvNeXt's block (7x7 depthwise conv, to N,H,W,C, layer norm, dense, GELU,
+    dense, layer scale, back to N,C,H,W, plus the block's input) → 1x1 conv (output ``y``)."""
+    rng = np.random.default_rng(6)
+
+    def arr(*shape, scale=None):
+        return (rng.standard_normal(shape) * (scale or 1 / np.sqrt(np.prod(shape[1:]) or 1))
+                ).astype("float32")
+    inits = [numpy_helper.from_array(a, n) for n, a in (
+        ("w0", arr(16, 8, 1, 1)), ("dw", arr(16, 1, 7, 7)), ("gamma", arr(16, scale=0.5) + 1),
+        ("beta", arr(16, scale=0.1)), ("w1", arr(16, 64, scale=0.25)), ("b1", arr(64, scale=0.1)),
+        ("w2", arr(64, 16, scale=0.125)), ("ls", arr(16, scale=0.5)), ("w3", arr(8, 16, 1, 1)))]
+    nodes = [
+        helper.make_node("Conv", ["x", "w0"], ["stem"]),
+        helper.make_node("Conv", ["stem", "dw"], ["d"], group=16, pads=[3] * 4),
+        helper.make_node("Transpose", ["d"], ["dt"], perm=[0, 2, 3, 1]),
+        helper.make_node("LayerNormalization", ["dt", "gamma", "beta"], ["ln"], axis=-1),
+        helper.make_node("MatMul", ["ln", "w1"], ["m1"]), helper.make_node("Add", ["m1", "b1"],
+                                                                           ["a1"]),
+        helper.make_node("Gelu", ["a1"], ["g"]),
+        helper.make_node("MatMul", ["g", "w2"], ["m2"]), helper.make_node("Mul", ["m2", "ls"],
+                                                                          ["sc"]),
+        helper.make_node("Transpose", ["sc"], ["back"], perm=[0, 3, 1, 2]),
+        helper.make_node("Add", ["back", "stem"], ["res"]),
+        helper.make_node("Conv", ["res", "w3"], ["y"]),
+    ]
+    graph = helper.make_graph(nodes, "convnext", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, [1, 8, 8, 8])], [helper.make_tensor_value_info(
+            "y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+
+
+def test_transposes_between_nchw_and_nhwc_around_convolutions_are_views():
+    """ConvNeXt's block: the depthwise convolution writes NHWC, so its transpose to N,H,W,C
+    is a view of it; the transpose back of the dense layers' N,H,W,C result is an NHWC-held
+    tensor that the residual add and the next convolution read as it is: no transpose kernel
+    and no reorder (the last convolution writes NCHW itself)."""
+    res = _build_and_check(_convnext_block_onnx())
+    funcs = [n.func_name or "" for n in res.graph.nodes]
+    assert not [f for f in funcs if "transpose" in f], funcs
+    assert not _by_func(res, "to_nchw")
+
+
 def _squeeze_excite_onnx(batch: int = 1):
     """conv → SiLU → squeeze-excite (mean over H, W, 1x1 conv, SiLU, 1x1 conv, sigmoid: the
     gate) → x * gate → 1x1 conv (output ``y``), EfficientNet's block."""
