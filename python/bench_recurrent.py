@@ -21,8 +21,8 @@ os.environ.setdefault("TVM_NUM_THREADS", "2")  # the pool's size, set before it 
 def main() -> None:
     import numpy as np
     import tvm
-
     from bench_common import machine
+
     from hgrt.devices.host_cpu import host_target
     from hgrt.importer.recurrent_kernels import RecurrentLayer, kernel
     from hgrt.runtime.threads import set_thread_count
@@ -47,8 +47,7 @@ def main() -> None:
     run = tvm.compile(tvm.IRModule({"main": func}), target=target)["main"]
     rng = np.random.default_rng(0)
     operands = []
-    for param in func.params:
-        buf = func.buffer_map[param]
+    for buf in func.params:  # (a PrimFunc's params are its buffers in TVM 0.27)
         shape = [int(d) for d in buf.shape]
         if str(buf.dtype) == "int32":  # the sequence lengths: every sequence at full length
             operands.append(tvm.runtime.tensor(np.full(shape, args.seq, "int32")))
