@@ -14,12 +14,12 @@ would not reorder), about ten times faster than the dot-product order.
 
 The threads share each step: its hidden units in chunks (``CHUNK``) of every direction and
 batch row, each chunk's gate products and state update on one thread, a barrier between steps
-(the state is double-buffered: a step reads one copy and writes the other). A step streams
-the recurrent weights, 768 KB for GRU's 256 units, from cache: each thread streams its chunks'
-columns only (a GRU layer of 256 units, 32 steps: 255-264 us on one thread, 139-143 us on
-two, AMD EPYC AVX-512; ``python/bench_recurrent.py``). A unit's sums run in one order whatever the thread count, so the bits do not depend
-on it. GRU without ``linear_before_reset`` takes two barriers a step: its candidate's product
-needs every unit's reset gate first.
+(the state is double-buffered: a step reads one copy and writes the other). A step streams the
+recurrent weights, 768 KB for GRU's 256 units, from cache: each thread streams its chunks'
+columns only (a GRU layer of 256 units, 32 steps: 255-264 us on one thread, 139-143 us on two,
+AMD EPYC AVX-512; ``python/bench_recurrent.py``). A unit's sums run in one order whatever the
+thread count, so the bits do not depend on it. GRU without ``linear_before_reset`` takes two
+barriers a step: its candidate's product needs every unit's reset gate first.
 
 Every kernel takes its operands in one form, whatever the ONNX node omitted (the converter
 supplies zeros, full lengths and zero states): ``xp, rt[, rbh], lens, h0[, c0, p]`` then writes

@@ -137,7 +137,7 @@ def _row_us(op: RowOp, work: float, cores: int, isa: Any) -> dict[str, float]:
     """A row op's modelled microseconds (``modelled_us``): TVM's kernel slower where its
     schedule is (``ROW_TVM_SLOWDOWN``: a matmul whose register tile holds one row, a softmax
     over rows of no whole vectors), else as fast."""
-    dims = static_dims(op.end.ty) or (1, 1)
+    dims = static_dims(op.root.var.ty) or (1, 1)  # (a matmul's end may be its result transposed)
     if op.kind == "matmul":
         rows, cols = dims[-2], dims[-1]
         slow = rows > 1 and tile_rows(rows, cols, isa) <= 1

@@ -3,7 +3,10 @@
 // activations in attention). On oneDNN's OpenMP threads they keep the dense layers' team awake
 // where TVM's kernels between them would switch thread pools (providers/onednn/auto_choice.py).
 // Each is one primitive per shape and thread count (Cached), its arguments bound per thread.
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <numeric>
 #include <optional>
 
 #include "onednn_shim.h"
@@ -112,9 +115,25 @@ void Softmax(const ffi::TensorView& x, const ffi::TensorView& params,
 // out = a @ b (+ addend), numpy's matmul of two activations: a (..., M, K), b (..., K, N), out
 // (..., M, N), the batch dims broadcast (a lower rank has leading 1s); an addend of out's rank
 // or lower broadcasts onto out (oneDNN's binary-add post-op).
+//
+// `views` (int64, optional): the operands and the product as strided views of the tensors
+// given, so that transposes and reshapes around the product (attention's heads split off and
+// merged back) are read and written in place rather than by kernels of their own: for a, b
+// and the product in turn, its R dims then its R strides in elements of the tensor given,
+// then the float32 bits of a scale the product is multiplied by (before the addend). The
+// product's view must cover the output tensor once; an operand's must stay inside its tensor.
 void Matmul(ffi::PackedArgs args) {
-  if (args.size() != 3 && args.size() != 4) {
-    TVM_FFI_THROW(TypeError) << "oneDNN matmul: expected (a, b, [addend,] out), got "
+  int n = args.size();
+  std::optional<ffi::TensorView> views;
+  if (n >= 4) {
+    ffi::TensorView t = args[n - 2].cast<ffi::TensorView>();
+    if (t.dtype().code == kDLInt && t.dtype().bits == 64) {
+      views = t;
+      --n;
+    }
+  }
+  if (n != 3 && n != 4) {
+    TVM_FFI_THROW(TypeError) << "oneDNN matmul: expected (a, b, [addend,] [views,] out), got "
                              << args.size() << " arguments";
   }
   ffi::TensorView a = args[0].cast<ffi::TensorView>(), b = args[1].cast<ffi::TensorView>();
@@ -123,28 +142,88 @@ void Matmul(ffi::PackedArgs args) {
   CheckTensor(b, "matmul operand b", kF32, -1);
   CheckTensor(out, "matmul output", kF32, -1);
   std::optional<ffi::TensorView> addend;
-  if (args.size() == 4) {
+  if (n == 4) {
     addend = args[2].cast<ffi::TensorView>();
     CheckTensor(*addend, "matmul addend", kF32, -1);
   }
   int rank = static_cast<int>(out.ndim());
-  // `t`'s dims with leading 1s up to the output's rank (an operand has at least 2)
-  auto padded = [&](const ffi::TensorView& t, const char* what, size_t least) {
-    memory::dims d = DimsOf(t);
+  const int64_t* v = nullptr;
+  float scale = 1.f;
+  if (views) {
+    int64_t len = views->numel();
+    if (views->ndim() != 1 || len < 13 || (len - 1) % 6 != 0) {
+      TVM_FFI_THROW(ValueError) << "oneDNN matmul: views has " << len << " elements, not 6 x "
+                                << "a rank of 2 or more, plus 1";
+    }
+    CheckTensor(*views, "matmul views", DLDataType{kDLInt, 64, 1}, len);
+    v = static_cast<const int64_t*>(DataOf(*views));
+    rank = static_cast<int>((len - 1) / 6);
+    uint32_t bits = static_cast<uint32_t>(v[6 * rank]);
+    std::memcpy(&scale, &bits, sizeof scale);
+    if (!std::isfinite(scale)) {
+      TVM_FFI_THROW(ValueError) << "oneDNN matmul: the views' scale is " << scale;
+    }
+  }
+  // `t` as the product reads it (view k of `views`, else its dims and row-major strides),
+  // with leading 1s up to the product's rank (an operand has at least 2 dims)
+  auto seen_as = [&](const ffi::TensorView& t, const char* what, size_t least, int k) {
+    memory::dims d, st;
+    if (v && k >= 0) {
+      d.assign(v + 2 * k * rank, v + (2 * k + 1) * rank);
+      st.assign(v + (2 * k + 1) * rank, v + (2 * k + 2) * rank);
+      int64_t last = 0;  // the farthest element the view reads
+      for (int i = 0; i < rank; ++i) {
+        if (d[i] < 1 || st[i] < 0) {
+          TVM_FFI_THROW(ValueError) << "oneDNN matmul: the view of " << what << " has a dim "
+                                    << d[i] << " or stride " << st[i];
+        }
+        last += (d[i] - 1) * st[i];
+      }
+      if (last >= t.numel()) {
+        TVM_FFI_THROW(ValueError) << "oneDNN matmul: the view of " << what << " reads past its "
+                                  << t.numel() << " elements";
+      }
+      return std::make_pair(d, st);
+    }
+    d = DimsOf(t);
+    st.assign(d.size(), 1);
+    for (int i = static_cast<int>(d.size()) - 2; i >= 0; --i) st[i] = st[i + 1] * d[i + 1];
     if (static_cast<int>(d.size()) > rank || rank < 2 || d.size() < least) {
       TVM_FFI_THROW(ValueError) << "oneDNN matmul: " << what << " of rank " << d.size()
                                 << " does not fit an output of rank " << rank;
     }
+    st.insert(st.begin(), rank - d.size(), st[0] * d[0]);
     d.insert(d.begin(), rank - d.size(), 1);
-    return d;
+    return std::make_pair(d, st);
   };
-  memory::dims da = padded(a, "a", 2), db = padded(b, "b", 2), dc = DimsOf(out);
+  auto [da, sa] = seen_as(a, "a", 2, 0);
+  auto [db, sb] = seen_as(b, "b", 2, 1);
+  auto [dc, sc] = seen_as(out, "the output", 2, 2);
+  if (v) {  // the product's view covers the output once: its strides a row-major order's
+    std::vector<int> order(rank);
+    std::iota(order.begin(), order.end(), 0);
+    std::sort(order.begin(), order.end(), [&](int x, int y) { return sc[x] < sc[y]; });
+    int64_t step = 1;
+    for (int i : order) {
+      if (dc[i] == 1) continue;
+      if (sc[i] != step) {
+        TVM_FFI_THROW(ValueError) << "oneDNN matmul: the view of the output does not cover it "
+                                  << "once";
+      }
+      step *= dc[i];
+    }
+    if (step != out.numel()) {
+      TVM_FFI_THROW(ValueError) << "oneDNN matmul: the view of the output covers " << step
+                                << " of its " << out.numel() << " elements";
+    }
+  }
   bool fits = da[rank - 1] == db[rank - 2] && dc[rank - 2] == da[rank - 2] &&
               dc[rank - 1] == db[rank - 1];
   for (int i = 0; i + 2 < rank && fits; ++i) {  // batch dims: equal, or 1 broadcast
     fits = (da[i] == dc[i] || da[i] == 1) && (db[i] == dc[i] || db[i] == 1);
   }
-  memory::dims dd = addend ? padded(*addend, "the addend", 1) : memory::dims();
+  memory::dims dd, sd;
+  if (addend) std::tie(dd, sd) = seen_as(*addend, "the addend", 1, -1);
   for (int i = 0; addend && i < rank && fits; ++i) fits = dd[i] == dc[i] || dd[i] == 1;
   if (!fits || rank > DNNL_MAX_NDIMS) {
     TVM_FFI_THROW(ValueError) << "oneDNN matmul: the shapes of a, b"
@@ -152,27 +231,24 @@ void Matmul(ffi::PackedArgs args) {
   }
   int threads = UseBudgetThreads();
   FlushDenormals flush(threads);
-  std::vector<int64_t> key(da);
-  key.insert(key.end(), db.begin(), db.end());
-  key.insert(key.end(), dd.begin(), dd.end());
+  std::vector<int64_t> key;
+  for (const memory::dims* d : {&da, &sa, &db, &sb, &dc, &sc, &dd}) {
+    key.insert(key.end(), d->begin(), d->end());
+  }
   key.push_back(addend.has_value());
   key.push_back(threads);
-  auto row_major = [](const memory::dims& d) {
-    memory::dims strides(d.size(), 1);
-    for (int i = static_cast<int>(d.size()) - 2; i >= 0; --i) {
-      strides[i] = strides[i + 1] * d[i + 1];
-    }
-    return memory::desc(d, memory::data_type::f32, strides);
-  };
-  memory::desc ma = row_major(da), mb = row_major(db), mc = row_major(dc);
-  memory::desc md = addend ? row_major(dd) : memory::desc();
+  int32_t scale_bits;
+  std::memcpy(&scale_bits, &scale, sizeof scale);
+  key.push_back(scale_bits);
+  memory::desc ma(da, memory::data_type::f32, sa), mb(db, memory::data_type::f32, sb);
+  memory::desc mc(dc, memory::data_type::f32, sc);
+  memory::desc md = addend ? memory::desc(dd, memory::data_type::f32, sd) : memory::desc();
   auto prim = Cached<Shared>(key, [&] {
     dnnl::primitive_attr attr;
-    if (addend) {
-      dnnl::post_ops ops;
-      ops.append_binary(dnnl::algorithm::binary_add, md);
-      attr.set_post_ops(ops);
-    }
+    dnnl::post_ops ops;
+    if (scale != 1.f) ops.append_eltwise(dnnl::algorithm::eltwise_linear, scale, 0.f);
+    if (addend) ops.append_binary(dnnl::algorithm::binary_add, md);
+    attr.set_post_ops(ops);
     return MakeShared<dnnl::matmul>(
         dnnl::matmul::primitive_desc(Engine(), ma, mb, mc, UserScratchpad(attr)));
   });
@@ -181,7 +257,8 @@ void Matmul(ffi::PackedArgs args) {
   bound.Set(DNNL_ARG_WEIGHTS, mb, DataOf(b));
   bound.Set(DNNL_ARG_DST, mc, DataOf(out));
   if (addend) {
-    bound.Set(DNNL_ARG_ATTR_MULTIPLE_POST_OP(0) | DNNL_ARG_SRC_1, md, DataOf(*addend));
+    int at = scale != 1.f ? 1 : 0;  // (after the scale's post-op)
+    bound.Set(DNNL_ARG_ATTR_MULTIPLE_POST_OP(at) | DNNL_ARG_SRC_1, md, DataOf(*addend));
   }
   prim->Run(bound);
 }

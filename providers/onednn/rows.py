@@ -35,7 +35,7 @@ class RowOp:
     kind: str  # a key of FUNC_NAME
     root: relax.VarBinding
     args: list[relax.Var]  # the activations the kernel reads, in order
-    members: list[relax.Var]  # root first, the kernel's result last
+    members: list[relax.Var]  # [transposes it reads through,] root, ..., the kernel's result
     params: np.ndarray | None = None  # a new float32 weight read after the args
     read: list[relax.Expr] = field(default_factory=list)  # weights it folded into params
     label: list[str] = field(default_factory=list)
@@ -118,17 +118,126 @@ def _broadcasts(d: tuple[int, ...], out: tuple[int, ...]) -> bool:
         x in (1, y) for x, y in zip(reversed(d), reversed(out), strict=False))
 
 
+def _unit_free(dims: tuple[int, ...]) -> list[int]:
+    """The axes of ``dims`` that are not 1."""
+    return [i for i, d in enumerate(dims) if d != 1]
+
+
+def _step_back(g: ChainGraph, c: relax.Var, axis_of: list[int | None]
+               ) -> tuple[relax.Var, list[int | None], float] | None:
+    """One op back from ``c``: ``(its input, axis_of in the input's axes, a scale)`` where
+    ``c`` is a transpose, a reshape that only adds or drops axes of 1, or a product by a
+    scalar constant of its input (``axis_of``: for each axis of the operand, ``c``'s axis it
+    is, None for an axis of 1)."""
+    b = g.binding_of.get(c)
+    name = op_name(b.value) if b is not None else None
+    if name not in ("relax.permute_dims", "relax.reshape", "relax.multiply"):
+        return None
+    if name == "relax.multiply":
+        for x, k in (b.value.args, b.value.args[::-1]):
+            scale = g.value(k)
+            if isinstance(x, relax.Var) and scale is not None and scale.size == 1 \
+                    and static_dims(x.ty) == static_dims(c.ty):
+                return x, axis_of, float(scale.reshape(()))
+        return None
+    u = b.value.args[0]
+    su, sc = static_dims(u.ty) if isinstance(u, relax.Var) else None, static_dims(c.ty)
+    if su is None or sc is None:
+        return None
+    if name == "relax.permute_dims":
+        if b.value.attrs.axes is None:
+            return None
+        axes = [int(i) for i in b.value.attrs.axes]  # c's axis i is u's axes[i]
+        return u, [None if i is None else axes[i] for i in axis_of], 1.0
+    cu, uu = _unit_free(tuple(sc)), _unit_free(tuple(su))
+    if [sc[i] for i in cu] != [su[j] for j in uu]:
+        return None
+    to_u = dict(zip(cu, uu, strict=True))
+    return u, [None if i is None else to_u.get(i) for i in axis_of], 1.0
+
+
+def _view(dims: tuple[int, ...], axis_of: list[int | None], base: tuple[int, ...]
+          ) -> list[int]:
+    """The dims then the strides (elements of ``base``, row-major) of a view; an axis of 1
+    steps over the whole tensor, as a leading axis would (oneDNN takes a stride of 0 for a
+    broadcast and leaves its fast kernels)."""
+    strides = [math.prod(base[j + 1:]) for j in range(len(base))]
+    return [*dims, *(math.prod(base) if i is None else strides[i] for i in axis_of)]
+
+
+def _operand(g: ChainGraph, v: relax.Var, reader: relax.Var
+             ) -> tuple[relax.Var, list[int], list[relax.Var], float] | None:
+    """``(x, view, gone, scale)`` where operand ``v`` is ``x`` (a float32 activation) through
+    transposes, reshapes that add or drop axes of 1 and products by a scalar, each read by
+    the next alone: the kernel reads ``x`` through ``view`` and scales its product instead."""
+    dims = tuple(static_dims(v.ty))
+    axis_of: list[int | None] = [None if d == 1 else i for i, d in enumerate(dims)]
+    gone, scale, c, last = [], 1.0, v, reader
+    while isinstance(c, relax.DataflowVar) and c not in g.claimed:
+        user = g.only_user(c)
+        step = _step_back(g, c, axis_of) if user is not None and user.var.same_as(last) \
+            else None
+        if step is None:
+            break
+        gone.append(c)
+        last, (c, axis_of, k) = c, step
+        scale *= k
+    if not gone or _float32(c, g) is None:
+        return None
+    return c, _view(dims, axis_of, tuple(static_dims(c.ty))), gone, scale
+
+
+def _result(g: ChainGraph, end: relax.Var) -> tuple[relax.Var, list[int], list[relax.Var]]:
+    """``(y, view, ops)``: the product ``end`` goes on through transposes and reshapes that
+    add or drop axes of 1 (``ops``, each read by the next alone) to ``y``: the kernel writes
+    ``y`` through ``view``."""
+    dims = tuple(static_dims(end.ty))
+    axis_of: list[int | None] = [None if d == 1 else i for i, d in enumerate(dims)]
+    ops, c = [], end
+    while True:
+        user = g.only_user(c)
+        if user is None or not isinstance(user.var, relax.DataflowVar) or user.var in g.claimed \
+                or op_name(user.value) not in ("relax.permute_dims", "relax.reshape") \
+                or not user.value.args[0].same_as(c):
+            break
+        back = _step_back(g, user.var, list(range(len(static_dims(user.var.ty) or ()))))
+        if back is None:
+            break
+        # back[1][j]: c's axis that the next's axis j is (None: an axis of 1)
+        to_next = {i: j for j, i in enumerate(back[1]) if i is not None}
+        if any(i is not None and i not in to_next for i in axis_of):
+            break
+        axis_of = [None if i is None else to_next[i] for i in axis_of]
+        ops.append(user.var)
+        c = user.var
+    return c, _view(dims, axis_of, tuple(static_dims(c.ty))), ops
+
+
 def _matmul(g: ChainGraph, b: relax.VarBinding) -> RowOp | None:
     """Two activations of rank 2 or more, the batch dims broadcast; an add after it of a
-    float32 tensor that broadcasts onto the product (read by nothing else) is its post-op."""
+    float32 tensor that broadcasts onto the product (read by nothing else) is its post-op.
+    Transposes, reshapes that add or drop axes of 1 and products by a scalar that only feed
+    an operand, and transposes and such reshapes that only read the result (attention's heads
+    split off, scaled and merged back), are read or written through strided views (``params``,
+    int64: each view's dims and strides, then the scale's float32 bits) and go."""
     a, w = b.value.args
     sa, sw, out = _float32(a, g), _float32(w, g), static_dims(b.var.ty)
     if (sa is None or sw is None or out is None or len(sa) < 2 or len(sw) < 2
             or str(b.value.attrs.out_dtype) not in ("", "None", "void", "float32")):
         return None
     out = tuple(out)
+    rank = len(out)
     op = RowOp("matmul", b, [a, w], [b.var], label=["matmul"],
                macs=math.prod(out) * sa[-1])
+    views: list[list[int] | None] = [None, None, None]
+    gone: list[relax.Var] = []
+    scale = 1.0
+    for k, v in enumerate((a, w)):
+        seen = _operand(g, v, b.var) if len(_float32(v, g)) == rank else None
+        if seen is not None:
+            op.args[k], views[k] = seen[0], seen[1]
+            gone += seen[2]
+            scale *= seen[3]
     add = g.only_user(b.var)
     if add is not None and op_name(add.value) == "relax.add" and add.var not in g.claimed:
         lhs, rhs = add.value.args
@@ -139,6 +248,20 @@ def _matmul(g: ChainGraph, b: relax.VarBinding) -> RowOp | None:
             op.args.append(d)
             op.members.append(add.var)
             op.label.append("add")
+    y, view, after = _result(g, op.end)
+    if after:
+        views[2] = view
+        op.members += after
+    if any(v is not None for v in views) or scale != 1.0:
+        def plain(shape: tuple[int, ...]) -> list[int]:  # leading 1s up to the rank
+            pad = rank - len(shape)
+            return _view((1,) * pad + shape, [None] * pad + list(range(len(shape))), shape)
+        rows = [v if v is not None else plain(shape) for v, shape in
+                zip(views, (tuple(sa), tuple(sw), out), strict=True)]
+        bits = int(np.array(scale, "float32").view("uint32"))
+        op.params = np.array([x for r in rows for x in r] + [bits], "int64")
+        op.members = gone + op.members  # (every member but the last goes)
+        op.label.append("views")
     return op
 
 
