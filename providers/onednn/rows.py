@@ -1,17 +1,19 @@
 """A transformer's ops between its dense layers as oneDNN kernels (``onednn_rows.cc``): a layer
 norm over the last axis, a softmax over the last axis (with the exporters' ``where(isnan(s),
 value, s)`` after it), and the matmul of two activations (attention's QK^T and its product with
-V; with an add after it of a tensor that broadcasts onto it: the mask). They hold no packed
-weights; ``claim_onednn`` gives one to oneDNN where ``auto_choice`` finds that it pays: on
-oneDNN's OpenMP team, between oneDNN's dense layers, they spare the switches between thread
+V; with an add after it of a tensor that broadcasts onto it: the mask), its operands read and
+its product written through strided views of the tensors around it (``_matmul``). They hold no
+packed weights; ``claim_onednn`` gives one to oneDNN where ``auto_choice`` finds that it pays:
+on oneDNN's OpenMP team, between oneDNN's dense layers, they spare the switches between thread
 pools that TVM's kernels there cost (130-150 us each, ``auto_choice``), and oneDNN's matmul of
-two activations is 2.3-3.5x TVM's (vit's (12, 197, 64) x (12, 64, 197) 281 against 980 us,
-EPYC AVX-512, 2 threads; ``python/bench_onednn_primitives.cc`` and ``hgrt profile``).
+two activations is 2.3-3.5x TVM's (vit's (12, 197, 64) x (12, 64, 197) 281 against 980 us, EPYC
+AVX-512, 2 threads; ``python/bench_onednn_primitives.cc`` and ``hgrt profile``).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -232,8 +234,9 @@ def _matmul(g: ChainGraph, b: relax.VarBinding) -> RowOp | None:
     views: list[list[int] | None] = [None, None, None]
     gone: list[relax.Var] = []
     scale = 1.0
+    views_on = os.environ.get("HGRT_ONEDNN_VIEWS") != "0"
     for k, v in enumerate((a, w)):
-        seen = _operand(g, v, b.var) if len(_float32(v, g)) == rank else None
+        seen = _operand(g, v, b.var) if views_on and len(_float32(v, g)) == rank else None
         if seen is not None:
             op.args[k], views[k] = seen[0], seen[1]
             gone += seen[2]
@@ -248,6 +251,8 @@ def _matmul(g: ChainGraph, b: relax.VarBinding) -> RowOp | None:
             op.args.append(d)
             op.members.append(add.var)
             op.label.append("add")
+    if not views_on:  # HGRT_ONEDNN_VIEWS=0: none (to time the difference they make)
+        return op
     y, view, after = _result(g, op.end)
     if after:
         views[2] = view
