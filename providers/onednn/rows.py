@@ -125,6 +125,21 @@ def _unit_free(dims: tuple[int, ...]) -> list[int]:
     return [i for i, d in enumerate(dims) if d != 1]
 
 
+def _scalar_of(g: ChainGraph, call: relax.Call) -> tuple[relax.Var, float] | None:
+    """``(x, s)`` where ``call`` is ``x * c``, ``c * x`` or ``x / c`` of a finite non-zero
+    scalar constant ``c`` (``s``: ``c`` or ``1 / c``)."""
+    pairs = [call.args] if op_name(call) == "relax.divide" else [call.args, call.args[::-1]]
+    for x, k in pairs:
+        c = g.value(k)
+        if not isinstance(x, relax.Var) or c is None or c.size != 1:
+            continue
+        value = float(c.reshape(()))
+        if not math.isfinite(value) or value == 0.0:
+            return None
+        return x, value if op_name(call) == "relax.multiply" else 1.0 / value
+    return None
+
+
 def _step_back(g: ChainGraph, c: relax.Var, axis_of: list[int | None]
                ) -> tuple[relax.Var, list[int | None], float] | None:
     """One op back from ``c``: ``(its input, axis_of in the input's axes, a scale)`` where
@@ -133,15 +148,14 @@ def _step_back(g: ChainGraph, c: relax.Var, axis_of: list[int | None]
     is, None for an axis of 1)."""
     b = g.binding_of.get(c)
     name = op_name(b.value) if b is not None else None
-    if name not in ("relax.permute_dims", "relax.reshape", "relax.multiply"):
+    if name not in ("relax.permute_dims", "relax.reshape", "relax.multiply", "relax.divide"):
         return None
-    if name == "relax.multiply":
-        for x, k in (b.value.args, b.value.args[::-1]):
-            scale = g.value(k)
-            if isinstance(x, relax.Var) and scale is not None and scale.size == 1 \
-                    and static_dims(x.ty) == static_dims(c.ty):
-                return x, axis_of, float(scale.reshape(()))
-        return None
+    if name in ("relax.multiply", "relax.divide"):
+        scaled = _scalar_of(g, b.value)
+        if scaled is None or static_dims(scaled[0].ty) != static_dims(c.ty):
+            return None
+        return scaled[0], axis_of, scaled[1]
+
     u = b.value.args[0]
     su, sc = static_dims(u.ty) if isinstance(u, relax.Var) else None, static_dims(c.ty)
     if su is None or sc is None:
@@ -219,9 +233,10 @@ def _matmul(g: ChainGraph, b: relax.VarBinding) -> RowOp | None:
     """Two activations of rank 2 or more, the batch dims broadcast; an add after it of a
     float32 tensor that broadcasts onto the product (read by nothing else) is its post-op.
     Transposes, reshapes that add or drop axes of 1 and products by a scalar that only feed
-    an operand, and transposes and such reshapes that only read the result (attention's heads
-    split off, scaled and merged back), are read or written through strided views (``params``,
-    int64: each view's dims and strides, then the scale's float32 bits) and go."""
+    an operand, a product or quotient by a scalar right after it, and transposes and such
+    reshapes that only read the result (attention's heads split off, scaled and merged back),
+    are read or written through strided views or folded into a scale of the product
+    (``params``, int64: each view's dims and strides, then the scale's float32 bits) and go."""
     a, w = b.value.args
     sa, sw, out = _float32(a, g), _float32(w, g), static_dims(b.var.ty)
     if (sa is None or sw is None or out is None or len(sa) < 2 or len(sw) < 2
@@ -241,19 +256,27 @@ def _matmul(g: ChainGraph, b: relax.VarBinding) -> RowOp | None:
             op.args[k], views[k] = seen[0], seen[1]
             gone += seen[2]
             scale *= seen[3]
-    add = g.only_user(b.var)
+    then = g.only_user(b.var) if views_on else None
+    if (then is not None and op_name(then.value) in ("relax.multiply", "relax.divide")
+            and then.var not in g.claimed and static_dims(then.var.ty) == out):
+        scaled = _scalar_of(g, then.value)  # the scores' scale after the product (GPT-2's)
+        if scaled is not None and scaled[0].same_as(b.var):
+            scale *= scaled[1]
+            op.members.append(then.var)
+            op.label.append("scale")
+    add = g.only_user(op.end)
     if add is not None and op_name(add.value) == "relax.add" and add.var not in g.claimed:
         lhs, rhs = add.value.args
-        d = rhs if lhs.same_as(b.var) else lhs
+        d = rhs if lhs.same_as(op.end) else lhs
         dims = static_dims(d.ty) if isinstance(d, relax.Var) else None
-        if (dims is not None and not d.same_as(b.var) and str(d.ty.dtype) == "float32"
+        if (dims is not None and not d.same_as(op.end) and str(d.ty.dtype) == "float32"
                 and static_dims(add.var.ty) == out and _broadcasts(tuple(dims), out)):
             op.args.append(d)
             op.members.append(add.var)
             op.label.append("add")
     if not views_on:  # HGRT_ONEDNN_VIEWS=0: none (to time the difference they make)
         return op
-    y, view, after = _result(g, op.end)
+    _, view, after = _result(g, op.end)
     if after:
         views[2] = view
         op.members += after

@@ -128,7 +128,8 @@ def attention(seq: int = 12, dim: int = 32, heads: int = 4, masked_row: bool = T
     constant weights, the scores QK^T (two activations) plus a mask, a softmax with
     where(isnan) after it, its product with V, the heads merged and projected. ``flat``: the
     products 3-D, the heads (of one sample) as the batch axis, reshaped there and back, K
-    transposed for its product apart (as the dynamo exporter writes ViT's)."""
+    transposed for its product apart (as the dynamo exporter writes ViT's), the scores divided
+    by the scale's inverse after their product (as GPT-2 does)."""
     rng = np.random.default_rng(3)
     hd = dim // heads
     mask = np.where(np.arange(seq)[None, :] <= np.arange(seq)[:, None], 0.0, -1e9)[None, None]
@@ -138,7 +139,7 @@ def attention(seq: int = 12, dim: int = 32, heads: int = 4, masked_row: bool = T
     inits = [numpy_helper.from_array(np.asarray(v, "float32"), n) for n, v in {
         "g": rng.uniform(0.5, 1.5, dim), "be": rng.standard_normal(dim) * 0.1,
         **{w: rng.standard_normal((dim, dim)) / np.sqrt(dim) for w in ("wq", "wk", "wv", "wo")},
-        "mask": mask, "zero": 0.0, "scale": 1 / np.sqrt(hd)}.items()]
+        "mask": mask, "zero": 0.0, "scale": 1 / np.sqrt(hd), "root": np.sqrt(hd)}.items()]
     inits.append(numpy_helper.from_array(np.array([1, seq, heads, hd], "int64"), "split"))
     inits.append(numpy_helper.from_array(np.array([1, seq, dim], "int64"), "merge"))
     n = helper.make_node
@@ -156,8 +157,11 @@ def attention(seq: int = 12, dim: int = 32, heads: int = 4, masked_row: bool = T
         else:
             nodes.append(n("Transpose", [f"{h}1"], [h],
                            perm=[0, 2, 3, 1] if h == "k" else [0, 2, 1, 3]))
-    nodes += [n("Mul", ["q", "scale"], ["qs"]), n("MatMul", ["qs", "k"], ["s0"]),
-              n("Add", ["s0", "mask"], ["s1"]), n("Softmax", ["s1"], ["p0"], axis=-1),
+    if flat:
+        nodes += [n("MatMul", ["q", "k"], ["sq"]), n("Div", ["sq", "root"], ["s0"])]
+    else:
+        nodes += [n("Mul", ["q", "scale"], ["qs"]), n("MatMul", ["qs", "k"], ["s0"])]
+    nodes += [n("Add", ["s0", "mask"], ["s1"]), n("Softmax", ["s1"], ["p0"], axis=-1),
               n("IsNaN", ["p0"], ["nan"]), n("Where", ["nan", "zero", "p0"], ["p"]),
               n("MatMul", ["p", "v"], ["o0" if not flat else "of"])]
     if flat:
@@ -184,7 +188,8 @@ def test_an_attention_block_runs_on_the_row_kernels_as_onnxruntime_does(flat):
     res = _build(model, "onednn")
     ops = sorted(n.attrs.get("onednn_op", "") for n in res.graph.nodes
                  if n.func_name in rows.FUNC_NAME.values())
-    assert ops == ["layer_norm", "matmul+add+views", "matmul+views", "softmax+nan_to"]
+    scores = "matmul+scale+add+views" if flat else "matmul+add+views"
+    assert ops == sorted(["layer_norm", scores, "matmul+views", "softmax+nan_to"])
     # Q, K and V are read through strides where the dense layers wrote them (Q's scale a
     # post-op), the product with V written with its heads merged: no TVM kernel is left but
     # the reshapes, which are views
