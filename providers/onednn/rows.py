@@ -120,6 +120,18 @@ def _broadcasts(d: tuple[int, ...], out: tuple[int, ...]) -> bool:
         x in (1, y) for x, y in zip(reversed(d), reversed(out), strict=False))
 
 
+def _fast_addend(d: tuple[int, ...], out: tuple[int, ...]) -> bool:
+    """Whether oneDNN's matmul keeps its fast kernels (brgemm; gemm on AVX2) with an add of
+    ``d`` onto the product ``out``: ``d`` a row of N, or whole in the first batch axis and the
+    last two (others broadcast). Any other broadcast (over the first batch axis, or the rows: a
+    relative position bias of (1, heads, M, N) onto (windows, heads, M, N)) takes its
+    reference kernel, 50x slower or worse (oneDNN 3.x's matmul_pd implementations)."""
+    d = (1,) * (len(out) - len(d)) + tuple(d)
+    if all(x == 1 for x in d[:-1]) and d[-1] == out[-1]:
+        return True
+    return d[-2:] == out[-2:] and (len(out) == 2 or d[0] == out[0])
+
+
 def _unit_free(dims: tuple[int, ...]) -> list[int]:
     """The axes of ``dims`` that are not 1."""
     return [i for i, d in enumerate(dims) if d != 1]
@@ -270,7 +282,8 @@ def _matmul(g: ChainGraph, b: relax.VarBinding) -> RowOp | None:
         d = rhs if lhs.same_as(op.end) else lhs
         dims = static_dims(d.ty) if isinstance(d, relax.Var) else None
         if (dims is not None and not d.same_as(op.end) and str(d.ty.dtype) == "float32"
-                and static_dims(add.var.ty) == out and _broadcasts(tuple(dims), out)):
+                and static_dims(add.var.ty) == out and _broadcasts(tuple(dims), out)
+                and _fast_addend(tuple(dims), out)):
             op.args.append(d)
             op.members.append(add.var)
             op.label.append("add")

@@ -188,14 +188,16 @@ def test_an_attention_block_runs_on_the_row_kernels_as_onnxruntime_does(flat):
     res = _build(model, "onednn")
     ops = sorted(n.attrs.get("onednn_op", "") for n in res.graph.nodes
                  if n.func_name in rows.FUNC_NAME.values())
-    scores = "matmul+scale+add+views" if flat else "matmul+add+views"
+    # (flat: the mask broadcasts over the heads, which oneDNN's fast kernels do not take as a
+    # post-op: it stays an add of its own)
+    scores = "matmul+scale+views" if flat else "matmul+add+views"
     assert ops == sorted(["layer_norm", scores, "matmul+views", "softmax+nan_to"])
     # Q, K and V are read through strides where the dense layers wrote them (Q's scale a
     # post-op), the product with V written with its heads merged: no TVM kernel is left but
-    # the reshapes, which are views
-    tvm_kernels = [n.func_name for n in res.graph.nodes
-                   if n.func_name and not n.func_name.startswith("hgrt.")]
-    assert set(tvm_kernels) == {"__nop"}, tvm_kernels
+    # the reshapes, which are views (and flat's add)
+    tvm_kernels = [f for f in (n.func_name for n in res.graph.nodes)
+                   if f and not f.startswith("hgrt.") and f != "__nop"]
+    assert len(tvm_kernels) == flat and all("add" in k for k in tvm_kernels), tvm_kernels
     want = reference(model, x)
     assert np.isfinite(want[0]).all()
     assert_close_to(run_hgrt(res, x), want)
