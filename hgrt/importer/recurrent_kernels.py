@@ -12,14 +12,18 @@ computations that the build folds. Every product then loops over the gates inner
 contiguous memory and without a reduction there: LLVM vectorizes that loop (a float sum it
 would not reorder), about ten times faster than the dot-product order.
 
-The threads share each step: its hidden units in chunks (``CHUNK``) of every direction and
-batch row, each chunk's gate products and state update on one thread, a barrier between steps
-(the state is double-buffered: a step reads one copy and writes the other). A step streams the
-recurrent weights, 768 KB for GRU's 256 units, from cache: each thread streams its chunks'
-columns only (a GRU layer of 256 units, 32 steps: 255-264 us on one thread, 139-143 us on two,
-AMD EPYC AVX-512; ``python/bench_recurrent.py``). A unit's sums run in one order whatever the
-thread count, so the bits do not depend on it. GRU without ``linear_before_reset`` takes two
-barriers a step: its candidate's product needs every unit's reset gate first.
+Rows (directions times batch rows) share nothing: where there are several, each runs on a
+thread of its own, whole (a bidirectional LSTM layer of 256 units, 32 steps: 394 us on two
+threads, against 424 us sharing each step's units and 448 us with each direction's batch rows
+in turn on its thread; ``python/bench_recurrent.py --op LSTM --directions 2``). A single row
+shares each step: its hidden units in chunks (``CHUNK``), each chunk's gate products and state
+update on one thread, a barrier between steps (the state is double-buffered: a step reads one
+copy and writes the other). A step streams the recurrent weights, 768 KB for GRU's 256 units,
+from cache: each thread streams its chunks' columns only (a GRU layer of 256 units, 32 steps:
+255-264 us on one thread, 139-143 us on two, AMD EPYC AVX-512; ``python/bench_recurrent.py``).
+A unit's sums run in one order whatever the thread count, so the bits do not depend on it. GRU
+without ``linear_before_reset`` takes two barriers a step: its candidate's product needs every
+unit's reset gate first.
 
 Every kernel takes its operands in one form, whatever the ONNX node omitted (the converter
 supplies zeros, full lengths and zero states): ``xp, rt[, rbh], lens, h0[, c0, p]`` then writes
@@ -132,7 +136,11 @@ class _Spec:
         self.y_shape = (seq, dirs, batch, hidden) if first else (batch, seq, dirs, hidden)
         self.state_shape = (dirs, batch, hidden) if first else (batch, dirs, hidden)
         self.chunks = -(-hidden // CHUNK)
-        self.tasks = dirs * batch * self.chunks
+        self.rows = dirs * batch
+        self.tasks = self.rows * self.chunks
+        # rows (directions x batch rows) that share nothing run in parallel whole, with no
+        # barrier between their steps; a single row shares each step's chunks of units
+        self.by_rows = self.rows > 1
         # one task runs on the calling thread: no launch (TVM's codegen finds no parallel loop
         # of extent 1 in it) and no barrier
         parallel = self.tasks > 1
@@ -277,6 +285,37 @@ def _lstm(s: _Spec) -> tirx.PrimFunc:
     gh = 4 * hid  # gates i, o, f, c; peepholes i, o, f
     products, D, B, J, N = _products(s), s.task_d, s.task_b, s.task_j, s.task_n
 
+    @T.macro
+    def step(st, t, xp, rt, lens, p, y, h, c, g):
+        """Task ``t``'s units at step ``st``: gates, cell, next state."""
+        if st < lens[B(t)]:
+            products(g, s.xp_row(xp, D(t), B(t), st, lens[B(t)]),
+                     s.row(h, st, D(t), B(t)), rt, D(t), B(t), J(t), N(t), 0, 4)
+            for jj in range(N(t)):
+                g[D(t), B(t), J(t) + jj] = s.act(
+                    0, D(t), g[D(t), B(t), J(t) + jj]
+                    + p[D(t), J(t) + jj] * c[D(t), B(t), J(t) + jj])
+                g[D(t), B(t), 2 * hid + J(t) + jj] = s.forget(
+                    g[D(t), B(t), J(t) + jj], s.act(
+                        0, D(t), g[D(t), B(t), 2 * hid + J(t) + jj]
+                        + p[D(t), 2 * hid + J(t) + jj] * c[D(t), B(t), J(t) + jj]))
+                g[D(t), B(t), 3 * hid + J(t) + jj] = s.act(
+                    1, D(t), g[D(t), B(t), 3 * hid + J(t) + jj])
+                c[D(t), B(t), J(t) + jj] = (
+                    g[D(t), B(t), 2 * hid + J(t) + jj] * c[D(t), B(t), J(t) + jj]
+                    + g[D(t), B(t), J(t) + jj] * g[D(t), B(t), 3 * hid + J(t) + jj])
+                g[D(t), B(t), hid + J(t) + jj] = s.act(
+                    0, D(t), g[D(t), B(t), hid + J(t) + jj]
+                    + p[D(t), hid + J(t) + jj] * c[D(t), B(t), J(t) + jj])
+                h[1 - st % 2, D(t), B(t), J(t) + jj] = (
+                    g[D(t), B(t), hid + J(t) + jj]
+                    * s.act(2, D(t), c[D(t), B(t), J(t) + jj], False))
+                T.buffer_store(y, h[1 - st % 2, D(t), B(t), J(t) + jj],
+                               s.y(s.time(D(t), st, lens[B(t)]), D(t), B(t), J(t) + jj))
+        else:
+            for jj in range(N(t)):
+                h[1 - st % 2, D(t), B(t), J(t) + jj] = h[st % 2, D(t), B(t), J(t) + jj]
+
     @T.prim_func(private=True, s_tir=True)
     def lstm(xp: T.Buffer(s.xp_shape(gh), dt), rt: T.Buffer((dirs, hid, gh), dt),
              lens: T.Buffer((batch,), "int32"), h0: T.Buffer(s.state_shape, dt),
@@ -292,41 +331,16 @@ def _lstm(s: _Spec) -> tirx.PrimFunc:
         for d, b, j in T.grid(dirs, batch, hid):
             h[0, d, b, j] = s.load_state(h0, d, b, j)
             c[d, b, j] = s.load_state(c0, d, b, j)
-        with T.attr(0, s.launch_point, 1):
-            for st in range(seq):
-                with T.attr(0, s.barrier, 1):
-                    for t in T.parallel(s.tasks):
-                        if st < lens[B(t)]:
-                            products(g, s.xp_row(xp, D(t), B(t), st, lens[B(t)]),
-                                     s.row(h, st, D(t), B(t)), rt, D(t), B(t), J(t), N(t), 0, 4)
-                            for jj in range(N(t)):
-                                g[D(t), B(t), J(t) + jj] = s.act(
-                                    0, D(t), g[D(t), B(t), J(t) + jj]
-                                    + p[D(t), J(t) + jj] * c[D(t), B(t), J(t) + jj])
-                                g[D(t), B(t), 2 * hid + J(t) + jj] = s.forget(
-                                    g[D(t), B(t), J(t) + jj], s.act(
-                                        0, D(t), g[D(t), B(t), 2 * hid + J(t) + jj]
-                                        + p[D(t), 2 * hid + J(t) + jj]
-                                        * c[D(t), B(t), J(t) + jj]))
-                                g[D(t), B(t), 3 * hid + J(t) + jj] = s.act(
-                                    1, D(t), g[D(t), B(t), 3 * hid + J(t) + jj])
-                                c[D(t), B(t), J(t) + jj] = (
-                                    g[D(t), B(t), 2 * hid + J(t) + jj] * c[D(t), B(t), J(t) + jj]
-                                    + g[D(t), B(t), J(t) + jj]
-                                    * g[D(t), B(t), 3 * hid + J(t) + jj])
-                                g[D(t), B(t), hid + J(t) + jj] = s.act(
-                                    0, D(t), g[D(t), B(t), hid + J(t) + jj]
-                                    + p[D(t), hid + J(t) + jj] * c[D(t), B(t), J(t) + jj])
-                                h[1 - st % 2, D(t), B(t), J(t) + jj] = (
-                                    g[D(t), B(t), hid + J(t) + jj]
-                                    * s.act(2, D(t), c[D(t), B(t), J(t) + jj], False))
-                                T.buffer_store(y, h[1 - st % 2, D(t), B(t), J(t) + jj],
-                                               s.y(s.time(D(t), st, lens[B(t)]), D(t), B(t),
-                                                   J(t) + jj))
-                        else:
-                            for jj in range(N(t)):
-                                h[1 - st % 2, D(t), B(t), J(t) + jj] = \
-                                    h[st % 2, D(t), B(t), J(t) + jj]
+        if s.by_rows:
+            for r in T.parallel(s.rows):
+                for st, ch in T.grid(seq, s.chunks):
+                    step(st, r * s.chunks + ch, xp, rt, lens, p, y, h, c, g)
+        else:
+            with T.attr(0, s.launch_point, 1):
+                for st in range(seq):
+                    with T.attr(0, s.barrier, 1):
+                        for t in T.parallel(s.tasks):
+                            step(st, t, xp, rt, lens, p, y, h, c, g)
         for d, b, j in T.grid(dirs, batch, hid):
             T.buffer_store(yh, h[seq % 2, d, b, j], s.state(d, b, j))
             T.buffer_store(yc, c[d, b, j], s.state(d, b, j))
@@ -359,6 +373,35 @@ def _gru(s: _Spec) -> tirx.PrimFunc:
             T.buffer_store(y, h[1 - st % 2, D(t), B(t), J(t) + jj],
                            s.y(s.time(D(t), st, lens[B(t)]), D(t), B(t), J(t) + jj))
 
+    @T.macro
+    def gates(st, t, xp, rt, rbh, lens, y, h, g, a):
+        """Task ``t``'s gates z and r at step ``st`` (and with ``linear_before_reset`` the
+        candidate's recurrent product, reset after it, and the next state)."""
+        if st < lens[B(t)]:
+            products(g, s.xp_row(xp, D(t), B(t), st, lens[B(t)]),
+                     s.row(h, st, D(t), B(t)), rt, D(t), B(t), J(t), N(t), 0, 2)
+            if lbr:
+                products(a, lambda k: s.zero(), s.row(h, st, D(t), B(t)), rt,
+                         D(t), B(t), J(t), N(t), 2, 1)
+            for q, jj in T.grid(2, N(t)):
+                g[D(t), B(t), q * hid + J(t) + jj] = s.act(
+                    0, D(t), g[D(t), B(t), q * hid + J(t) + jj])
+            if lbr:
+                update(st, t, xp, rt, rbh, lens, y, h, g, a)
+        elif lbr:
+            for jj in range(N(t)):
+                h[1 - st % 2, D(t), B(t), J(t) + jj] = h[st % 2, D(t), B(t), J(t) + jj]
+
+    @T.macro
+    def candidate(st, t, xp, rt, rbh, lens, y, h, g, a):
+        """Without ``linear_before_reset``: task ``t``'s candidate and next state, once every
+        unit's reset gate is there."""
+        if st < lens[B(t)]:
+            update(st, t, xp, rt, rbh, lens, y, h, g, a)
+        else:
+            for jj in range(N(t)):
+                h[1 - st % 2, D(t), B(t), J(t) + jj] = h[st % 2, D(t), B(t), J(t) + jj]
+
     @T.prim_func(private=True, s_tir=True)
     def gru(xp: T.Buffer(s.xp_shape(gh), dt), rt: T.Buffer((dirs, hid, gh), dt),
             rbh: T.Buffer((dirs, hid), dt), lens: T.Buffer((batch,), "int32"),
@@ -372,35 +415,24 @@ def _gru(s: _Spec) -> tirx.PrimFunc:
             y[i0, i1, i2, i3] = s.zero()
         for d, b, j in T.grid(dirs, batch, hid):
             h[0, d, b, j] = s.load_state(h0, d, b, j)
-        with T.attr(0, s.launch_point, 1):
-            for st in range(seq):
-                # gates z and r (and the candidate's recurrent product, reset after it)
-                with T.attr(0, s.barrier, 1):
-                    for t in T.parallel(s.tasks):
-                        if st < lens[B(t)]:
-                            products(g, s.xp_row(xp, D(t), B(t), st, lens[B(t)]),
-                                     s.row(h, st, D(t), B(t)), rt, D(t), B(t), J(t), N(t), 0, 2)
-                            if lbr:
-                                products(a, lambda k: s.zero(), s.row(h, st, D(t), B(t)), rt,
-                                         D(t), B(t), J(t), N(t), 2, 1)
-                            for q, jj in T.grid(2, N(t)):
-                                g[D(t), B(t), q * hid + J(t) + jj] = s.act(
-                                    0, D(t), g[D(t), B(t), q * hid + J(t) + jj])
-                            if lbr:
-                                update(st, t, xp, rt, rbh, lens, y, h, g, a)
-                        elif lbr:
-                            for jj in range(N(t)):
-                                h[1 - st % 2, D(t), B(t), J(t) + jj] = \
-                                    h[st % 2, D(t), B(t), J(t) + jj]
-                if not lbr:  # the candidate's product needs every unit's reset gate
+        if s.by_rows:
+            for r in T.parallel(s.rows):
+                for st in range(seq):
+                    for ch in range(s.chunks):
+                        gates(st, r * s.chunks + ch, xp, rt, rbh, lens, y, h, g, a)
+                    if not lbr:
+                        for ch in range(s.chunks):
+                            candidate(st, r * s.chunks + ch, xp, rt, rbh, lens, y, h, g, a)
+        else:
+            with T.attr(0, s.launch_point, 1):
+                for st in range(seq):
                     with T.attr(0, s.barrier, 1):
                         for t in T.parallel(s.tasks):
-                            if st < lens[B(t)]:
-                                update(st, t, xp, rt, rbh, lens, y, h, g, a)
-                            else:
-                                for jj in range(N(t)):
-                                    h[1 - st % 2, D(t), B(t), J(t) + jj] = \
-                                        h[st % 2, D(t), B(t), J(t) + jj]
+                            gates(st, t, xp, rt, rbh, lens, y, h, g, a)
+                    if not lbr:  # the candidate's product needs every unit's reset gate
+                        with T.attr(0, s.barrier, 1):
+                            for t in T.parallel(s.tasks):
+                                candidate(st, t, xp, rt, rbh, lens, y, h, g, a)
         for d, b, j in T.grid(dirs, batch, hid):
             T.buffer_store(yh, h[seq % 2, d, b, j], s.state(d, b, j))
 
@@ -411,6 +443,20 @@ def _rnn(s: _Spec) -> tirx.PrimFunc:
     L, dt = s.layer, s.layer.dtype
     seq, batch, hid, dirs = L.seq, L.batch, L.hidden, len(L.directions)
     products, D, B, J, N = _products(s), s.task_d, s.task_b, s.task_j, s.task_n
+
+    @T.macro
+    def step(st, t, xp, rt, lens, y, h, g):
+        """Task ``t``'s units at step ``st``."""
+        if st < lens[B(t)]:
+            products(g, s.xp_row(xp, D(t), B(t), st, lens[B(t)]),
+                     s.row(h, st, D(t), B(t)), rt, D(t), B(t), J(t), N(t), 0, 1)
+            for jj in range(N(t)):
+                h[1 - st % 2, D(t), B(t), J(t) + jj] = s.act(0, D(t), g[D(t), B(t), J(t) + jj])
+                T.buffer_store(y, h[1 - st % 2, D(t), B(t), J(t) + jj],
+                               s.y(s.time(D(t), st, lens[B(t)]), D(t), B(t), J(t) + jj))
+        else:
+            for jj in range(N(t)):
+                h[1 - st % 2, D(t), B(t), J(t) + jj] = h[st % 2, D(t), B(t), J(t) + jj]
 
     @T.prim_func(private=True, s_tir=True)
     def rnn(xp: T.Buffer(s.xp_shape(hid), dt), rt: T.Buffer((dirs, hid, hid), dt),
@@ -423,23 +469,16 @@ def _rnn(s: _Spec) -> tirx.PrimFunc:
             y[i0, i1, i2, i3] = s.zero()
         for d, b, j in T.grid(dirs, batch, hid):
             h[0, d, b, j] = s.load_state(h0, d, b, j)
-        with T.attr(0, s.launch_point, 1):
-            for st in range(seq):
-                with T.attr(0, s.barrier, 1):
-                    for t in T.parallel(s.tasks):
-                        if st < lens[B(t)]:
-                            products(g, s.xp_row(xp, D(t), B(t), st, lens[B(t)]),
-                                     s.row(h, st, D(t), B(t)), rt, D(t), B(t), J(t), N(t), 0, 1)
-                            for jj in range(N(t)):
-                                h[1 - st % 2, D(t), B(t), J(t) + jj] = s.act(
-                                    0, D(t), g[D(t), B(t), J(t) + jj])
-                                T.buffer_store(y, h[1 - st % 2, D(t), B(t), J(t) + jj],
-                                               s.y(s.time(D(t), st, lens[B(t)]), D(t), B(t),
-                                                   J(t) + jj))
-                        else:
-                            for jj in range(N(t)):
-                                h[1 - st % 2, D(t), B(t), J(t) + jj] = \
-                                    h[st % 2, D(t), B(t), J(t) + jj]
+        if s.by_rows:
+            for r in T.parallel(s.rows):
+                for st, ch in T.grid(seq, s.chunks):
+                    step(st, r * s.chunks + ch, xp, rt, lens, y, h, g)
+        else:
+            with T.attr(0, s.launch_point, 1):
+                for st in range(seq):
+                    with T.attr(0, s.barrier, 1):
+                        for t in T.parallel(s.tasks):
+                            step(st, t, xp, rt, lens, y, h, g)
         for d, b, j in T.grid(dirs, batch, hid):
             T.buffer_store(yh, h[seq % 2, d, b, j], s.state(d, b, j))
 

@@ -13,12 +13,13 @@ SIZES = {"seq": 5, "batch": 3, "input": 4, "hidden": 6}
 def recurrent_model(op: str, direction: str = "forward", *, bias: bool = True,
                     initial: bool = False, peepholes: bool = False, lens: bool = False,
                     layout: int = 0, outputs: tuple[str, ...] | None = None, before: bool = False,
-                    opset: int = 14, hidden: int = SIZES["hidden"], **attrs):
+                    opset: int = 14, hidden: int = SIZES["hidden"], batch: int = SIZES["batch"],
+                    **attrs):
     """A graph of one ``op`` node (``before``: an element-wise Mul on X ahead of it, so that
     two devices can share the graph); the optional inputs as initializers or graph inputs
     (initial states and sequence lengths are inputs); ``hidden`` units (the recurrent weights
-    scaled so that a gate's input keeps its spread)."""
-    seq, batch, isz, hid = SIZES["seq"], SIZES["batch"], SIZES["input"], hidden
+    scaled so that a gate's input keeps its spread), ``batch`` rows."""
+    seq, isz, hid = SIZES["seq"], SIZES["input"], hidden
     dirs, gates = 2 if direction == "bidirectional" else 1, GATES[op]
     rng = np.random.default_rng(7)
     inits = [numpy_helper.from_array((rng.standard_normal((dirs, gates * hid, isz)) * 0.6)

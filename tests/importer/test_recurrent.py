@@ -88,17 +88,20 @@ def test_attribute(op, attrs):
     _check(recurrent_model(op, **attrs))
 
 
-@pytest.mark.parametrize("op, direction, attrs", [
-    ("GRU", "forward", {}), ("GRU", "reverse", {"linear_before_reset": 1}),
-    ("LSTM", "forward", {"peepholes": True}), ("RNN", "bidirectional", {})])
-def test_units_shared_out_to_threads_give_one_thread_s_bits(op, direction, attrs):
-    """40 hidden units: two tasks of the kernel's parallel loop per direction and batch row,
-    the second short, a batch row's two on different threads (one direction); sequences of
-    different lengths. Right against onnxruntime, and the same bits on 1 and 2 threads (each
-    unit's sums in one order; a step that read a state other threads had not finished would
-    differ)."""
-    model = recurrent_model(op, direction, lens=True, initial=True, hidden=40, **attrs)
+@pytest.mark.parametrize("op, direction, batch, attrs", [
+    ("GRU", "forward", 1, {}), ("GRU", "reverse", 1, {"linear_before_reset": 1}),
+    ("LSTM", "forward", 1, {"peepholes": True}), ("RNN", "bidirectional", 3, {})])
+def test_threads_give_one_thread_s_bits(op, direction, batch, attrs):
+    """40 hidden units. One row (a direction of a batch row): each step's units in two tasks,
+    the second short, on two threads with a barrier between steps, the sequence shorter than
+    the layer (the state carried); several rows: each on a thread of its own, whole. Right
+    against onnxruntime, and the same bits on 1 and 2 threads (each unit's sums in one order;
+    a step that read a state other threads had not finished would differ)."""
+    model = recurrent_model(op, direction, lens=True, initial=True, hidden=40, batch=batch,
+                            **attrs)
     inputs = recurrent_inputs(model)
+    if batch == 1:
+        inputs["seq_lens"] = np.array([3], "int32")
     res = _check(model, inputs=inputs)
     m = hgrt.create(res.graph_json, res.lib, [tvm.cpu(0)])
     m.load_params(res.params)
