@@ -348,11 +348,11 @@ def _lstm(s: _Spec) -> tirx.PrimFunc:
     return lstm
 
 
-def _gru(s: _Spec) -> tirx.PrimFunc:
-    L, dt = s.layer, s.layer.dtype
-    seq, batch, hid, dirs = L.seq, L.batch, L.hidden, len(L.directions)
-    gh = 3 * hid  # gates z, r, h
-    lbr = L.linear_before_reset
+def _gru_steps(s: _Spec):
+    """GRU's steps as macros: ``gates`` (z and r; with ``linear_before_reset`` the rest of the
+    step too) and ``candidate`` (without it, once every unit's reset gate is there)."""
+    L = s.layer
+    hid, lbr = L.hidden, L.linear_before_reset
     products, D, B, J, N = _products(s), s.task_d, s.task_b, s.task_j, s.task_n
 
     @T.macro
@@ -401,6 +401,16 @@ def _gru(s: _Spec) -> tirx.PrimFunc:
         else:
             for jj in range(N(t)):
                 h[1 - st % 2, D(t), B(t), J(t) + jj] = h[st % 2, D(t), B(t), J(t) + jj]
+
+    return gates, candidate
+
+
+def _gru(s: _Spec) -> tirx.PrimFunc:
+    L, dt = s.layer, s.layer.dtype
+    seq, batch, hid, dirs = L.seq, L.batch, L.hidden, len(L.directions)
+    gh = 3 * hid  # gates z, r, h
+    lbr = L.linear_before_reset
+    gates, candidate = _gru_steps(s)
 
     @T.prim_func(private=True, s_tir=True)
     def gru(xp: T.Buffer(s.xp_shape(gh), dt), rt: T.Buffer((dirs, hid, gh), dt),
