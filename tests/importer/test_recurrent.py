@@ -89,8 +89,10 @@ def test_attribute(op, attrs):
 
 
 @pytest.mark.parametrize("op, direction, batch, attrs", [
-    ("GRU", "forward", 1, {}), ("GRU", "reverse", 1, {"linear_before_reset": 1}),
-    ("LSTM", "forward", 1, {"peepholes": True}), ("RNN", "bidirectional", 3, {})])
+    ("GRU", "forward", 1, {}),
+    pytest.param("GRU", "reverse", 1, {"linear_before_reset": 1}, marks=SLOW),
+    pytest.param("LSTM", "forward", 1, {"peepholes": True}, marks=SLOW),
+    ("RNN", "bidirectional", 3, {})])
 def test_threads_give_one_thread_s_bits(op, direction, batch, attrs):
     """40 hidden units. One row (a direction of a batch row): each step's units in two tasks,
     the second short, on two threads with a barrier between steps, the sequence shorter than
