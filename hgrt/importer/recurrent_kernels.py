@@ -279,6 +279,36 @@ def _products(s: _Spec):
     return products
 
 
+def _time_loop(s: _Spec, first, second=None):
+    """A macro that runs, at every step in order, the macro ``first`` (then ``second``) of
+    ``(step, task, *bufs)`` for every task: by rows, each row's steps whole on a thread of its
+    own; else in one parallel launch, a barrier after each (``_Spec``)."""
+    seq, chunks, tasks = s.layer.seq, s.chunks, s.tasks
+
+    @T.macro
+    def loop(bufs):
+        if s.by_rows:
+            for r in T.parallel(s.rows):
+                for st in range(seq):
+                    for ch in range(chunks):
+                        first(st, r * chunks + ch, *bufs)
+                    if second is not None:
+                        for ch in range(chunks):
+                            second(st, r * chunks + ch, *bufs)
+        else:
+            with T.attr(0, s.launch_point, 1):
+                for st in range(seq):
+                    with T.attr(0, s.barrier, 1):
+                        for t in T.parallel(tasks):
+                            first(st, t, *bufs)
+                    if second is not None:
+                        with T.attr(0, s.barrier, 1):
+                            for t in T.parallel(tasks):
+                                second(st, t, *bufs)
+
+    return loop
+
+
 def _lstm(s: _Spec) -> tirx.PrimFunc:
     L, dt = s.layer, s.layer.dtype
     seq, batch, hid, dirs = L.seq, L.batch, L.hidden, len(L.directions)
@@ -316,6 +346,8 @@ def _lstm(s: _Spec) -> tirx.PrimFunc:
             for jj in range(N(t)):
                 h[1 - st % 2, D(t), B(t), J(t) + jj] = h[st % 2, D(t), B(t), J(t) + jj]
 
+    time_loop = _time_loop(s, step)
+
     @T.prim_func(private=True, s_tir=True)
     def lstm(xp: T.Buffer(s.xp_shape(gh), dt), rt: T.Buffer((dirs, hid, gh), dt),
              lens: T.Buffer((batch,), "int32"), h0: T.Buffer(s.state_shape, dt),
@@ -331,16 +363,7 @@ def _lstm(s: _Spec) -> tirx.PrimFunc:
         for d, b, j in T.grid(dirs, batch, hid):
             h[0, d, b, j] = s.load_state(h0, d, b, j)
             c[d, b, j] = s.load_state(c0, d, b, j)
-        if s.by_rows:
-            for r in T.parallel(s.rows):
-                for st, ch in T.grid(seq, s.chunks):
-                    step(st, r * s.chunks + ch, xp, rt, lens, p, y, h, c, g)
-        else:
-            with T.attr(0, s.launch_point, 1):
-                for st in range(seq):
-                    with T.attr(0, s.barrier, 1):
-                        for t in T.parallel(s.tasks):
-                            step(st, t, xp, rt, lens, p, y, h, c, g)
+        time_loop((xp, rt, lens, p, y, h, c, g))
         for d, b, j in T.grid(dirs, batch, hid):
             T.buffer_store(yh, h[seq % 2, d, b, j], s.state(d, b, j))
             T.buffer_store(yc, c[d, b, j], s.state(d, b, j))
@@ -409,8 +432,9 @@ def _gru(s: _Spec) -> tirx.PrimFunc:
     L, dt = s.layer, s.layer.dtype
     seq, batch, hid, dirs = L.seq, L.batch, L.hidden, len(L.directions)
     gh = 3 * hid  # gates z, r, h
-    lbr = L.linear_before_reset
     gates, candidate = _gru_steps(s)
+    # (without linear_before_reset the candidate's product needs every unit's reset gate)
+    time_loop = _time_loop(s, gates, None if L.linear_before_reset else candidate)
 
     @T.prim_func(private=True, s_tir=True)
     def gru(xp: T.Buffer(s.xp_shape(gh), dt), rt: T.Buffer((dirs, hid, gh), dt),
@@ -425,24 +449,7 @@ def _gru(s: _Spec) -> tirx.PrimFunc:
             y[i0, i1, i2, i3] = s.zero()
         for d, b, j in T.grid(dirs, batch, hid):
             h[0, d, b, j] = s.load_state(h0, d, b, j)
-        if s.by_rows:
-            for r in T.parallel(s.rows):
-                for st in range(seq):
-                    for ch in range(s.chunks):
-                        gates(st, r * s.chunks + ch, xp, rt, rbh, lens, y, h, g, a)
-                    if not lbr:
-                        for ch in range(s.chunks):
-                            candidate(st, r * s.chunks + ch, xp, rt, rbh, lens, y, h, g, a)
-        else:
-            with T.attr(0, s.launch_point, 1):
-                for st in range(seq):
-                    with T.attr(0, s.barrier, 1):
-                        for t in T.parallel(s.tasks):
-                            gates(st, t, xp, rt, rbh, lens, y, h, g, a)
-                    if not lbr:  # the candidate's product needs every unit's reset gate
-                        with T.attr(0, s.barrier, 1):
-                            for t in T.parallel(s.tasks):
-                                candidate(st, t, xp, rt, rbh, lens, y, h, g, a)
+        time_loop((xp, rt, rbh, lens, y, h, g, a))
         for d, b, j in T.grid(dirs, batch, hid):
             T.buffer_store(yh, h[seq % 2, d, b, j], s.state(d, b, j))
 
@@ -468,6 +475,8 @@ def _rnn(s: _Spec) -> tirx.PrimFunc:
             for jj in range(N(t)):
                 h[1 - st % 2, D(t), B(t), J(t) + jj] = h[st % 2, D(t), B(t), J(t) + jj]
 
+    time_loop = _time_loop(s, step)
+
     @T.prim_func(private=True, s_tir=True)
     def rnn(xp: T.Buffer(s.xp_shape(hid), dt), rt: T.Buffer((dirs, hid, hid), dt),
             lens: T.Buffer((batch,), "int32"), h0: T.Buffer(s.state_shape, dt),
@@ -479,16 +488,7 @@ def _rnn(s: _Spec) -> tirx.PrimFunc:
             y[i0, i1, i2, i3] = s.zero()
         for d, b, j in T.grid(dirs, batch, hid):
             h[0, d, b, j] = s.load_state(h0, d, b, j)
-        if s.by_rows:
-            for r in T.parallel(s.rows):
-                for st, ch in T.grid(seq, s.chunks):
-                    step(st, r * s.chunks + ch, xp, rt, lens, y, h, g)
-        else:
-            with T.attr(0, s.launch_point, 1):
-                for st in range(seq):
-                    with T.attr(0, s.barrier, 1):
-                        for t in T.parallel(s.tasks):
-                            step(st, t, xp, rt, lens, y, h, g)
+        time_loop((xp, rt, lens, y, h, g))
         for d, b, j in T.grid(dirs, batch, hid):
             T.buffer_store(yh, h[seq % 2, d, b, j], s.state(d, b, j))
 
