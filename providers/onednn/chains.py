@@ -290,11 +290,26 @@ def _max_pool(g: ChainGraph, c: Chain, b: relax.VarBinding) -> bool:
     return True
 
 
+def _reshape(g: ChainGraph, c: Chain, b: relax.VarBinding) -> bool:
+    """A reshape of a dense layer's result that keeps its last axis (rows merged or split, the
+    same bytes) where a step the chain takes reads it next (an activation, the bias, a
+    residual): the chain goes on through it (an exporter's ``x.view(-1, n) @ W`` then
+    ``.view(b, s, n)`` before the GELU)."""
+    src, dst, after = _shape(c.end), _shape(b.var), g.only_user(b.var)
+    if (c.kind != "dense" or src is None or dst is None or src[-1:] != dst[-1:]
+            or int(np.prod(src)) != int(np.prod(dst)) or after is None
+            or STEPS.get(op_name(after.value)) not in (_add, _activation)):
+        return False
+    c.members.append(b.var)
+    return True
+
+
 ROOTS: dict[str, Callable[[ChainGraph, relax.VarBinding], Chain | None]] = {
     "relax.nn.conv2d": _conv2d, "relax.matmul": _dense}
 STEPS: dict[str, Callable[[ChainGraph, Chain, relax.VarBinding], bool]] = {
     "relax.add": _add, "relax.multiply": _multiply, "relax.nn.batch_norm": _batch_norm,
     "relax.clip": _activation, "relax.nn.max_pool2d": _max_pool, "relax.quantize": _quantize,
+    "relax.reshape": _reshape,
     **{op: _activation for op in ACTIVATIONS}}
 
 

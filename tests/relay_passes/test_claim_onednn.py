@@ -352,6 +352,38 @@ def test_silu_gelu_sigmoid_and_tanh_are_post_ops(root, act, post):
 
 
 @needs_onednn
+@pytest.mark.parametrize("last_axis_kept", [True, False])
+def test_a_dense_layer_s_chain_goes_on_through_a_reshape_of_its_rows(last_axis_kept):
+    """``x.view(-1, n) @ W + b``, viewed back to (batch, seq, n) before its GELU and a residual
+    add (a torch export's linear layers): one kernel, the GELU and the add its post-ops; a
+    reshape that moves the last axis ends the chain (the GELU a TVM kernel)."""
+    rng = np.random.default_rng(5)
+    back = [2, 6, 24] if last_axis_kept else [2, 12, 12]
+    inits = [numpy_helper.from_array(rng.standard_normal((32, 24)).astype("float32") / 4, "w"),
+             numpy_helper.from_array(rng.standard_normal(24).astype("float32"), "b"),
+             numpy_helper.from_array(np.array([12, 32], "int64"), "rows"),
+             numpy_helper.from_array(np.array(back, "int64"), "back")]
+    nodes = [helper.make_node("Reshape", ["x", "rows"], ["x2"]),
+             helper.make_node("MatMul", ["x2", "w"], ["m"]),
+             helper.make_node("Add", ["m", "b"], ["a"]),
+             helper.make_node("Reshape", ["a", "back"], ["v"]),
+             helper.make_node("Gelu", ["v"], ["g"], approximate="tanh"),
+             helper.make_node("Add", ["g", "r"], ["y"])]
+    graph = helper.make_graph(nodes, "view", [
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 6, 32]),
+        helper.make_tensor_value_info("r", TensorProto.FLOAT, back)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, back)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    res = _check(model)
+    (node,) = _onednn_nodes(res)
+    assert node.attrs["onednn_op"] == ("dense+bias+gelu_tanh+add" if last_axis_kept
+                                       else "dense+bias")
+    others = [n for n in res.graph.nodes if n.op != "null" and n not in _onednn_nodes(res)
+              and n.attrs.get("func_name") != "__nop"]  # (the views: no kernel)
+    assert bool(others) != last_axis_kept, [n.name for n in others]
+
+
+@needs_onednn
 def test_a_last_swish_is_hgrt_s_pass_after_the_primitive_ragged_tail_and_all():
     """Swish as the last post-op runs as hgrt's own pass over the kernel's result (node attr
     ``onednn_impl`` ends ``+hgrt_swish`` where the CPU has AVX2 or AVX-512): 3 x 37 outputs
