@@ -172,6 +172,24 @@ int UseBudgetThreads() {
 
 // ---- the conv2d / dense call ----------------------------------------------------------------
 
+// A dense layer's rows in chunks (Entry::row_chunk), each chunk's rows of the input and the
+// output (which holds the residual already, for a sum post-op) read and written in place.
+void RunChunks(Entry& e, StageArgs& args, Scratch& s, char* src, char* dst, char* weights) {
+  const Header& h = e.layout;
+  int64_t rows = h[kN], in_row = 4 * h[kIC], out_row = 4 * h[kOC];
+  void* pad = s.pad.get(e.chunk_pad.get_size() + 64);
+  for (int64_t m = 0; m < rows; m += e.row_chunk) {
+    bool rest = rows - m < e.row_chunk;
+    Args& a = args[rest ? kRest : kConv];
+    a.Set(DNNL_ARG_SRC, rest ? e.rest_src : e.chunk_src, src + m * in_row);
+    a.Set(DNNL_ARG_WEIGHTS, e.wei, weights + h[kWeiOffset]);
+    a.Set(DNNL_ARG_BIAS, e.bias, weights + h[kBiasOffset]);
+    a.Set(DNNL_ARG_DST, rest ? e.rest_dst : e.chunk_dst, dst + m * out_row);
+    a.Set(DNNL_ARG_SCRATCHPAD, e.chunk_pad, pad);
+    (rest ? e.rest_prim : e.chunk_prim).execute(Stream(), a.map());
+  }
+}
+
 void Run(const ffi::TensorView& x, const ffi::TensorView& blob,
          const ffi::TensorView* residual, const ffi::TensorView& out) {
   const Header& h = ReadHeader(blob);
@@ -229,17 +247,21 @@ void Run(const ffi::TensorView& x, const ffi::TensorView& blob,
     std::memcpy(dst, DataOf(*residual), e->dst.get_size());
   }
   char* weights = e->repacked ? e->repacked->base : base;
-  conv.Set(DNNL_ARG_SRC, e->src, src);
-  conv.Set(DNNL_ARG_WEIGHTS, e->wei, weights + e->layout[kWeiOffset]);
-  conv.Set(DNNL_ARG_BIAS, e->bias, weights + e->layout[kBiasOffset]);
-  conv.Set(DNNL_ARG_DST, e->dst, dst);
-  if (h.int8()) {  // the weights' scales follow the bias
-    conv.Set(DNNL_ARG_ATTR_SCALES | DNNL_ARG_WEIGHTS, e->wei_scales,
-             weights + e->layout[kBiasOffset] + 4 * h[kOC]);
+  if (e->row_chunk > 0) {
+    RunChunks(*e, args, s, static_cast<char*>(src), static_cast<char*>(dst), weights);
+  } else {
+    conv.Set(DNNL_ARG_SRC, e->src, src);
+    conv.Set(DNNL_ARG_WEIGHTS, e->wei, weights + e->layout[kWeiOffset]);
+    conv.Set(DNNL_ARG_BIAS, e->bias, weights + e->layout[kBiasOffset]);
+    conv.Set(DNNL_ARG_DST, e->dst, dst);
+    if (h.int8()) {  // the weights' scales follow the bias
+      conv.Set(DNNL_ARG_ATTR_SCALES | DNNL_ARG_WEIGHTS, e->wei_scales,
+               weights + e->layout[kBiasOffset] + 4 * h[kOC]);
+    }
+    const memory::desc& pad = twin ? e->in_place_scratch : e->scratch;
+    conv.Set(DNNL_ARG_SCRATCHPAD, pad, s.pad.get(pad.get_size() + 64));
+    (twin ? e->in_place : e->prim).execute(stream, conv.map());
   }
-  const memory::desc& pad = twin ? e->in_place_scratch : e->scratch;
-  conv.Set(DNNL_ARG_SCRATCHPAD, pad, s.pad.get(pad.get_size() + 64));
-  (twin ? e->in_place : e->prim).execute(stream, conv.map());
   if (e->own_swish) {  // the last post-op, in place, before any pool or reorder
     stream.wait();
     Swish(static_cast<float*>(dst), static_cast<int64_t>(e->dst.get_size() / 4), threads);
@@ -286,6 +308,7 @@ std::string IsaName(int64_t isa) {
 std::string Implementation(const ffi::TensorView& blob) {
   const Header& h = ReadHeader(blob);
   return (h.winograd() ? "winograd_4x4_3x3+" : "") + std::string(RunDesc(h).impl_info_str()) +
+         (RowChunk(h) > 0 ? "+rows_of_" + std::to_string(RowChunk(h)) : "") +
          (OwnSwish(h) ? "+hgrt_swish" : "");
 }
 

@@ -183,7 +183,7 @@ class Args {
 };
 
 // the stages of a convolution kernel, each with its own arguments (other kernels use one)
-enum Stage : int { kToSrc, kConv, kConvInPlace, kResidual, kPool, kFromDst, kStages };
+enum Stage : int { kToSrc, kConv, kConvInPlace, kResidual, kPool, kFromDst, kRest, kStages };
 using StageArgs = std::array<Args, kStages>;
 
 // The argument maps of `owner`'s stages on this thread: one lookup per call.
@@ -241,6 +241,7 @@ dnnl::pooling_forward::primitive_desc PoolDesc(dnnl::algorithm algo, const memor
                                                memory::dims right);
 dnnl::primitive_desc MakeDesc(const Header& h, const memory::desc& wei, bool in_place = false);
 int64_t FindTag(const memory::desc& md);
+int64_t RowChunk(const Header& h);
 dnnl::primitive_desc RunDesc(const Header& h);
 
 // Weights packed for another CPU, re-packed here once (onednn_pack.cc).
@@ -275,6 +276,12 @@ struct Entry {
   int32_t src_zp = 0;
   memory::desc scale_1, zp_1, wei_scales;
   memory::desc to_src_pad, from_dst_pad, residual_pad;  // their scratchpads (the caller's)
+  // a dense layer whose rows run in chunks of `row_chunk` (RowChunk; 0: all at once): the
+  // primitive of a chunk, and of the rows left after the whole chunks (if any), both on the
+  // packed weights, reading and writing plain rows in place; one scratchpad serves both
+  int64_t row_chunk = 0;
+  dnnl::primitive chunk_prim, rest_prim;
+  memory::desc chunk_src, chunk_dst, rest_src, rest_dst, chunk_pad;
 };
 
 std::shared_ptr<Entry> GetEntry(const char* blob, int threads);

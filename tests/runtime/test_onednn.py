@@ -120,6 +120,49 @@ def test_dense_equals_numpy():
     np.testing.assert_allclose(out.numpy(), np.maximum(x @ w.T + b, 0), rtol=1e-4, atol=1e-4)
 
 
+_ROW_CHUNKS = """
+import os, numpy as np, tvm
+from hgrt.providers.onednn import kernels as onednn
+from hgrt.providers.onednn.blob import make_header
+rng = np.random.default_rng(3)
+x, w = rng.standard_normal((197, 48), "float32"), rng.standard_normal((40, 48), "float32")
+b, r = rng.standard_normal(40, "float32"), rng.standard_normal((197, 40), "float32")
+blob = onednn.pack(make_header("dense", x.shape, (197, 40), post=[("sum", 0, 0), ("relu", 0, 0)]),
+                   w, b)
+f = onednn.kernel_function("hgrt.onednn.dense")
+t = lambda a: tvm.runtime.tensor(np.ascontiguousarray(a), tvm.cpu(0))
+blobs, want = [t(blob), t(blob)], np.maximum(x @ w.T + b + r, 0)
+for flag, packed in zip(("0", "1"), blobs):  # (an entry per blob, made at its first call)
+    os.environ["HGRT_ONEDNN_ROW_CHUNK"] = flag
+    out = t(np.zeros((197, 40), "float32"))
+    f(t(x), packed, t(r), out)
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-4, atol=1e-4)
+    same = t(r)  # the output buffer holding the residual: summed in place
+    f(t(x), packed, same, same)
+    np.testing.assert_allclose(same.numpy(), want, rtol=1e-4, atol=1e-4)
+os.environ.pop("HGRT_ONEDNN_ROW_CHUNK")
+print(onednn.isa(), onednn.implementation(blob))
+"""
+
+
+def test_an_avx2_dense_layer_runs_its_rows_in_chunks_short_last_chunk_and_all(tmp_path):
+    """oneDNN's AVX2 inner product takes a dense layer's rows 64 at a time (197 rows: three
+    chunks and 5 left), the residual summed in place or copied first; the same numbers as all
+    rows at once (``HGRT_ONEDNN_ROW_CHUNK=0``) and numpy's."""
+    if not onednn.isa().startswith(("avx2", "avx512")):
+        pytest.skip(f"this host runs {onednn.isa()}, below AVX2")
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    proc = subprocess.run([sys.executable, "-c", _ROW_CHUNKS], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    isa, impl = proc.stdout.split()
+    assert isa == "avx2" and impl.endswith("+rows_of_64"), proc.stdout
+    here = onednn.implementation(onednn.pack(make_header("dense", (197, 48), (197, 40)),
+                                             np.ones((40, 48), "float32"),
+                                             np.ones(40, "float32")))
+    assert ("rows_of" in here) == (onednn.isa() == "avx2"), here  # (AVX-512: all rows at once)
+
+
 def test_new_weights_at_the_same_address_are_used():
     x, w, b, blob = _case()
     _, w2, b2, blob2 = _case()  # same shapes and post-ops: only the checksum tells them apart
