@@ -1,14 +1,16 @@
 // oneDNN's primitives timed alone, for the figures hgrt's oneDNN kernels cite (BENCHMARKS.md,
 // "The corpus after int8, row kernels, hgrt's swish and blocked layouts"): int8 against float32
 // convolutions, swish as a post-op, blocked against NHWC activations at batch 8, the matmul of
-// two activations and softmax. Best of 7 blocks of 20 calls, after 5 warm-up calls; zeros or
+// two activations and softmax, a dense layer's rows all at once against 64 at a time
+// (ONEDNN_MAX_CPU_ISA=AVX2 for the AVX2 kernels). Best of 7 blocks of 20 calls, after 5 warm-up calls; zeros or
 // random normals as noted; denormals flushed (as hgrt's kernels run).
 //
 //   INC=$(python -c "from hgrt.providers.onednn import kernels as k; print(k._wheel_paths()[0])")
 //   LIB=$(python -c "from hgrt.providers.onednn import kernels as k; print(k._wheel_paths()[1])")
 //   g++ -O2 -std=c++17 python/bench_onednn_primitives.cc -I$INC -L$LIB -ldnnl \
 //       -Wl,-rpath,$LIB -o /tmp/bench_onednn_primitives
-//   OMP_NUM_THREADS=2 /tmp/bench_onednn_primitives
+//   OMP_NUM_THREADS=2 /tmp/bench_onednn_primitives          # every section
+//   OMP_NUM_THREADS=2 ONEDNN_MAX_CPU_ISA=AVX2 /tmp/bench_onednn_primitives dense   # one of them
 #include <oneapi/dnnl/dnnl.hpp>
 #include <xmmintrin.h>
 
@@ -17,6 +19,8 @@
 #include <cstring>
 #include <random>
 #include <unordered_map>
+#include <vector>
+#include <algorithm>
 
 using namespace dnnl;
 using tag = memory::format_tag;
@@ -99,8 +103,72 @@ double Matmul(memory::dims a, memory::dims b, memory::dims c) {
   return Time(p, args);
 }
 
-int main() {
+// A dense layer (inner product) of `rows` x `depth` -> `outs`, its rows `chunk` at a time (0: all
+// at once; -64: the whole multiples of 64 at once, then the rest), over 8 copies of its packed weights in turn (more than the caches hold, as in a
+// model whose layers each bring their own); GFLOP/s.
+double Dense(int rows, int depth, int outs, int chunk) {
+  int step = chunk > 0 ? chunk : chunk < 0 ? rows / -chunk * -chunk : rows, copies = 8;
+  if (step == 0) step = rows;
+  auto pd_of = [&](int m) {
+    return inner_product_forward::primitive_desc(
+        eng, prop_kind::forward_inference, memory::desc({m, depth}, dt::f32, tag::ab),
+        memory::desc({outs, depth}, dt::f32, tag::any), memory::desc({outs}, dt::f32, tag::a),
+        memory::desc({m, outs}, dt::f32, tag::ab));
+  };
+  auto pd = pd_of(step);
+  auto rest_pd = pd_of(rows % step > 0 ? rows % step : step);
+  primitive p = inner_product_forward(pd), rest = inner_product_forward(rest_pd);
+  memory src({{rows, depth}, dt::f32, tag::ab}, eng), dst({{rows, outs}, dt::f32, tag::ab}, eng),
+      bias({{outs}, dt::f32, tag::a}, eng);
+  Fill(src, 1.f);
+  Fill(bias, 0.1f);
+  std::vector<memory> weights;
+  for (int c = 0; c < copies; c++) {
+    weights.emplace_back(pd.weights_desc(), eng);  // (written: never the zero page)
+    Fill(weights.back(), 0.05f);
+  }
+  auto call = [&](int c) {
+    for (int m = 0; m < rows; m += step) {
+      int n = std::min(step, rows - m);
+      auto& prim = n == step ? p : rest;
+      auto& d = n == step ? pd : rest_pd;
+      memory s(d.src_desc(), eng, static_cast<float*>(src.get_data_handle()) + m * depth);
+      memory o(d.dst_desc(), eng, static_cast<float*>(dst.get_data_handle()) + m * outs);
+      prim.execute(strm, {{DNNL_ARG_SRC, s}, {DNNL_ARG_WEIGHTS, weights[c]},
+                          {DNNL_ARG_BIAS, bias}, {DNNL_ARG_DST, o}});
+    }
+  };
+  for (int c = 0; c < copies; c++) call(c);
+  strm.wait();
+  double best = 1e9;
+  for (int r = 0; r < 7; r++) {
+    auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < 4 * copies; i++) call(i % copies);
+    strm.wait();
+    double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0)
+                    .count() / (4 * copies);
+    if (us < best) best = us;
+  }
+  return 2.0 * rows * depth * outs / best / 1e3;
+}
+
+int DenseRows() {
+  std::printf("-- a dense layer's rows: all at once against 64 at a time (GFLOP/s; isa %d)\n",
+              static_cast<int>(get_effective_cpu_isa()));
+  int dense[][3] = {{197, 768, 3072}, {128, 768, 3072}, {197, 1024, 1024}, {512, 768, 3072},
+                    {512, 512, 1024}, {128, 3072, 768}, {1024, 768, 768}, {197, 3072, 768},
+                    {200, 768, 768}, {50, 768, 3072}, {300, 768, 3072}};
+  for (auto& q : dense) {
+    std::printf("%d x %d x %d: %.0f, in chunks %.0f, multiples of 64 then the rest %.0f\n", q[0],
+                q[1], q[2], Dense(q[0], q[1], q[2], 0), Dense(q[0], q[1], q[2], 64),
+                Dense(q[0], q[1], q[2], -64));
+  }
+  return 0;
+}
+
+int main(int argc, char** argv) {
   _mm_setcsr(_mm_getcsr() | 0x8040);
+  if (argc > 1 && std::strcmp(argv[1], "dense") == 0) return DenseRows();
   const char* impl = "";
   std::printf("isa %d\n", static_cast<int>(get_effective_cpu_isa()));
   std::printf("-- int8 against float32, batch 1, NHWC (us)\n");
@@ -138,5 +206,5 @@ int main() {
                                                              {12, 197, 197}));
   std::printf("(12, 197, 197) x (12, 197, 64): %.1f\n", Matmul({12, 197, 197}, {12, 197, 64},
                                                               {12, 197, 64}));
-  return 0;
+  return DenseRows();
 }

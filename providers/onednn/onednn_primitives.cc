@@ -108,23 +108,30 @@ void AppendQuantize(dnnl::post_ops& ops, bool is_signed, float s, float z) {
   ops.append_eltwise(dnnl::algorithm::eltwise_linear, s, 0.f);
 }
 
-bool OwnSwish(const Header& h) {
-  if (SwishLevel() == 0 || h.winograd()) return false;
+int64_t OwnActivation(const Header& h) {
+  if (SwishLevel() == 0 || h.winograd()) return kNoPost;
   int last = -1;
   for (int k = 0; k < kMaxPostOps; ++k) {
     if (h[kPost0 + 3 * k] != kNoPost) last = k;
   }
-  return last >= 0 && h[kPost0 + 3 * last] == kSwish && AsDouble(h[kPost0 + 3 * last + 1]) == 1.0;
+  if (last < 0) return kNoPost;
+  int64_t kind = h[kPost0 + 3 * last];
+  if (kind == kSwish && AsDouble(h[kPost0 + 3 * last + 1]) == 1.0) return kSwish;
+  // GELU's tanh form on AVX2 only: oneDNN's AVX-512 post-op costs what the pass costs (GPT-2's
+  // 128 x 768 x 3072 dense layer 1.30 ms with it, 1.32 with the pass; EPYC, 2 threads)
+  const char* flag = std::getenv("HGRT_ONEDNN_OWN_GELU");  // "0": oneDNN's (to time the two)
+  bool off = flag != nullptr && std::string(flag) == "0";
+  return kind == kGeluTanh && SwishLevel() == 1 && !off ? kGeluTanh : kNoPost;
 }
 
 // `in_place`: the output buffer holds the residual already (the memory plan put the output
 // in the residual's bytes), so a sum post-op adds into it, whatever the layout.
 dnnl::primitive_attr Attributes(const Header& h, bool in_place = false) {
   dnnl::post_ops ops;
-  bool own_swish = OwnSwish(h);
+  int64_t own = OwnActivation(h);
   for (int k = 0; k < kMaxPostOps; ++k) {
     int64_t kind = h[kPost0 + 3 * k];
-    if (own_swish && kind == kSwish) break;  // (the last: hgrt's pass after the primitive)
+    if (own != kNoPost && kind == own) break;  // (the last: hgrt's pass after the primitive)
     float alpha = static_cast<float>(AsDouble(h[kPost0 + 3 * k + 1]));
     float beta = static_cast<float>(AsDouble(h[kPost0 + 3 * k + 2]));
     if (kind == kRelu) ops.append_eltwise(dnnl::algorithm::eltwise_relu, 0.f, 0.f);
@@ -229,14 +236,15 @@ int64_t FindTag(const memory::desc& md) {
 
 // ---- primitives made once per call site ---------------------------------------------------
 
-// How many rows of a dense layer one call of oneDNN's kernel takes (0: all of them). oneDNN
-// 3.2's AVX2 inner product (brgemm:avx2) runs up to a third faster on 64 rows at a time than
-// on more at once where the depth is at most 2048 (weights cycled through more than the caches
-// hold, 2 threads, AMD EPYC: 197 x 768 x 3072 154 -> 209 GFLOP/s, 128 x 768 x 3072 185 -> 204,
-// 197 x 1024 x 1024 161 -> 217, 512 x 768 x 3072 204 -> 218, 512 x 512 x 1024 220 -> 217);
-// at a depth of 3072 in chunks it slows (128 rows: 187 -> 111), and on AVX-512 whole is best
-// (219-225 against 178-225). Past 512 rows chunks gain nothing and cost their calls (convnext's
-// first stages, 3136 and 784 rows of depth 96-768, 58.6 -> 63.7 ms in turns).
+// How many rows of a dense layer one call of oneDNN's kernel takes (0: all of them), on AVX2
+// (oneDNN 3.2's brgemm:avx2 inner product; on AVX-512 all rows at once is best). Its rate on
+// some row counts falls by a fifth: a count that 64 does not divide runs as its whole 64s in
+// one call and the rest in another (197 x 768 x 3072 191 -> 239 GFLOP/s, 197 x 3072 x 768 184
+// -> 230; python/bench_onednn_primitives.cc dense, AMD EPYC, 2 threads; vit 196.3 -> 157.5
+// ms in turns); and in the models a multiple of 64 up to 512 rows of a depth up to 2048 ran
+// mostly faster 64 at a time (gpt2 157.9 -> 153.2 ms, distilbert 53.2 -> 49.0 in turns, though
+// single runs of either read up to 7 % the other way; alone in the loop above the two were
+// within 8 %, and at a depth of 3072 chunks of 64 slowed it, 239 -> 202).
 // HGRT_ONEDNN_ROW_CHUNK=0: all rows at once (to time the difference).
 constexpr int64_t kRowChunk = 64, kRowChunkMaxDepth = 2048, kRowChunkMaxRows = 512;
 
@@ -244,10 +252,10 @@ int64_t RowChunk(const Header& h) {
   const char* flag = std::getenv("HGRT_ONEDNN_ROW_CHUNK");  // (read as each entry is made)
   bool off = flag != nullptr && std::string(flag) == "0";
   bool avx2 = HasIsa(dnnl::cpu_isa::avx2) && !HasIsa(dnnl::cpu_isa::avx512_core);
-  return !off && avx2 && h[kKind] == kDense && !h.int8() && h[kN] > kRowChunk &&
-                 h[kN] <= kRowChunkMaxRows && h[kIC] <= kRowChunkMaxDepth
-             ? kRowChunk
-             : 0;
+  int64_t rows = h[kN];
+  if (off || !avx2 || h[kKind] != kDense || h.int8() || rows <= kRowChunk) return 0;
+  if (rows % kRowChunk != 0) return rows / kRowChunk * kRowChunk;
+  return rows <= kRowChunkMaxRows && h[kIC] <= kRowChunkMaxDepth ? kRowChunk : 0;
 }
 
 // The chunk primitives of a dense layer whose rows run in chunks (RowChunk): made where the
@@ -350,7 +358,7 @@ std::shared_ptr<Entry> MakeEntry(const char* blob, std::shared_ptr<Repacked> rep
     }
   }
   e->reorder_res = h.has_sum() && !e->residual_arg && e->res_user != e->dst;
-  e->own_swish = OwnSwish(h);
+  e->own_act = OwnActivation(h);
   auto reorder = [](dnnl::reorder& prim, memory::desc& pad, const memory::desc& a,
                     const memory::desc& b) {
     auto pd = ReorderDesc(a, b);

@@ -262,9 +262,10 @@ void Run(const ffi::TensorView& x, const ffi::TensorView& blob,
     conv.Set(DNNL_ARG_SCRATCHPAD, pad, s.pad.get(pad.get_size() + 64));
     (twin ? e->in_place : e->prim).execute(stream, conv.map());
   }
-  if (e->own_swish) {  // the last post-op, in place, before any pool or reorder
+  if (e->own_act != kNoPost) {  // the last post-op, in place, before any pool or reorder
     stream.wait();
-    Swish(static_cast<float*>(dst), static_cast<int64_t>(e->dst.get_size() / 4), threads);
+    OwnActivation(e->own_act, static_cast<float*>(dst), static_cast<int64_t>(e->dst.get_size() / 4),
+                  threads);
   }
   if (h.pooled()) {
     void* pooled = e->reorder_dst ? s.pooled.get(e->pooled.get_size()) : DataOf(out);
@@ -309,7 +310,9 @@ std::string Implementation(const ffi::TensorView& blob) {
   const Header& h = ReadHeader(blob);
   return (h.winograd() ? "winograd_4x4_3x3+" : "") + std::string(RunDesc(h).impl_info_str()) +
          (RowChunk(h) > 0 ? "+rows_of_" + std::to_string(RowChunk(h)) : "") +
-         (OwnSwish(h) ? "+hgrt_swish" : "");
+         (OwnActivation(h) == kSwish      ? "+hgrt_swish"
+          : OwnActivation(h) == kGeluTanh ? "+hgrt_gelu_tanh"
+                                          : "");
 }
 
 // The format of the blob header this library was built with, a `name=value` line per number

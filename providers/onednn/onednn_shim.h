@@ -260,7 +260,7 @@ struct Entry {
   memory::desc src, dst, wei, bias, scratch, src_user, dst_user, res_user;
   bool reorder_src = false, reorder_dst = false, reorder_res = false;
   int residual_arg = 0;  // the binary post-op's argument that reads the residual (else 0)
-  bool own_swish = false;  // the last post-op, swish, is hgrt's pass after the primitive
+  int64_t own_act = kNoPost;  // the last post-op (swish, tanh GELU) as hgrt's pass after it
   // the same convolution with a sum post-op, for calls whose output buffer is the residual's
   // (made at the first such call; `has_in_place` false: none fits, the residual is copied)
   std::once_flag in_place_once;
@@ -323,10 +323,12 @@ void PushBits(std::vector<int64_t>& key, const float* values, int n);
 // whether oneDNN may use `want` here (ONEDNN_MAX_CPU_ISA caps it)
 bool HasIsa(dnnl::cpu_isa want);
 int SwishLevel();
-void Swish(float* y, int64_t n, int threads);
-// a header whose last post-op is swish of alpha 1, on a CPU where hgrt's own pass computes it:
-// the primitive leaves it out, and the kernel runs Swish over its result
-bool OwnSwish(const Header& h);
+// swish (kind kSwish) or GELU's tanh form (kGeluTanh) over `y` in place
+void OwnActivation(int64_t kind, float* y, int64_t n, int threads);
+// the last post-op of a header where it is swish of alpha 1 or GELU's tanh form, on a CPU where
+// hgrt's own pass computes it (kNoPost: none): the primitive leaves it out, and the kernel runs
+// OwnActivation over its result (HGRT_ONEDNN_OWN_GELU=0: the tanh GELU stays oneDNN's)
+int64_t OwnActivation(const Header& h);
 
 // ---- onednn_rows.cc ------------------------------------------------------------------------
 

@@ -121,20 +121,21 @@ def test_dense_equals_numpy():
 
 
 _ROW_CHUNKS = """
-import os, numpy as np, tvm
+import os, sys, numpy as np, tvm
 from hgrt.providers.onednn import kernels as onednn
 from hgrt.providers.onednn.blob import make_header
+rows = int(sys.argv[1])
 rng = np.random.default_rng(3)
-x, w = rng.standard_normal((197, 48), "float32"), rng.standard_normal((40, 48), "float32")
-b, r = rng.standard_normal(40, "float32"), rng.standard_normal((197, 40), "float32")
-blob = onednn.pack(make_header("dense", x.shape, (197, 40), post=[("sum", 0, 0), ("relu", 0, 0)]),
+x, w = rng.standard_normal((rows, 48), "float32"), rng.standard_normal((40, 48), "float32")
+b, r = rng.standard_normal(40, "float32"), rng.standard_normal((rows, 40), "float32")
+blob = onednn.pack(make_header("dense", x.shape, (rows, 40), post=[("sum", 0, 0), ("relu", 0, 0)]),
                    w, b)
 f = onednn.kernel_function("hgrt.onednn.dense")
 t = lambda a: tvm.runtime.tensor(np.ascontiguousarray(a), tvm.cpu(0))
 blobs, want = [t(blob), t(blob)], np.maximum(x @ w.T + b + r, 0)
 for flag, packed in zip(("0", "1"), blobs):  # (an entry per blob, made at its first call)
     os.environ["HGRT_ONEDNN_ROW_CHUNK"] = flag
-    out = t(np.zeros((197, 40), "float32"))
+    out = t(np.zeros((rows, 40), "float32"))
     f(t(x), packed, t(r), out)
     np.testing.assert_allclose(out.numpy(), want, rtol=1e-4, atol=1e-4)
     same = t(r)  # the output buffer holding the residual: summed in place
@@ -145,22 +146,67 @@ print(onednn.isa(), onednn.implementation(blob))
 """
 
 
-def test_an_avx2_dense_layer_runs_its_rows_in_chunks_short_last_chunk_and_all(tmp_path):
-    """oneDNN's AVX2 inner product takes a dense layer's rows 64 at a time (197 rows: three
-    chunks and 5 left), the residual summed in place or copied first; the same numbers as all
-    rows at once (``HGRT_ONEDNN_ROW_CHUNK=0``) and numpy's."""
+@pytest.mark.parametrize("rows, chunk", [(197, 192), (256, 64), (40, 0)])
+def test_an_avx2_dense_layer_runs_its_rows_in_chunks_short_last_chunk_and_all(rows, chunk):
+    """oneDNN's AVX2 inner product takes a dense layer's rows in chunks: 197 rows as 192 and 5,
+    256 as four of 64, 40 at once; the residual summed in place or copied first; the same
+    numbers as all rows at once (``HGRT_ONEDNN_ROW_CHUNK=0``) and numpy's."""
     if not onednn.isa().startswith(("avx2", "avx512")):
         pytest.skip(f"this host runs {onednn.isa()}, below AVX2")
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
-    proc = subprocess.run([sys.executable, "-c", _ROW_CHUNKS], env=env, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", _ROW_CHUNKS, str(rows)], env=env,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     isa, impl = proc.stdout.split()
-    assert isa == "avx2" and impl.endswith("+rows_of_64"), proc.stdout
+    assert isa == "avx2" and (impl.endswith(f"+rows_of_{chunk}") if chunk else
+                              "rows_of" not in impl), proc.stdout
     here = onednn.implementation(onednn.pack(make_header("dense", (197, 48), (197, 40)),
                                              np.ones((40, 48), "float32"),
                                              np.ones(40, "float32")))
     assert ("rows_of" in here) == (onednn.isa() == "avx2"), here  # (AVX-512: all rows at once)
+
+
+_OWN_GELU = """
+import os, numpy as np, tvm
+from hgrt.providers.onednn import kernels as onednn
+from hgrt.providers.onednn.blob import make_header
+rng = np.random.default_rng(4)
+x, w = rng.standard_normal((5, 48), "float32"), rng.standard_normal((37, 48), "float32") * 2
+b = np.linspace(-60, 60, 37).astype("float32")  # (exp's clamps at both ends)
+blob = onednn.pack(make_header("dense", x.shape, (5, 37), post=[("gelu_tanh", 0, 0)]), w, b)
+f = onednn.kernel_function("hgrt.onednn.dense")
+t = lambda a: tvm.runtime.tensor(np.ascontiguousarray(a), tvm.cpu(0))
+a = (x.astype("float64") @ w.T + b)
+want = 0.5 * a * (1 + np.tanh(np.sqrt(2 / np.pi) * (a + 0.044715 * a ** 3)))
+impls = []
+for flag in ("0", "1"):
+    os.environ["HGRT_ONEDNN_OWN_GELU"] = flag
+    out = t(np.zeros((5, 37), "float32"))
+    f(t(x), t(blob), out)  # (a new blob tensor: an entry of its own, made now)
+    err = np.abs(out.numpy() - want).max() / np.abs(want).max()
+    assert err <= 2e-6, (flag, err)
+    impls.append(onednn.implementation(blob))
+print(onednn.isa(), *impls)
+"""
+
+
+def test_an_avx2_kernel_s_last_tanh_gelu_is_hgrt_s_pass_with_onednn_s_numbers():
+    """GELU's tanh form as a dense layer's last post-op runs as hgrt's pass over the result on
+    AVX2 (``onednn_impl`` ends ``+hgrt_gelu_tanh``; 37 outputs a row: a ragged tail; inputs out
+    to +-60), within 2e-6 of float64's numbers as oneDNN's own post-op is
+    (``HGRT_ONEDNN_OWN_GELU=0``); on AVX-512 it stays oneDNN's."""
+    if not onednn.isa().startswith(("avx2", "avx512")):
+        pytest.skip(f"this host runs {onednn.isa()}, below AVX2")
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    proc = subprocess.run([sys.executable, "-c", _OWN_GELU], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    isa, off, on = proc.stdout.split()
+    assert isa == "avx2" and on.endswith("+hgrt_gelu_tanh") and "hgrt" not in off, proc.stdout
+    here = onednn.implementation(onednn.pack(
+        make_header("dense", (5, 48), (5, 37), post=[("gelu_tanh", 0, 0)]),
+        np.ones((37, 48), "float32"), np.ones(37, "float32")))
+    assert here.endswith("+hgrt_gelu_tanh") == (onednn.isa() == "avx2"), here
 
 
 def test_new_weights_at_the_same_address_are_used():
