@@ -13,7 +13,8 @@ the AVX2 kernel would take them 64 at a time; counted: dense layers in chunks, w
 ``onednn_impl`` says ``rows_of_64`` where the build's oneDNN runs AVX2); ``own-gelu``
 (``HGRT_ONEDNN_OWN_GELU=0`` at build and first run: GELU's tanh form as a kernel's last post-op
 is oneDNN's eltwise post-op rather than hgrt's pass over the result; counted: the kernels whose
-``onednn_impl`` ends ``hgrt_gelu_tanh``).
+``onednn_impl`` ends ``hgrt_gelu_tanh``); ``split`` (``HGRT_ONEDNN_SPLIT=0`` at build: an NHWC
+split on channels is a TVM kernel rather than ``hgrt.onednn.split``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ SWITCHES = {
                    lambda n: "rows_of_" in n.attrs.get("onednn_impl", "")),
     "own-gelu": ("HGRT_ONEDNN_OWN_GELU", "kernels with hgrt's tanh GELU",
                  lambda n: "hgrt_gelu_tanh" in n.attrs.get("onednn_impl", "")),
+    "split": ("HGRT_ONEDNN_SPLIT", "oneDNN splits",
+              lambda n: n.func_name == "hgrt.onednn.split"),
 }
 
 
@@ -100,8 +103,8 @@ def main() -> None:
                     m.run()
                     runs.append(time.perf_counter() - t)
                 samples[label].append(statistics.median(runs) * 1e3)
-        print(name, ", ".join(f"{args.switch} {k}: {statistics.median(v):.1f} ms (min "
-                              f"{min(v):.1f}; {count[k]} {counted})" for k, v in samples.items()),
+        print(name, ", ".join(f"{args.switch} {k}: {statistics.median(v):.2f} ms (min "
+                              f"{min(v):.2f}; {count[k]} {counted})" for k, v in samples.items()),
               f"; max rel diff {diff:.1e}")
 
 

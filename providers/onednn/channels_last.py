@@ -31,6 +31,7 @@ would be. Tensors leaving a dataflow block stay NCHW.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -67,6 +68,10 @@ POOL_ATTRS = ("algorithm", "kh", "kw", "sh", "sw", "pad_t", "pad_l", "pad_b", "p
 # ONNX's LRN across channels, attributes (size, alpha, beta, bias) in a float32 weight
 LRN = relax.ExternFunc(ONEDNN_PREFIX + "lrn").with_attr("provider", "onednn") \
     .with_attr("onednn_op", "lrn").with_attr("onednn_layouts", "acdb") \
+    .with_attr(PROVIDER_WHY, NHWC_WHY)
+# NHWC split on channels: per pixel, runs of channels copied on oneDNN's OpenMP team
+SPLIT = relax.ExternFunc(ONEDNN_PREFIX + "split").with_attr("provider", "onednn") \
+    .with_attr("onednn_op", "split").with_attr("onednn_layouts", "acdb") \
     .with_attr(PROVIDER_WHY, NHWC_WHY)
 # channel shuffle: channels seen as groups x C/groups and transposed; groups in an int64 weight
 SHUFFLE = relax.ExternFunc(ONEDNN_PREFIX + "shuffle").with_attr("provider", "onednn") \
@@ -354,9 +359,20 @@ class Plan:
             # units: split NCHW, each unit's concat, shuffle and split were one TVM kernel on
             # the caller's thread between oneDNN's convolutions; NHWC, its concat and shuffle
             # are oneDNN's (the model at batch 1: 3.0-3.1 -> 2.7 ms, EPYC AVX-512, 2 threads)
+            # (there the TVM kernel switched thread pools twice: oneDNN's own copy instead)
             parts = a.indices_or_sections
-            parts = int(parts) if isinstance(parts, tirx.IntImm) else [int(i) for i in parts]
-            return (lambda rw: relax.op.split(rw.new[x], parts, axis=3)), "split"
+            n, c, h, w = _shape(x)
+            if isinstance(parts, tirx.IntImm):
+                cuts = [c * k // int(parts) for k in range(1, int(parts))]
+            else:
+                cuts = [min(max(int(i), 0), c) for i in parts]
+            widths = [hi - lo for lo, hi in zip([0, *cuts], [*cuts, c], strict=True)]
+            if min(widths) < 1 or os.environ.get("HGRT_ONEDNN_SPLIT") == "0":
+                # (an empty part; or the TVM kernel, to time the difference)
+                return (lambda rw: relax.op.split(rw.new[x], parts, axis=3)), "split"
+            types = [relax.TensorType((n, h, w, k), "float32", x.ty.vdevice) for k in widths]
+            return (lambda rw: relax.op.call_dps_packed(SPLIT, relax.Tuple([rw.new[x]]), types)
+                    ), "split"
         if name == "relax.nn.dropout" and reads_only_item0(self.g.users, b.var):
             # inference: item 0 is x itself, no kernel
             return (lambda rw: rw.new[x]), "tuple"

@@ -42,8 +42,8 @@ __all__ = ["FUNCTIONS", "INSTALL_HINT", "blob_format", "cache_root", "forget", "
 
 INSTALL_HINT = "pip install -e '.[onednn]'"
 # what graph nodes call
-FUNCTIONS = tuple(PREFIX + f for f in ("conv2d", "dense", "concat", "pool", "shuffle", "lrn",
-                                           "affine", "to_nchw", "layer_norm", "softmax",
+FUNCTIONS = tuple(PREFIX + f for f in ("conv2d", "dense", "concat", "split", "pool", "shuffle",
+                                           "lrn", "affine", "to_nchw", "layer_norm", "softmax",
                                            "matmul", "gate"))
 # the shim: its sources, compiled into one library, and the headers they include (the key of
 # the cache covers them all: a changed file rebuilds)

@@ -53,6 +53,49 @@ void Concat(ffi::PackedArgs args) {
   prim->Run(a);
 }
 
+// ---- split of an NHWC tensor along channels ------------------------------------------------
+
+// `fn(x, out0, out1, ...)`: x N x H x W x C (NHWC, as channels_last keeps it), each out_i N x H
+// x W x C_i, the C_i adding up to C: per pixel, runs of channels copied, on the OpenMP team of
+// the oneDNN kernels around it (a TVM kernel there switched thread pools twice a split).
+void Split(ffi::PackedArgs args) {
+  if (args.size() < 2) TVM_FFI_THROW(TypeError) << "oneDNN split: expected (x, out0, ...)";
+  std::vector<ffi::TensorView> ts;
+  for (int i = 0; i < args.size(); ++i) ts.push_back(args[i].cast<ffi::TensorView>());
+  const ffi::TensorView& x = ts[0];
+  CheckTensor(x, "split input", kF32, -1);
+  if (x.ndim() != 4) TVM_FFI_THROW(ValueError) << "oneDNN split: the input must be NHWC";
+  int64_t channels = 0;
+  std::vector<int64_t> width;
+  std::vector<float*> outs;
+  for (size_t i = 1; i < ts.size(); ++i) {
+    CheckTensor(ts[i], "split output", kF32, -1);
+    if (ts[i].ndim() != 4 || ts[i].shape()[0] != x.shape()[0] ||
+        ts[i].shape()[1] != x.shape()[1] || ts[i].shape()[2] != x.shape()[2]) {
+      TVM_FFI_THROW(ValueError) << "oneDNN split: output " << i - 1
+                                << " differs from the input in N, H or W";
+    }
+    width.push_back(ts[i].shape()[3]);
+    outs.push_back(static_cast<float*>(DataOf(ts[i])));
+    channels += ts[i].shape()[3];
+  }
+  if (channels != x.shape()[3]) {
+    TVM_FFI_THROW(ValueError) << "oneDNN split: the outputs have " << channels
+                              << " channels, the input " << x.shape()[3];
+  }
+  const float* src = static_cast<const float*>(DataOf(x));
+  int64_t pixels = x.shape()[0] * x.shape()[1] * x.shape()[2];
+  int threads = UseBudgetThreads();
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t p = 0; p < pixels; ++p) {
+    const float* in = src + p * channels;
+    for (size_t i = 0; i < outs.size(); ++i) {
+      std::memcpy(outs[i] + p * width[i], in, 4 * width[i]);
+      in += width[i];
+    }
+  }
+}
+
 // ---- pooling of NHWC tensors ----------------------------------------------------------------
 
 // `fn(x, attrs, out)`: x and out NHWC (N x H x W x C); attrs int64: the algorithm (PoolAlgo),

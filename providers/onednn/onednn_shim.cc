@@ -393,6 +393,8 @@ TVM_FFI_STATIC_INIT_BLOCK() {
            [](ffi::TensorView x, ffi::TensorView out) { Catch([&] { ToNchw(x, out); }); })
       .def_packed("hgrt.onednn.concat",
                   [](ffi::PackedArgs args, ffi::Any*) { Catch([&] { Concat(args); }); })
+      .def_packed("hgrt.onednn.split",
+                  [](ffi::PackedArgs args, ffi::Any*) { Catch([&] { Split(args); }); })
       .def("hgrt.onednn.forget", Forget)
       .def("hgrt.onednn.cached_entries", CachedEntries)
       .def("hgrt.onednn.packed_bytes",

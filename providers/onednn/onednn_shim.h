@@ -310,6 +310,7 @@ void RunWinograd(Entry& e, Args& mm, Scratch& s, const ffi::TensorView& x,
 // ---- onednn_layout.cc ----------------------------------------------------------------------
 
 void Concat(ffi::PackedArgs args);
+void Split(ffi::PackedArgs args);
 void Pool(const ffi::TensorView& x, const ffi::TensorView& attrs, const ffi::TensorView& out);
 void Shuffle(const ffi::TensorView& x, const ffi::TensorView& attrs, const ffi::TensorView& out);
 void Lrn(const ffi::TensorView& x, const ffi::TensorView& attrs, const ffi::TensorView& out);

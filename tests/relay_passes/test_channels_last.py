@@ -196,14 +196,16 @@ def _shufflenet_unit_onnx(half_out: bool = False):
 
 @pytest.mark.parametrize("half_out", [False, True])
 def test_a_split_on_channels_between_convolutions_splits_nhwc(half_out):
-    """ShuffleNetV2's halves stay NHWC: its splits cut runs of channels per pixel, so its
-    concat and shuffle are oneDNN's and nothing turns NCHW but the outputs (a half that is one
-    too gets its own reorder)."""
+    """ShuffleNetV2's halves stay NHWC: its splits cut runs of channels per pixel (oneDNN's
+    kernels, on their threads), so its concat and shuffle are oneDNN's and nothing turns NCHW
+    but the outputs (a half that is one too gets its own reorder)."""
     res = _build_and_check(_shufflenet_unit_onnx(half_out))
     g = res.graph
     splits = [n for n in g.nodes if "split" in (n.func_name or "")]
-    nhwc = [n for n in splits if g.shapes[g.entry_id(g.nodes.index(n))] == (1, 10, 10, 8)]
+    nhwc = [n for n in splits if g.shapes[g.entry_id(g.nodes.index(n))] == (1, 10, 10, 8)
+            and n.num_outputs == 2]
     assert len(splits) == len(nhwc) == 2
+    assert {n.func_name for n in splits} == {"hgrt.onednn.split"}
     assert len(_by_func(res, "shuffle")) == 1
     assert len(_by_func(res, "to_nchw")) == (2 if half_out else 1)
 

@@ -330,6 +330,11 @@ def test_nhwc_concat_pool_and_reorder_equal_numpy():
     out = _t(np.zeros((1, 5, 7, 24), "float32"))
     onednn.kernel_function("hgrt.onednn.concat")(_t(a), _t(b), out)
     np.testing.assert_array_equal(out.numpy(), np.concatenate([a, b], axis=3))
+    parts = [_t(np.zeros((2, 5, 7, k), "float32")) for k in (3, 13, 8)]  # uneven, 2 samples
+    both = np.concatenate([np.concatenate([a, b], axis=3), -np.concatenate([b, a], axis=3)])
+    onednn.kernel_function("hgrt.onednn.split")(_t(both), *parts)
+    for got, want in zip(parts, np.split(both, [3, 16], axis=3), strict=True):
+        np.testing.assert_array_equal(got.numpy(), want)
     # 3x3 max pool, stride 2, pad 1 (output 3 x 4), and the reorder of its result to NCHW
     attrs = np.array([0, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1], "int64")
     pooled = _t(np.zeros((1, 3, 4, 16), "float32"))
@@ -349,6 +354,11 @@ def test_nhwc_kernels_refuse_what_does_not_fit():
     with pytest.raises(ValueError, match="differ in N, H or W"):
         onednn.kernel_function("hgrt.onednn.concat")(
             a, _t(np.zeros((1, 5, 6, 16), "float32")), _t(np.zeros((1, 5, 7, 32), "float32")))
+    with pytest.raises(ValueError, match="the outputs have 24 channels, the input 16"):
+        onednn.kernel_function("hgrt.onednn.split")(a, _t(np.zeros((1, 5, 7, 24), "float32")))
+    with pytest.raises(ValueError, match="output 1 differs from the input in N, H or W"):
+        onednn.kernel_function("hgrt.onednn.split")(a, _t(np.zeros((1, 5, 7, 8), "float32")),
+                                                    _t(np.zeros((1, 4, 7, 8), "float32")))
     with pytest.raises(ValueError, match="bad attributes"):
         onednn.kernel_function("hgrt.onednn.pool")(
             a, _t(np.array([7, 3, 3, 1, 1, 0, 0, 0, 0, 1, 1], "int64")), a)
