@@ -501,6 +501,9 @@ class Rewriter:
         self.out: list[relax.Binding] = []
         self.dataflow = True
         self._bb = relax.BlockBuilder()
+        # the model's bindings that became oneDNN's NHWC kernels (concat, split, pool, ...), and
+        # the members of the composites that run as one (the placement report says so)
+        self.onednn_ops: set[str] = {v.name for v in plan.dropped}
 
     def _name(self, base: str) -> str:
         name, k = base, 1
@@ -582,6 +585,9 @@ class Rewriter:
                 self.new[v] = value
             return
         value = self._bb.normalize(value)
+        callee = value.args[0] if isinstance(value, relax.Call) and value.args else None
+        if isinstance(callee, relax.ExternFunc) and callee.attrs.get(PROVIDER_WHY) == NHWC_WHY:
+            self.onednn_ops.add(v.name)
         if v in self.plan.nhwc or v in self.plan.tuples:
             new = type(v)(v.name, value.ty)
             self.new[v] = new

@@ -224,6 +224,7 @@ def _rewrite(func: relax.Function, emitter: _Emitter, drop: set[relax.Var],
     taken = {b.var.name for b in bindings(func)} | emitter.taken
     rewriter = channels_last.Rewriter(emitter.plan, emitter.calls, taken)
     blocks = [rewriter.block(block, drop) for block in func.body.blocks]
+    ctx.placed.say_why(rewriter.onednn_ops, channels_last.NHWC_WHY, PROVIDER.name)
     body = relax.SeqExpr(blocks, func.body.body)
     used = set(relax.analysis.free_vars(body))
     n_in = int(func.attrs["num_input"])

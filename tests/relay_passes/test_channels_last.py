@@ -206,6 +206,11 @@ def test_a_split_on_channels_between_convolutions_splits_nhwc(half_out):
             and n.num_outputs == 2]
     assert len(splits) == len(nhwc) == 2
     assert {n.func_name for n in splits} == {"hgrt.onednn.split"}
+    # the placement report says so too: the splits, concats and the shuffle's three ops
+    rows = [r for r in res.placement_report if r.op in (
+        "relax.split", "relax.concat", "relax.reshape", "relax.permute_dims")]
+    assert len(rows) == 2 + 2 + 3 and all(
+        r.kernels == "onednn" and r.kernels_why.startswith("channels last") for r in rows), rows
     assert len(_by_func(res, "shuffle")) == 1
     assert len(_by_func(res, "to_nchw")) == (2 if half_out else 1)
 
