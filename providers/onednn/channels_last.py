@@ -355,17 +355,13 @@ class Plan:
                 scale=bool(a.scale), momentum=float(a.momentum),
                 training=bool(getattr(a, "training", False)))), "tuple"
         if name == "relax.split" and int(a.axis) in (1, -3) and len(_shape(x)) == 4:
-            # on channels: per pixel, runs of channels copied. ShuffleNetV2's halves between its
-            # units: split NCHW, each unit's concat, shuffle and split were one TVM kernel on
-            # the caller's thread between oneDNN's convolutions; NHWC, its concat and shuffle
-            # are oneDNN's (the model at batch 1: 3.0-3.1 -> 2.7 ms, EPYC AVX-512, 2 threads)
-            # (there the TVM kernel switched thread pools twice: oneDNN's own copy instead)
-            parts = a.indices_or_sections
-            n, c, h, w = _shape(x)
-            if isinstance(parts, tirx.IntImm):
-                cuts = [c * k // int(parts) for k in range(1, int(parts))]
-            else:
-                cuts = [min(max(int(i), 0), c) for i in parts]
+            # on channels: per pixel, runs of channels copied (SPLIT). ShuffleNetV2's halves
+            # between its units: split NCHW, each unit's concat, shuffle and split were one TVM
+            # kernel between oneDNN's convolutions (3.0-3.1 -> 2.7 ms NHWC, EPYC AVX-512, 2
+            # threads); then the split a TVM kernel, switching thread pools twice
+            parts, (n, c, h, w) = a.indices_or_sections, _shape(x)
+            cuts = [c * k // int(parts) for k in range(1, int(parts))] if isinstance(
+                parts, tirx.IntImm) else [min(max(int(i), 0), c) for i in parts]
             widths = [hi - lo for lo, hi in zip([0, *cuts], [*cuts, c], strict=True)]
             if min(widths) < 1 or os.environ.get("HGRT_ONEDNN_SPLIT") == "0":
                 # (an empty part; or the TVM kernel, to time the difference)
