@@ -174,7 +174,8 @@ int UseBudgetThreads() {
 
 // A dense layer's rows in chunks (Entry::row_chunk), each chunk's rows of the input and the
 // output (which holds the residual already, for a sum post-op) read and written in place.
-void RunChunks(Entry& e, StageArgs& args, Scratch& s, char* src, char* dst, char* weights) {
+void RunChunks(Entry& e, StageArgs& args, Scratch& s, dnnl::stream& stream, char* src, char* dst,
+               char* weights) {
   const Header& h = e.layout;
   int64_t rows = h[kN], in_row = 4 * h[kIC], out_row = 4 * h[kOC];
   void* pad = s.pad.get(e.chunk_pad.get_size() + 64);
@@ -186,7 +187,7 @@ void RunChunks(Entry& e, StageArgs& args, Scratch& s, char* src, char* dst, char
     a.Set(DNNL_ARG_BIAS, e.bias, weights + h[kBiasOffset]);
     a.Set(DNNL_ARG_DST, rest ? e.rest_dst : e.chunk_dst, dst + m * out_row);
     a.Set(DNNL_ARG_SCRATCHPAD, e.chunk_pad, pad);
-    (rest ? e.rest_prim : e.chunk_prim).execute(Stream(), a.map());
+    (rest ? e.rest_prim : e.chunk_prim).execute(stream, a.map());
   }
 }
 
@@ -248,7 +249,7 @@ void Run(const ffi::TensorView& x, const ffi::TensorView& blob,
   }
   char* weights = e->repacked ? e->repacked->base : base;
   if (e->row_chunk > 0) {
-    RunChunks(*e, args, s, static_cast<char*>(src), static_cast<char*>(dst), weights);
+    RunChunks(*e, args, s, stream, static_cast<char*>(src), static_cast<char*>(dst), weights);
   } else {
     conv.Set(DNNL_ARG_SRC, e->src, src);
     conv.Set(DNNL_ARG_WEIGHTS, e->wei, weights + e->layout[kWeiOffset]);
@@ -308,11 +309,10 @@ std::string IsaName(int64_t isa) {
 // Which implementation oneDNN runs for a packed blob (e.g. "brg:avx512_core"), for reports.
 std::string Implementation(const ffi::TensorView& blob) {
   const Header& h = ReadHeader(blob);
+  int64_t chunk = RowChunk(h), own = OwnActivation(h);
   return (h.winograd() ? "winograd_4x4_3x3+" : "") + std::string(RunDesc(h).impl_info_str()) +
-         (RowChunk(h) > 0 ? "+rows_of_" + std::to_string(RowChunk(h)) : "") +
-         (OwnActivation(h) == kSwish      ? "+hgrt_swish"
-          : OwnActivation(h) == kGeluTanh ? "+hgrt_gelu_tanh"
-                                          : "");
+         (chunk > 0 ? "+rows_of_" + std::to_string(chunk) : "") +
+         (own == kSwish ? "+hgrt_swish" : own == kGeluTanh ? "+hgrt_gelu_tanh" : "");
 }
 
 // The format of the blob header this library was built with, a `name=value` line per number
