@@ -20,6 +20,7 @@ from hgrt import providers
 from hgrt.devices import DEFAULT_CUDA_ARCH, parse_devices
 from hgrt.frontend import import_model
 from hgrt.graph import Graph
+from hgrt.importer import recurrent
 from hgrt.lifetimes import DeviceMemory, memory_report
 from hgrt.relay_passes.apply_tuning import apply_tuning
 from hgrt.relay_passes.assign_targets import assign_targets
@@ -110,6 +111,8 @@ def _context(model: Any, devices: Any, placement: Placement | None, params: Any,
         ctx.log(f"device {d.name}: target {d.target}")
     with located("'import_model' failed"):
         mod, weights = import_model(model, params, input_shapes)
+    # the recurrent kernels' unroll for the CPUs of the build (a Relax module handed in too)
+    mod = recurrent.for_targets(mod, [d.target for d in devs if not d.is_gpu])
     main = mod["main"]
     for p in main.params:
         static_shape(p.ty, f"input {p.name!r}")

@@ -5,11 +5,13 @@ calls after a warm-up call.
 
     python python/bench_recurrent.py                  # GRU, 256 units, 32 steps, batch 1
     python python/bench_recurrent.py --op LSTM --directions 2 --mcpu haswell
+    python python/bench_recurrent.py --op LSTM --directions 2 --unroll 4   # not the target's
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 
@@ -23,8 +25,8 @@ def main() -> None:
     import tvm
     from bench_common import machine
 
-    from hgrt.devices.host_cpu import host_target
-    from hgrt.importer.recurrent_kernels import RecurrentLayer, kernel
+    from hgrt.devices.host_cpu import host_target, vector_isa
+    from hgrt.importer.recurrent_kernels import RecurrentLayer, kernel, unroll_for
     from hgrt.runtime.threads import set_thread_count
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -34,6 +36,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--directions", type=int, choices=[1, 2], default=1)
     p.add_argument("--mcpu", help="build for this LLVM CPU (haswell: AVX2) instead of the host")
+    p.add_argument("--unroll", type=int,
+                   help="state values per pass over the gates (default: the target's, as a "
+                        "build chooses)")
     args = p.parse_args()
 
     acts = {"GRU": ("Sigmoid", "Tanh"), "LSTM": ("Sigmoid", "Tanh", "Tanh"), "RNN": ("Tanh",)}
@@ -43,6 +48,8 @@ def main() -> None:
                            linear_before_reset=args.op == "GRU")
     target = host_target(2) if args.mcpu is None else tvm.target.Target(
         {"kind": "llvm", "mcpu": args.mcpu, "num-cores": 2})
+    unroll = args.unroll or unroll_for(layer, [vector_isa(target)])
+    layer = dataclasses.replace(layer, unroll=unroll)
     func = kernel(layer).with_attr("global_symbol", "main")
     run = tvm.compile(tvm.IRModule({"main": func}), target=target)["main"]
     rng = np.random.default_rng(0)
@@ -56,7 +63,8 @@ def main() -> None:
                 (rng.standard_normal(shape) * 0.1).astype(str(buf.dtype))))
     print(machine())
     print(f"{args.op}, {args.hidden} units, {args.seq} steps, batch {args.batch}, "
-          f"{len(dirs)} direction(s), built for {target.attrs.get('mcpu', 'the host')}")
+          f"{len(dirs)} direction(s), built for {target.attrs.get('mcpu', 'the host')}, "
+          f"unroll {unroll}")
     for threads in (1, 2):
         set_thread_count(threads)
         run(*operands)

@@ -11,13 +11,22 @@ node does not name are computed and left unused.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
+import tvm
 from tvm import relax
 
+from hgrt.devices import vector_isa
 from hgrt.importer.converter import ConversionError, static_shape
-from hgrt.importer.recurrent_kernels import ACTIVATIONS, RecurrentLayer, kernel
+from hgrt.importer.recurrent_kernels import (
+    ACTIVATIONS,
+    LAYER_ATTR,
+    RecurrentLayer,
+    kernel,
+    unroll_for,
+)
 
 GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
 DEFAULT_ACTIVATIONS = {"LSTM": ("Sigmoid", "Tanh", "Tanh"), "GRU": ("Sigmoid", "Tanh"),
@@ -78,7 +87,7 @@ def _layer(op: str, inputs: list, attrs: dict) -> RecurrentLayer:
         raise ConversionError(f"X is {x.ty.dtype}; recurrent layers are imported in float32")
     clip = attrs.get("clip")
     return RecurrentLayer(op, seq, batch, xs[2], hidden, dirs, _activations(op, attrs, len(dirs)),
-                          x.ty.dtype, layout, None if clip is None else float(clip),
+                          "float32", layout, None if clip is None else float(clip),
                           bool(attrs.get("input_forget", 0)),
                           bool(attrs.get("linear_before_reset", 0)))
 
@@ -165,6 +174,32 @@ def convert_recurrent(bb: relax.BlockBuilder, inputs: list, attrs: dict, opset: 
         outs.append(relax.TensorType(state, dt))
     gv = bb.add_func(kernel(layer), f"hgrt_{op.lower()}")
     return bb.emit(relax.call_tir(gv, relax.Tuple(_operands(bb, layer, inputs)), outs))
+
+
+def for_targets(mod: tvm.IRModule, targets: list) -> tvm.IRModule:
+    """``mod`` with each recurrent kernel (a PrimFunc with the ``LAYER_ATTR`` its converter
+    wrote) made anew for code that runs on CPUs of ``targets`` (``tvm.target.Target``), where
+    their vector ISAs call for another unroll (``unroll_for``) than it was made with; its
+    other attrs kept. A module with no recurrent kernel is returned as it is."""
+    isas, made_anew = None, {}
+    for gv, func in mod.functions.items():
+        text = func.attrs.get(LAYER_ATTR) if func.attrs is not None else None
+        if text is None:
+            continue
+        isas = isas if isas is not None else [vector_isa(t) for t in targets]
+        layer = RecurrentLayer.from_json(str(text))
+        unroll = unroll_for(layer, isas)
+        if unroll != layer.unroll:
+            made = kernel(dataclasses.replace(layer, unroll=unroll))
+            for key, value in func.attrs.items():
+                if key not in made.attrs:
+                    made = made.with_attr(key, value)
+            made_anew[gv] = made
+    if not made_anew:
+        return mod
+    # a new module: the one handed in (a user's Relax module) stays as it was
+    return tvm.IRModule({**dict(mod.functions.items()), **made_anew}, attrs=mod.attrs,
+                        global_infos=mod.global_infos)
 
 
 CONVERTERS = {"LSTM": convert_recurrent, "GRU": convert_recurrent, "RNN": convert_recurrent}

@@ -39,6 +39,8 @@ to 0, as ONNX says.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -54,8 +56,15 @@ OP_ATTR = "hgrt.recurrent_op"
 # these kernels on a CPU
 NO_GPU_REASON = "hand-written recurrent kernel: no GPU schedule"
 # state values each pass over the gates adds: a gate's partial sum is loaded and stored once
-# per UNROLL products, not once per product
+# per unroll products, not once per product (``RecurrentLayer.unroll``, ``unroll_for``)
 UNROLL = 4
+# the unroll of an LSTM layer that runs by rows on a target with 32 vector registers of 512
+# bits: the state values broadcast for 16 products stay in registers (a bidirectional layer of
+# 256 units, 32 steps, AMD EPYC AVX-512: 328 against 488 us at 4; on AVX2's 16 registers 16
+# spills, 548 against 430 us; GRU and RNN, and single rows, gain nothing from it;
+# ``python/bench_recurrent.py --op LSTM --directions 2 --unroll N``)
+WIDE_UNROLL = 16
+LAYER_ATTR = "hgrt.recurrent_layer"  # the layer's RecurrentLayer as JSON: what for_targets reads
 # hidden units a task of a kernel's parallel loop computes: two AVX-512 vectors of float32
 # (fewer, shorter vectors: 1.8x slower a layer of 256 units on one thread; more: fewer tasks
 # for the threads to share)
@@ -86,6 +95,18 @@ class RecurrentLayer:
     clip: float | None = None
     input_forget: bool = False
     linear_before_reset: bool = False
+    unroll: int = UNROLL  # state values per pass over the gates (``unroll_for``)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> RecurrentLayer:
+        fields = json.loads(text)
+        fields["directions"] = tuple(fields["directions"])
+        fields["activations"] = tuple(tuple(tuple(a) for a in acts)
+                                      for acts in fields["activations"])
+        return cls(**fields)
 
 
 def _c(value: float, dtype: str) -> tirx.PrimExpr:
@@ -227,7 +248,7 @@ class _Spec:
         """The task's count of hidden units (the last chunk may be short)."""
         return tirx.min(CHUNK, self.layer.hidden - self.task_j(t))
 
-    def mac(self, acc, row, rt, d, m, k, count: int = UNROLL):
+    def mac(self, acc, row, rt, d, m, k, count: int):
         """``acc`` plus ``row(m + u) * rt[d, m + u, k]`` for ``count`` values of ``u``, summed in
         order (the sum stays in a register across them)."""
         for u in range(count):
@@ -245,10 +266,20 @@ class _Spec:
         return {OP_ATTR: layer.op, "tirx.noalias": True, NO_GPU_SCHEDULE_ATTR: NO_GPU_REASON,
                 "hgrt.recurrent_directions": ",".join(layer.directions),
                 "hgrt.recurrent_hidden": layer.hidden, "hgrt.recurrent_layout": layer.layout,
+                LAYER_ATTR: layer.to_json(),
                 # not read by the kernel (the projection is), but it keeps the layers of a
                 # stack on PrimFuncs of their own (a PrimFunc shared by calls placed on two
                 # devices fails to build: assign_targets' per-target clone)
                 "hgrt.recurrent_input_size": layer.input_size}
+
+
+def unroll_for(layer: RecurrentLayer, isas: list) -> int:
+    """The unroll of ``layer``'s products for code that runs with every vector ISA of ``isas``
+    (``hgrt.devices.VectorISA``): ``WIDE_UNROLL`` for an LSTM that runs by rows where each has
+    32 registers of 512 bits, else ``UNROLL``."""
+    by_rows = len(layer.directions) * layer.batch > 1
+    wide = bool(isas) and all(i.bits >= 512 and i.registers >= 32 for i in isas)
+    return WIDE_UNROLL if layer.op == "LSTM" and by_rows and wide else UNROLL
 
 
 def kernel(layer: RecurrentLayer) -> tirx.PrimFunc:
@@ -260,18 +291,18 @@ def _products(s: _Spec):
     """A macro that sets, for the chunk of hidden units ``[j0, j0 + n)`` of one direction and
     batch row, ``gates`` gates from gate ``q0`` on: ``acc[d, b, q * hidden + j]`` to
     ``init(k)`` plus the product of the state ``row`` by those columns of ``rt``."""
-    hid = s.layer.hidden
-    tail = hid - hid % UNROLL  # the first state value the unrolled products leave
+    hid, unroll = s.layer.hidden, s.layer.unroll
+    tail = hid - hid % unroll  # the first state value the unrolled products leave
 
     @T.macro
     def products(acc, init, row, rt, d, b, j0, n, q0, gates):
         for q, jj in T.grid(gates, n):
             acc[d, b, (q0 + q) * hid + j0 + jj] = init((q0 + q) * hid + j0 + jj)
-        for m, q, jj in T.grid(hid // UNROLL, gates, n):
+        for m, q, jj in T.grid(hid // unroll, gates, n):
             acc[d, b, (q0 + q) * hid + j0 + jj] = s.mac(
-                acc[d, b, (q0 + q) * hid + j0 + jj], row, rt, d, m * UNROLL,
-                (q0 + q) * hid + j0 + jj)
-        for m, q, jj in T.grid(hid % UNROLL, gates, n):
+                acc[d, b, (q0 + q) * hid + j0 + jj], row, rt, d, m * unroll,
+                (q0 + q) * hid + j0 + jj, unroll)
+        for m, q, jj in T.grid(hid % unroll, gates, n):
             acc[d, b, (q0 + q) * hid + j0 + jj] = s.mac(
                 acc[d, b, (q0 + q) * hid + j0 + jj], row, rt, d, tail + m,
                 (q0 + q) * hid + j0 + jj, 1)

@@ -152,6 +152,71 @@ def test_a_layer_is_one_call_whatever_its_length():
     assert [str(mod[c.args[0]].attrs["hgrt.recurrent_op"]) for c in short] == ["LSTM", "LSTM"]
 
 
+def _unrolls(model, target: str) -> list[int]:
+    """The unroll of each recurrent kernel of ``model`` lowered for a CPU of ``target``."""
+    from hgrt.compiler import lower_model
+    from hgrt.devices import as_target
+    from hgrt.importer.recurrent_kernels import LAYER_ATTR, RecurrentLayer
+
+    mod, _ = lower_model(model, [as_target(target)])
+    return [RecurrentLayer.from_json(str(f.attrs[LAYER_ATTR])).unroll
+            for f in mod.functions.values() if f.attrs is not None and LAYER_ATTR in f.attrs]
+
+
+def test_the_unroll_follows_the_build_s_cpu():
+    """An LSTM that runs by rows gets 16 products a pass where the build's CPU has 32 vector
+    registers of 512 bits, 4 on AVX2's 16 (16 spills there), on an aarch64 board, and for
+    GRU, RNN and a single row; the module handed in keeps its kernels."""
+    from hgrt.devices import as_target
+    from hgrt.importer.recurrent import for_targets
+
+    by_rows = recurrent_model("LSTM", "bidirectional", hidden=40)
+    avx512, avx2 = "llvm -mcpu=skylake-avx512 -num-cores=2", "llvm -mcpu=haswell -num-cores=2"
+    assert _unrolls(by_rows, avx512) == [16]
+    assert _unrolls(by_rows, avx2) == [4]
+    assert _unrolls(by_rows, "llvm -mtriple=aarch64-linux-gnu -mattr=+neon") == [4]
+    assert _unrolls(recurrent_model("LSTM", "forward", batch=1), avx512) == [4]
+    assert _unrolls(recurrent_model("GRU", "bidirectional"), avx512) == [4]
+    mod, _ = import_model(by_rows)
+    wide = for_targets(mod, [as_target(avx512)])
+    assert wide is not mod and [gv.name_hint for gv in wide.functions] == \
+        [gv.name_hint for gv in mod.functions]
+    assert for_targets(mod, [as_target(avx2)]) is mod
+    # a build over two CPUs gets the unroll that suits both
+    assert for_targets(mod, [as_target(avx512), as_target(avx2)]) is mod
+
+
+@pytest.mark.parametrize("op, hidden", [("LSTM", 40), ("LSTM", 256), ("GRU", 20)])
+def test_every_unroll_computes_the_same_layer(op, hidden):
+    """The kernel at 16 products a pass (40 units: two passes and a tail of 8) against the
+    same layer at 4, built for this host: the sums run in one order, so they agree to
+    rounding whatever the unroll (the builds above run the target's unroll against
+    onnxruntime)."""
+    import dataclasses
+
+    from hgrt.devices import host_target
+    from hgrt.importer.recurrent_kernels import RecurrentLayer, kernel
+
+    acts = {"LSTM": ("Sigmoid", "Tanh", "Tanh"), "GRU": ("Sigmoid", "Tanh")}[op]
+    layer = RecurrentLayer(op, 6, 2, 8, hidden, ("forward", "reverse"),
+                           (tuple((a, 0.0, 0.0) for a in acts),) * 2)
+    rng = np.random.default_rng(3)
+    outs = {}
+    for unroll in (4, 16):
+        func = kernel(dataclasses.replace(layer, unroll=unroll)).with_attr("global_symbol", "f")
+        run = tvm.compile(tvm.IRModule({"f": func}), target=host_target(2))["f"]
+        rng = np.random.default_rng(3)
+        args = [np.full([int(d) for d in b.shape], 6, "int32") if str(b.dtype) == "int32" else
+                (rng.standard_normal([int(d) for d in b.shape]) * 0.3).astype("float32")
+                for b in func.params]
+        tensors = [tvm.runtime.tensor(a) for a in args]
+        run(*tensors)
+        outs[unroll] = [t.numpy() for t in tensors[-(3 if op == "LSTM" else 2):]]
+    for four, sixteen in zip(outs[4], outs[16], strict=True):
+        assert np.abs(four).max() > 0.05
+        np.testing.assert_allclose(sixteen, four, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("op", ["LSTM", "GRU", "RNN"])
 def test_the_input_projection_is_one_matrix_product_ahead_of_the_layer(op):
     """Every time step's and direction's X W^T (biases added) is one matmul before the call;
