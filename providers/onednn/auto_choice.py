@@ -58,7 +58,10 @@ __all__ = ["SWITCH_US", "choose_auto", "keep_what_pays", "modelled_us", "on_pool
 MAC_RATE = 52e9
 # TVM's dense kernel with one row per register tile, against oneDNN's (2 cores, AVX-512):
 # 197 x 768 x 768 4.08 against 2.03 ms, 197 x 768 x 3072 16.6 against 8.4 ms, 49 x 768 x 768
-# 1.01 against 0.51 ms; 194, 198, 200 or 201 rows (tiles of 2 to 6 rows): within 5 %
+# 1.01 against 0.51 ms; 194, 198, 200 or 201 rows (tiles of 2 to 6 rows): within 5 %. Rows
+# that no tile divides now get tiles of several rows and a part-filled last one where the
+# column tiles give each core two (``tile_rows``): 197 x 768 x 3072 1.89 against oneDNN's
+# 1.92 ms, so one row a tile is left to products of few columns
 ONE_ROW_SLOWDOWN = 2.0
 # TVM's dense kernel against oneDNN's where the target's vector ISA is narrower than the widest
 # (2 cores, AMD EPYC, an AVX2 build with oneDNN capped to AVX2: 128 x 768 x 768 2.16 against
@@ -125,8 +128,9 @@ def modelled_us(chain: Chain | RowOp, ctx: Any) -> dict[str, float]:
     if isinstance(chain, RowOp):  # a matmul by its MACs, the others by the bytes they move
         return _row_us(chain, work, cores, isa)
     if chain.kind == "dense":
-        rows = _shape(chain.x)[-2]
-        slow = rows > 1 and tile_rows(rows, chain.weight.shape[0], isa) <= 1
+        x = _shape(chain.x)
+        slow = x[-2] > 1 and tile_rows(x[-2], chain.weight.shape[0], isa,
+                                       math.prod(x[:-2]), cores) <= 1
         tvm = work * (ONE_ROW_SLOWDOWN if slow else 1.0) * TVM_DENSE_BY_ISA.get(isa.name, 1.0)
     else:
         tvm = work * CONV_GAIN
@@ -140,7 +144,7 @@ def _row_us(op: RowOp, work: float, cores: int, isa: Any) -> dict[str, float]:
     dims = static_dims(op.root.var.ty) or (1, 1)  # (a matmul's end may be its result transposed)
     if op.kind == "matmul":
         rows, cols = dims[-2], dims[-1]
-        slow = rows > 1 and tile_rows(rows, cols, isa) <= 1
+        slow = rows > 1 and tile_rows(rows, cols, isa, math.prod(dims[:-2]), cores) <= 1
         tvm = work * TVM_DENSE_BY_ISA.get(isa.name, 1.0)
     else:
         work = 8 * op.elements / (ROW_BYTES_PER_US * cores)

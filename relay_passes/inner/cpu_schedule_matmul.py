@@ -121,19 +121,58 @@ def _column_tile(n: int, lanes: int) -> tuple[int, bool] | None:
     return (2 * lanes, True) if n >= 2 * lanes else None
 
 
-def _tile_rows(m: int, vf: int, isa: VectorISA) -> int:
-    """Rows of the register tile: a divisor of ``m`` whose accumulators (rows x registers per
-    row) take at most three quarters of the vector registers, the rest for the loads."""
+def _row_limit(vf: int, isa: VectorISA) -> int:
+    """The most rows a register tile of ``vf`` columns holds: its accumulators (rows x
+    registers per row), a row of ``B`` (registers per row) and the broadcast value of ``A``
+    in the vector registers. (Three quarters of them for the accumulators alone gave AVX2's
+    16 registers tiles of 3 x 4 registers, which spill: 197 x 768 x 3072 and 195 x 768 x 3072
+    in 7.3-8.6 ms against 4.3-4.5 ms at 2 rows, EPYC, 2 cores, ``hgrt.build`` alone.)"""
     nvec = -(-vf // isa.lanes())
-    limit = max(1, min(MAX_TILE_ROWS, (isa.registers * 3 // 4) // nvec))
+    return max(1, min(MAX_TILE_ROWS, (isa.registers - nvec - 1) // nvec))
+
+
+def _tile_rows(m: int, vf: int, isa: VectorISA) -> int:
+    """Rows of the register tile: the largest divisor of ``m`` up to ``_row_limit``."""
+    limit = _row_limit(vf, isa)
     return max(d for d in divisors(m) if d <= limit)
 
 
-def tile_rows(m: int, n: int, isa: VectorISA) -> int:
-    """Rows of the register tile this schedule gives an ``m x n`` product (0: it tiles none):
-    with one row a tile reads its ``K x vf`` slab of ``B`` for a single row of ``A``."""
+def ragged_rows(m: int, vf: int, isa: VectorISA) -> int:
+    """Rows of a register tile that does not divide ``m`` (0: none), where no divisor comes
+    within half of ``_row_limit`` (ViT's 197 rows, a prime: one row a tile read each ``K x vf``
+    slab of ``B`` for a single row of ``A``): the limit itself, since each tile reads the slab
+    once; the last, part-filled tile is peeled off and computes its rows only."""
+    limit = _row_limit(vf, isa)
+    return 0 if m <= limit or 2 * _tile_rows(m, vf, isa) > limit else limit
+
+
+def tile_rows(m: int, n: int, isa: VectorISA, batch: int = 1, cores: int = 1) -> int:
+    """Rows of the register tile this schedule gives ``batch`` products of ``m x n`` on
+    ``cores`` (0: it tiles none): with one row a tile reads its ``K x vf`` slab of ``B`` for
+    a single row of ``A``."""
     tile = _column_tile(n, isa.lanes())
-    return 0 if tile is None else _tile_rows(m, tile[0], isa)
+    return 0 if tile is None else _rows_of(m, n, *tile, batch, isa, cores)[0]
+
+
+def _rows_of(m: int, n: int, vf: int, ragged: bool, batch: int, isa: VectorISA, cores: int
+             ) -> tuple[int, bool]:
+    """``(rows of the register tile, whether its last tile is part-filled)``: ragged rows
+    (``ragged_rows``) where the loop outside them, the column tiles and batch, gives each
+    core two tiles or more, since the row tiles then stay out of the parallel loop; else a
+    divisor of the rows."""
+    rf = ragged_rows(m, vf, isa)
+    if rf and (cores <= 1 or ragged or batch * -(-n // vf) >= 2 * cores):
+        return rf, True
+    return _tile_rows(m, vf, isa), False
+
+
+def _row_tile(p: MatmulParts, vf: int, ragged: bool, isa: VectorISA, cores: int
+              ) -> tuple[int, bool]:
+    """``_rows_of`` the product's axes (1 row where ``A`` has no row axis of its own)."""
+    if p.row is None:
+        return 1, False
+    batch = math.prod(e for _, _, e in p.batch)
+    return _rows_of(p.row[2], p.col[2], vf, ragged, batch, isa, cores)
 
 
 def _pack_weight(sch: s_tir.Schedule, block_rv, p: MatmulParts, source: tirx.Buffer, vf: int,
@@ -179,7 +218,7 @@ def schedule_matmul(sch: s_tir.Schedule, block_rv, isa: VectorISA, cores: int = 
         return False
     vf, ragged = tile
     b_source = sch.get(block_rv).reads[p.b_read].source
-    rf = _tile_rows(p.row[2], vf, isa) if p.row is not None else 1
+    rf, peel_rows = _row_tile(p, vf, ragged, isa, cores)
     if p.b_transposed:
         _pack_transposed(sch, block_rv, p, vf, cores)
     jo, ji = sch.split(p.col[1], [None, vf])
@@ -188,6 +227,8 @@ def schedule_matmul(sch: s_tir.Schedule, block_rv, isa: VectorISA, cores: int = 
     if p.row is not None and rf > 1:
         io, ii = sch.split(p.row[1], [None, rf])
         rows, inner = [io], [ii, ji]
+        if peel_rows:  # the row tiles a loop of their own: the last one is peeled off
+            sch.annotate(io, PEEL_HINT, 1)
     elif p.row is not None:
         rows = [p.row[1]]
     work = math.prod(e for _, _, e in [*p.batch, p.col] + ([p.row] if p.row else []))
@@ -199,9 +240,11 @@ def schedule_matmul(sch: s_tir.Schedule, block_rv, isa: VectorISA, cores: int = 
         at = ([jo] + batch + rows)[-1]
     else:
         sch.reorder(*batch, jo, *rows, p.k[1], *inner)
-        at = sch.fuse(*batch, jo, *rows) if batch or rows else jo
+        outer = [*batch, jo] if peel_rows else [*batch, jo, *rows]
+        at = sch.fuse(*outer) if len(outer) > 1 else outer[0]
         if work >= MIN_PARALLEL_WORK and cores > 1 and int(sch.get(at).extent) > 1:
             sch.parallel(at)
+        at = rows[0] if peel_rows else at
     _accumulate(sch, block_rv, at, p.k[1], rf)
     return _pack_weight(sch, block_rv, p, b_source, vf, ragged, weights) or True
 

@@ -54,6 +54,20 @@ def _attention():
                           "mask": _x(1, 1, 32, 48), "v": _x(3, 48, 40)})
 
 
+def _ragged_rows():
+    """Rows no register tile divides: (1, 197, 64) x (64, 256) + bias, GELU (ViT's 197, a
+    prime), and (2, 3, 37, 48) x (3, 48, 64) (attention's xV over 37 rows)."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]),
+             helper.make_node("Add", ["m", "b"], ["a"]),
+             helper.make_node("Gelu", ["a"], ["g"]),
+             helper.make_node("MatMul", ["p", "v"], ["pv"]),
+             helper.make_node("Reshape", ["g", "flat"], ["g1"]),
+             helper.make_node("Reshape", ["pv", "flat"], ["pv1"]),
+             helper.make_node("Concat", ["g1", "pv1"], ["y"], axis=1)]
+    return _model(nodes, {"x": _x(1, 197, 64), "p": _x(2, 3, 37, 48), "v": _x(3, 48, 64)},
+                  {"w": _x(64, 256), "b": _x(256), "flat": np.array([1, -1], "int64")})
+
+
 def _layer_norm():
     nodes = [helper.make_node("LayerNormalization", ["x", "g", "b"], ["n"], axis=-1),
              helper.make_node("Neg", ["n"], ["y"])]  # (on cpu:0 when split)
@@ -70,6 +84,7 @@ def _softmax_ragged():
 
 
 MODELS = {"linear_ragged": lambda: _linear_gelu(200), "linear": lambda: _linear_gelu(128),
+          "ragged_rows": _ragged_rows,
           "attention": _attention, "layer_norm": _layer_norm, "softmax_ragged": _softmax_ragged}
 # the rule each kernel of a model's op kind must get
 RULES = {"matmul": "matmul", "softmax": "rows", "layer_norm": "rows"}
@@ -112,6 +127,40 @@ def test_a_row_of_no_whole_vectors_runs_whole_registers_and_a_peeled_tail(mcpu):
     # its max and sum: the 48 values of whole vectors through 16 partial results, the last apart
     assert "T_softmax_maxelem_rf" in script and "T_softmax_expsum_rf" in script
     assert "T_softmax_maxelem_tail" in script
+
+
+@pytest.mark.parametrize("mcpu, rows", [("haswell", 2), ("skylake-avx512", 6)])
+def test_rows_no_tile_divides_get_tiles_of_the_most_rows_that_fit(mcpu, rows):
+    """197 and 37 rows, primes: a tile of the most rows that fit the registers with a row of
+    B and a broadcast value (4 vectors a row: 2 on AVX2's 16 registers, 6 on AVX-512's 32),
+    not of one row; 196 keeps a divisor near the limit; 195 on AVX2 gets ragged tiles of 2
+    rows, not tiles of 3 x 4 registers (which spill)."""
+    from hgrt.devices import vector_isa
+    from hgrt.relay_passes.inner.cpu_schedule_matmul import tile_rows
+
+    isa = vector_isa(tvm.target.Target({"kind": "llvm", "mcpu": mcpu, "num-cores": 2}))
+    assert tile_rows(197, 256, isa) == tile_rows(37, 64, isa) == rows
+    assert tile_rows(196, 256, isa) == (2 if rows == 2 else 4)
+    assert tile_rows(195, 256, isa) == (2 if rows == 2 else 5)
+
+
+def test_rows_no_tile_divides_run_full_tiles_and_a_peeled_last_one():
+    """The kernels of ``_ragged_rows`` (built for this host): tiles of ``tile_rows`` rows
+    under a partition hint, which lowering uses to peel the part-filled last tile off."""
+    from hgrt.devices import host_target, vector_isa
+    from hgrt.relay_passes.inner.cpu_schedule_matmul import tile_rows
+
+    rows = tile_rows(197, 256, vector_isa(host_target(2)))
+    assert rows >= 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mod, _ = fused_module(_ragged_rows())
+    new, report = schedule_cpu_functions(mod, host_target(2))
+    names = [f for f in report.rules if "matmul" in f]
+    assert len(names) == 2 and all("matmul" in report.rules[n] for n in names)
+    for name in names:
+        script = new[name].script()
+        assert PEEL_HINT in script and f"T.unroll({rows})" in script, name
 
 
 @pytest.mark.parametrize("target", [None, HASWELL], ids=["host", "avx2"])
