@@ -51,6 +51,7 @@ from hgrt.relay_passes.inner.cpu_schedule_conv import (
     STAGED,
     peel_ragged_tiles,
     schedule_conv,
+    schedule_depthwise,
     schedule_pointwise,
 )
 from hgrt.relay_passes.inner.cpu_schedule_matmul import schedule_matmul
@@ -152,7 +153,8 @@ def _default_schedule(func: tirx.PrimFunc, isa: VectorISA, cores: int = 1,
             continue
         how: tuple[int, int, str] | bool = False
         conv = (_on_copy(sch, name, schedule_pointwise, isa, cores, weights)
-                or _on_copy(sch, name, schedule_conv, isa, cores, weights))
+                or _on_copy(sch, name, schedule_conv, isa, cores, weights)
+                or _on_copy(sch, name, schedule_depthwise, isa, cores, weights))
         rule = "conv"
         if conv is not None:
             sch, how = conv

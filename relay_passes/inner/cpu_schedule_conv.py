@@ -34,6 +34,9 @@ STAGED = "hgrt_staged_rows"  # block annotation of a staged copy
 # channels or fewer, or has output channels the channel-vector tile cannot take
 MIN_RAGGED_VECTORS = 8
 MAX_RAGGED_CHANNELS = 128
+# the largest output plane (bytes, float32) whose depthwise sums are kept whole before their
+# epilogue runs over the plane (schedule_depthwise)
+MAX_PLANE_EPILOGUE = 16 << 10
 # a loop annotation that makes TVM's LoopPartition peel the iterations where a condition
 # inside changes (peel_ragged_tiles)
 PEEL_HINT = "pragma_loop_partition_hint"
@@ -165,6 +168,80 @@ def schedule_conv(sch: s_tir.Schedule, block_rv, isa: VectorISA, cores: int,
     sch.unroll(loops[-3])
     sch.decompose_reduction(block_rv, loops[-6])
     return done
+
+
+def _depthwise_parts(sch: s_tir.Schedule, block_rv) -> tuple[list, int] | None:
+    """``(loops, weight read index)`` of a depthwise NCHW convolution block
+    (``group_conv2d_nchw`` with one input channel a group: the data read at channel
+    ``f + rc``, ``rc`` of extent 1, the weight as ``w[f, rc, ry, rx]``), else None."""
+    block = sch.get(block_rv)
+    info = iter_loops(sch, block_rv)
+    if (block.name_hint != "group_conv2d_nchw" or info is None or len(block.reads) != 2
+            or "".join(k for k, _, _, _ in info) != "SSSSRRR" or info[4][3] != 1):
+        return None
+    var = [v for _, v, _, _ in info]
+    weight = None
+    for i, r in enumerate(block.reads):
+        idx = [e.min for e in r.region]
+        if len(idx) != 4:
+            return None
+        if all(e.same_as(v) for e, v in zip(idx, [var[1], *var[4:]], strict=True)):
+            weight = i
+        elif not (isinstance(idx[1], tirx.Add) and idx[1].a.same_as(var[1])
+                  and idx[1].b.same_as(var[4])):
+            return None
+    return None if weight is None else (info, weight)
+
+
+def schedule_depthwise(sch: s_tir.Schedule, block_rv, isa: VectorISA, cores: int,
+                       weights: frozenset[int] = frozenset()) -> bool:
+    """A depthwise convolution (one input channel per output channel) in NCHW: each channel's
+    padded plane staged on its own thread (no padded copy of the whole input), then each output
+    row in vectors of consecutive pixels (the last, part-filled vector peeled off at lowering),
+    each window tap a multiply-add by a broadcast weight, the sums in registers and the
+    epilogue on their write-back. Channels (with batch) in parallel. False where it does not
+    apply. (TVM's generic tile gave rows of 14 pixels, 32256 tasks over a 144-channel 56x56
+    plane, and a padded copy of the whole input first.)"""
+    parts = _depthwise_parts(sch, block_rv)
+    if parts is None:
+        return False
+    info, weight = parts
+    (_, _, n, _), (_, _, f, _), (_, _, y, ye), (_, _, x, xe) = info[:4]
+    lanes = isa.lanes()
+    taps = [lp for _, _, lp, _ in info[4:]]
+    if xe >= lanes:
+        xo, xi = sch.split(x, [None, lanes])
+        if xe % lanes:
+            sch.annotate(xo, PEEL_HINT, 1)
+        row = [y, xo]
+    else:
+        xi, row = x, [y]
+    sch.reorder(n, f, *row, *taps, xi)
+    channel = sch.fuse(n, f)
+    if cores > 1:
+        sch.parallel(channel)
+    _stage_input_rows(sch, block_rv, 1 - weight, channel)
+    wb = sch.cache_write(block_rv, 0, "local")
+    inline_epilogue(sch, wb)
+    if ye * xe * 4 <= MAX_PLANE_EPILOGUE and xe % lanes:
+        # a plane whose rows fill no whole vectors (7x7, 14x14): its epilogue runs once the
+        # plane is summed, over the plane's pixels in whole vectors, the rest peeled off
+        sch.reverse_compute_at(wb, channel, preserve_unit_loops=True)
+        pixels = sch.fuse(*sch.get_loops(wb)[-2:])
+        outer, inner = sch.split(pixels, [None, lanes])
+        sch.annotate(outer, PEEL_HINT, 1)
+        sch.vectorize(inner)
+    else:
+        sch.reverse_compute_at(wb, row[-1], preserve_unit_loops=True)
+        wb_inner = sch.get_loops(wb)[-1]
+        if int(sch.get(wb_inner).extent) > 1:
+            sch.vectorize(wb_inner)
+    loops = sch.get_loops(block_rv)
+    sch.vectorize(loops[-1])
+    sch.unroll(loops[-2])
+    sch.unroll(loops[-3])
+    sch.decompose_reduction(block_rv, taps[0])
+    return True
 
 
 def _pointwise_tile(ext: list[int], per_group: int | None, bits: int, isa: VectorISA

@@ -444,3 +444,57 @@ def test_grouped_pointwise_convs_are_a_matrix_product_per_group(target, channels
                                    tvm.target.Target(target))
     vf = 2 * isa.lanes() if width * width % (2 * isa.lanes()) == 0 else isa.lanes()
     assert (PEEL_HINT in str(trace)) == (pointwise and width * width % vf != 0)
+
+
+def _depthwise_model(channels: int, width: int, kernel: int, stride: int):
+    """A depthwise convolution (a group per channel) + bias, SiLU: MobileNet's and
+    EfficientNet's."""
+    rng = np.random.default_rng(3)
+    inits = [numpy_helper.from_array((rng.standard_normal((channels, 1, kernel, kernel)) * 0.3)
+                                     .astype("float32"), "w"),
+             numpy_helper.from_array(rng.standard_normal(channels).astype("float32"), "b")]
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], group=channels,
+                              kernel_shape=[kernel, kernel], pads=[kernel // 2] * 4,
+                              strides=[stride, stride]),
+             helper.make_node("Sigmoid", ["c"], ["s"]),
+             helper.make_node("Mul", ["c", "s"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "dw", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                    [1, channels, width, width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    return model, rng.standard_normal((1, channels, width, width)).astype("float32")
+
+
+@pytest.mark.parametrize("target", [AVX2, AVX512], ids=["avx2", "avx512"])
+@pytest.mark.parametrize("channels, width, kernel, stride", [
+    (24, 7, 5, 1),    # rows of no whole vector: the epilogue over the plane's pixels
+    (16, 14, 3, 1),
+    (8, 72, 3, 1),    # a plane over MAX_PLANE_EPILOGUE: the epilogue per row, its tail peeled
+    (16, 28, 3, 2),   # stride 2
+    (8, 4, 3, 1)])    # a row shorter than a vector
+def test_depthwise_convs_get_their_rule_and_onnxruntime_s_numbers(target, channels, width,
+                                                                   kernel, stride):
+    """Each depthwise convolution gets the depthwise rule (a channel's padded plane staged on
+    its thread, rows of pixels in vectors), not the generic tile, and right against the ONNX
+    oracle on this host."""
+    from hgrt.testing import fused_module
+
+    model, x = _depthwise_model(channels, width, kernel, stride)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mod, _ = fused_module(model)
+    mod = tvm.IRModule({gv: f.with_attr("target", tvm.target.Target(target))
+                        if isinstance(f, tvm.tirx.PrimFunc) else f
+                        for gv, f in mod.functions.items()})
+    new, report = schedule_cpu_functions(mod, tvm.target.Target(target))
+    (name,) = [n for n in report.rules if "conv2d" in n]
+    assert report.rules[name] == ["conv"], report.rules
+    assert "hgrt_staged_rows" in new[name].script()
+    if not _runs_here(target):
+        pytest.skip(f"this CPU cannot run {target['mcpu']} code")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = hgrt.build(model, ["cpu"], kernels="tvm", target={"cpu": target})
+    got = run_hgrt(res, {"x": x})[0]
+    np.testing.assert_allclose(got, reference(model, [x])[0], rtol=1e-5, atol=1e-5)
