@@ -8,7 +8,9 @@ tries them first on every convolution block):
 - ``schedule_pointwise``: a 1x1 stride-1 convolution over a large plane as the matrix product
   it is in NCHW (output channels x vectors of consecutive pixels), a plane that fills no whole
   vectors padded to whole vectors with its last tile peeled off at lowering
-  (``peel_ragged_tiles``), a grouped one whose groups are no whole vectors per group.
+  (``peel_ragged_tiles``), a grouped one whose groups are no whole vectors per group;
+- ``schedule_depthwise``: a depthwise convolution (one input channel a group) over rows of
+  output pixels in vectors, channels in parallel, each padded plane staged on its thread.
 """
 
 from __future__ import annotations
@@ -201,7 +203,8 @@ def schedule_depthwise(sch: s_tir.Schedule, block_rv, isa: VectorISA, cores: int
     each window tap a multiply-add by a broadcast weight, the sums in registers and the
     epilogue on their write-back. Channels (with batch) in parallel. False where it does not
     apply. (TVM's generic tile gave rows of 14 pixels, 32256 tasks over a 144-channel 56x56
-    plane, and a padded copy of the whole input first.)"""
+    plane, and a padded copy of the whole input first.) The weight is read as it is, a few
+    values a channel: ``weights`` is taken for the common signature and not used."""
     parts = _depthwise_parts(sch, block_rv)
     if parts is None:
         return False
