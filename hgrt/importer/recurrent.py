@@ -22,6 +22,7 @@ from hgrt.devices import vector_isa
 from hgrt.importer.converter import ConversionError, static_shape
 from hgrt.importer.recurrent_kernels import (
     ACTIVATIONS,
+    CHUNK,
     LAYER_ATTR,
     RecurrentLayer,
     kernel,
@@ -142,15 +143,29 @@ def _projection(bb: relax.BlockBuilder, layer: RecurrentLayer, x: relax.Expr, w:
     return _emit(bb, layer, relax.op.reshape(out, (*lead, dirs, gh)), "projection")
 
 
+def _packed_r(bb: relax.BlockBuilder, r: relax.Expr, layer: RecurrentLayer) -> relax.Var:
+    """R ``(dirs, gates x hidden, hidden)`` as the kernel streams it (``recurrent_kernels``'
+    ``rt``): ``(dirs, chunks, hidden, gates, CHUNK)``, each chunk's columns of every gate
+    contiguous row after row, zero columns padding the last chunk; reads a weight only, so
+    the build folds it."""
+    dirs, hid, gates = len(layer.directions), layer.hidden, GATES[layer.op]
+    chunks = -(-hid // CHUNK)
+    r = _emit(bb, layer, relax.op.reshape(r, (dirs, gates, hid, hid)), "r_t")  # (d, q, j, m)
+    if chunks * CHUNK != hid:
+        r = _emit(bb, layer, relax.op.nn.pad(r, [0, 0, 0, 0, 0, chunks * CHUNK - hid, 0, 0]),
+                  "r_t")
+    r = _emit(bb, layer, relax.op.reshape(r, (dirs, gates, chunks, CHUNK, hid)), "r_t")
+    return _emit(bb, layer, relax.op.permute_dims(r, [0, 2, 4, 1, 3]), "r_t")
+
+
 def _operands(bb: relax.BlockBuilder, layer: RecurrentLayer, inputs: list
               ) -> list[relax.Expr]:
     """The kernel's operands in its order: xp, rt[, rbh], lens, h0[, c0, p]."""
     dirs, hid, gh = len(layer.directions), layer.hidden, GATES[layer.op] * layer.hidden
     state = (dirs, layer.batch, hid) if layer.layout == 0 else (layer.batch, dirs, hid)
     bias = _operand(inputs, 3, (dirs, 2 * gh))
-    # R (dirs, gh, hidden) -> (dirs, hidden, gh): gates last, once at build
-    rt = relax.op.permute_dims(_operand(inputs, 2, (dirs, gh, hid)), [0, 2, 1])
-    args = [_projection(bb, layer, inputs[0], inputs[1], bias), _emit(bb, layer, rt, "r_t")]
+    args = [_projection(bb, layer, inputs[0], inputs[1], bias),
+            _packed_r(bb, _operand(inputs, 2, (dirs, gh, hid)), layer)]
     if layer.op == "GRU":
         args.append(_slice(bb, layer, bias, gh + 2 * hid, 2 * gh, "rb_candidate"))
     args += [_operand(inputs, 4, (layer.batch,), layer.seq, "int32"), _operand(inputs, 5, state)]

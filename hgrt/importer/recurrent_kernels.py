@@ -7,10 +7,14 @@ One function per layer keeps the layer's recurrence one ``R.call_tir`` in the im
 length: the time loop is a TIR loop, not a graph unrolled step by step. What does not depend on
 the state is not in the kernel: the converter in ``recurrent.py`` computes the input projection
 of every time step and direction as one matrix product (with the biases that add to it) ahead of
-the call, and gives the kernel its recurrent weights transposed (gates last), both weight-only
-computations that the build folds. Every product then loops over the gates innermost, along
-contiguous memory and without a reduction there: LLVM vectorizes that loop (a float sum it
-would not reorder), about ten times faster than the dot-product order.
+the call, and gives the kernel its recurrent weights packed in the order it reads them (below),
+both weight-only computations that the build folds. Every product then loops over a chunk's
+units innermost, along contiguous memory and without a reduction there: LLVM vectorizes that
+loop (a float sum it would not reorder), about ten times faster than the dot-product order.
+Packed by chunk of units, a step's pass over a chunk streams one contiguous block of the
+weights instead of a few columns of every row, 4 KB apart for an LSTM of 256 units (a
+bidirectional LSTM layer of 256 units, 32 steps, AMD EPYC AVX-512, 2 threads: 328 -> 230-240
+us; a GRU's single row 145-154 -> 95-97 us; the LSTM on AVX2 430 -> 312-328 us).
 
 Rows (directions times batch rows) share nothing: where there are several, each runs on a
 thread of its own, whole (a bidirectional LSTM layer of 256 units, 32 steps: 394 us on two
@@ -30,11 +34,12 @@ supplies zeros, full lengths and zero states): ``xp, rt[, rbh], lens, h0[, c0, p
 ``y, y_h[, y_c]``. ``xp`` is the input projection, ``(seq, batch, directions, gates x hidden)``
 (batch first under layout 1), its biases added: every gate's ``Wb`` and ``Rb``, but for GRU's
 candidate gate's ``Rb`` (``rbh``, ``(directions, hidden)``), which GRU's kernel adds, inside
-the reset gate's product under ``linear_before_reset``. ``rt`` is ``R`` transposed, ``(directions,
-hidden, gates x hidden)``. ``h0``, ``c0`` and the outputs are in the node's ``layout`` (0: time
-or direction first, 1: batch first); ``lens`` is int32. A batch row past its length leaves
-zeros in ``y`` and its state unchanged, and a reverse direction runs from ``lens[b] - 1`` down
-to 0, as ONNX says.
+the reset gate's product under ``linear_before_reset``. ``rt`` is ``R`` packed as
+``(directions, chunks, hidden, gates, CHUNK)``: ``rt[d, c, m, q, jj]`` is ``R[d, q * hidden + c *
+CHUNK + jj, m]``, zero past the last unit. ``h0``, ``c0`` and the outputs are in the node's
+``layout`` (0: time or direction first, 1: batch first); ``lens`` is int32. A batch row past
+its length leaves zeros in ``y`` and its state unchanged, and a reverse direction runs from
+``lens[b] - 1`` down to 0, as ONNX says.
 """
 
 from __future__ import annotations
@@ -60,8 +65,8 @@ NO_GPU_REASON = "hand-written recurrent kernel: no GPU schedule"
 UNROLL = 4
 # the unroll of an LSTM layer that runs by rows on a target with 32 vector registers of 512
 # bits: the state values broadcast for 16 products stay in registers (a bidirectional layer of
-# 256 units, 32 steps, AMD EPYC AVX-512: 328 against 488 us at 4; on AVX2's 16 registers 16
-# spills, 548 against 430 us; GRU and RNN, and single rows, gain nothing from it;
+# 256 units, 32 steps, AMD EPYC AVX-512: 240 against 293 us at 4; AVX2, 312 against 322 us, a
+# wash; GRU by rows 224 against 190 us, single rows and RNN no gain;
 # ``python/bench_recurrent.py --op LSTM --directions 2 --unroll N``)
 WIDE_UNROLL = 16
 LAYER_ATTR = "hgrt.recurrent_layer"  # the layer's RecurrentLayer as JSON: what for_targets reads
@@ -248,12 +253,18 @@ class _Spec:
         """The task's count of hidden units (the last chunk may be short)."""
         return tirx.min(CHUNK, self.layer.hidden - self.task_j(t))
 
-    def mac(self, acc, row, rt, d, m, k, count: int):
-        """``acc`` plus ``row(m + u) * rt[d, m + u, k]`` for ``count`` values of ``u``, summed in
-        order (the sum stays in a register across them)."""
+    def mac(self, acc, row, rt, d, c, m, q, jj, count: int):
+        """``acc`` plus ``row(m + u) * rt[d, c, m + u, q, jj]`` (unit ``jj`` of chunk ``c``,
+        gate ``q``) for ``count`` values of ``u``, summed in order (the sum stays in a register
+        across them)."""
         for u in range(count):
-            acc = acc + row(m + u) * rt[d, m + u, k]
+            acc = acc + row(m + u) * rt[d, c, m + u, q, jj]
         return acc
+
+    def rt_shape(self, gates: int) -> tuple[int, ...]:
+        """``rt``'s shape: ``(directions, chunks, hidden, gates, CHUNK)``."""
+        L = self.layer
+        return (len(L.directions), self.chunks, L.hidden, gates, CHUNK)
 
     def zero(self):
         return _c(0, self.t)
@@ -300,12 +311,12 @@ def _products(s: _Spec):
             acc[d, b, (q0 + q) * hid + j0 + jj] = init((q0 + q) * hid + j0 + jj)
         for m, q, jj in T.grid(hid // unroll, gates, n):
             acc[d, b, (q0 + q) * hid + j0 + jj] = s.mac(
-                acc[d, b, (q0 + q) * hid + j0 + jj], row, rt, d, m * unroll,
-                (q0 + q) * hid + j0 + jj, unroll)
+                acc[d, b, (q0 + q) * hid + j0 + jj], row, rt, d, j0 // CHUNK, m * unroll,
+                q0 + q, jj, unroll)
         for m, q, jj in T.grid(hid % unroll, gates, n):
             acc[d, b, (q0 + q) * hid + j0 + jj] = s.mac(
-                acc[d, b, (q0 + q) * hid + j0 + jj], row, rt, d, tail + m,
-                (q0 + q) * hid + j0 + jj, 1)
+                acc[d, b, (q0 + q) * hid + j0 + jj], row, rt, d, j0 // CHUNK, tail + m,
+                q0 + q, jj, 1)
 
     return products
 
@@ -380,7 +391,7 @@ def _lstm(s: _Spec) -> tirx.PrimFunc:
     time_loop = _time_loop(s, step)
 
     @T.prim_func(private=True, s_tir=True)
-    def lstm(xp: T.Buffer(s.xp_shape(gh), dt), rt: T.Buffer((dirs, hid, gh), dt),
+    def lstm(xp: T.Buffer(s.xp_shape(gh), dt), rt: T.Buffer(s.rt_shape(4), dt),
              lens: T.Buffer((batch,), "int32"), h0: T.Buffer(s.state_shape, dt),
              c0: T.Buffer(s.state_shape, dt), p: T.Buffer((dirs, 3 * hid), dt),
              y: T.Buffer(s.y_shape, dt), yh: T.Buffer(s.state_shape, dt),
@@ -468,7 +479,7 @@ def _gru(s: _Spec) -> tirx.PrimFunc:
     time_loop = _time_loop(s, gates, None if L.linear_before_reset else candidate)
 
     @T.prim_func(private=True, s_tir=True)
-    def gru(xp: T.Buffer(s.xp_shape(gh), dt), rt: T.Buffer((dirs, hid, gh), dt),
+    def gru(xp: T.Buffer(s.xp_shape(gh), dt), rt: T.Buffer(s.rt_shape(3), dt),
             rbh: T.Buffer((dirs, hid), dt), lens: T.Buffer((batch,), "int32"),
             h0: T.Buffer(s.state_shape, dt), y: T.Buffer(s.y_shape, dt),
             yh: T.Buffer(s.state_shape, dt)):
@@ -509,7 +520,7 @@ def _rnn(s: _Spec) -> tirx.PrimFunc:
     time_loop = _time_loop(s, step)
 
     @T.prim_func(private=True, s_tir=True)
-    def rnn(xp: T.Buffer(s.xp_shape(hid), dt), rt: T.Buffer((dirs, hid, hid), dt),
+    def rnn(xp: T.Buffer(s.xp_shape(hid), dt), rt: T.Buffer(s.rt_shape(1), dt),
             lens: T.Buffer((batch,), "int32"), h0: T.Buffer(s.state_shape, dt),
             y: T.Buffer(s.y_shape, dt), yh: T.Buffer(s.state_shape, dt)):
         T.func_attr(s.attrs())
