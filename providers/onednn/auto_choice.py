@@ -12,9 +12,11 @@ busy process.) Small elementwise TVM kernels next to oneDNN's run on the calling
 (``threads.solo``) and TVM kernels of fewer than ``MIN_PARALLEL_WORK`` output elements serial
 (the schedules' rule): neither wakes a pool.
 
-A chain costs its multiply-adds at ``MAC_RATE`` on either side (a call's own cost is left out:
-oneDNN's ~3 us more per call, ``policy.AUTO_MIN_MACS``, is about what the reorders around a TVM
-op among NHWC oneDNN kernels cost), except where TVM's schedule is known to be slower: a dense
+A chain costs its multiply-adds at ``MAC_RATE`` on either side (a convolution's call cost is
+left out: oneDNN's ~3 us more per call, ``policy.AUTO_MIN_MACS``, is about what the reorders
+around a TVM op among NHWC oneDNN kernels cost; a dense layer or matmul counts it,
+``ONEDNN_CALL_US``, and TVM's kernel on one core where it runs serial), except where TVM's
+schedule is known to be slower: a dense
 layer whose register tile holds a single row (``tile_rows``: rows with no divisor from 2 to 6,
 such as 197 or 49) takes ``ONE_ROW_SLOWDOWN`` times as long, a convolution ``CONV_GAIN`` times.
 Walking ``main``'s bindings in order, every other op that runs on TVM's pool (``on_pool``)
@@ -68,6 +70,14 @@ ONE_ROW_SLOWDOWN = 2.0
 # 0.87 ms, 128 x 768 x 3072 6.31 against 3.26, 128 x 3072 x 768 6.30 against 2.99; the same
 # shapes on AVX-512 within 9 %): TVM's register tile of 8 lanes, oneDNN's kernel at its full rate
 TVM_DENSE_BY_ISA = {"avx2": 2.2}
+# ... but not for a single row, a vector times a weight that streams it from memory on either
+# side. A product of fewer outputs than MIN_PARALLEL_WORK is a serial TVM kernel (one core of
+# the target's), and a oneDNN call of a dense layer or matmul costs ONEDNN_CALL_US of its own
+# (no reorder of a TVM kernel's operands offsets it there, as it does for convolutions among
+# NHWC ones): an RNN unrolled into 62 steps of (1, 256) x (256, 256) and a tanh, built for
+# AVX2, ran 628 us a run with its products on oneDNN (each a call, then the tanh alone) against
+# 242 us all on TVM (``hgrt profile``, EPYC, 2 threads)
+ONEDNN_CALL_US = 3.0
 # TVM's default convolutions against oneDNN's direct ones, whole CNNs on the same kernels
 # (BENCHMARKS.md, oneDNN's zoo against the Relax VM on TVM's: 0.49-0.96, most 0.64-0.84)
 CONV_GAIN = 1.5
@@ -131,10 +141,24 @@ def modelled_us(chain: Chain | RowOp, ctx: Any) -> dict[str, float]:
         x = _shape(chain.x)
         slow = x[-2] > 1 and tile_rows(x[-2], chain.weight.shape[0], isa,
                                        math.prod(x[:-2]), cores) <= 1
-        tvm = work * (ONE_ROW_SLOWDOWN if slow else 1.0) * TVM_DENSE_BY_ISA.get(isa.name, 1.0)
-    else:
-        tvm = work * CONV_GAIN
-    return {"onednn": work, "tvm": tvm}
+        tvm = work * (ONE_ROW_SLOWDOWN if slow else 1.0) * _isa_factor(isa, x[-2])
+        return _small_product(chain, work, tvm, cores)
+    return {"onednn": work, "tvm": work * CONV_GAIN}
+
+
+def _small_product(op: Chain | RowOp, onednn: float, tvm: float, cores: int
+                   ) -> dict[str, float]:
+    """A dense layer's or matmul's modelled microseconds with oneDNN's call cost
+    (``ONEDNN_CALL_US``) and TVM's kernel on one core where it runs serial (fewer outputs
+    than ``MIN_PARALLEL_WORK``)."""
+    serial = _elements(op.root.var) < MIN_PARALLEL_WORK
+    return {"onednn": onednn + ONEDNN_CALL_US, "tvm": tvm * (cores if serial else 1)}
+
+
+def _isa_factor(isa: Any, rows: int) -> float:
+    """TVM's dense kernel against oneDNN's on ``isa`` for a product of ``rows`` rows
+    (``TVM_DENSE_BY_ISA``; 1 for a single row)."""
+    return TVM_DENSE_BY_ISA.get(isa.name, 1.0) if rows > 1 else 1.0
 
 
 def _row_us(op: RowOp, work: float, cores: int, isa: Any) -> dict[str, float]:
@@ -145,11 +169,11 @@ def _row_us(op: RowOp, work: float, cores: int, isa: Any) -> dict[str, float]:
     if op.kind == "matmul":
         rows, cols = dims[-2], dims[-1]
         slow = rows > 1 and tile_rows(rows, cols, isa, math.prod(dims[:-2]), cores) <= 1
-        tvm = work * TVM_DENSE_BY_ISA.get(isa.name, 1.0)
-    else:
-        work = 8 * op.elements / (ROW_BYTES_PER_US * cores)
-        slow, tvm = op.kind == "softmax" and dims[-1] % isa.lanes() != 0, work
-    return {"onednn": work, "tvm": tvm * (ROW_TVM_SLOWDOWN[op.kind] if slow else 1.0)}
+        tvm = work * _isa_factor(isa, rows) * (ROW_TVM_SLOWDOWN["matmul"] if slow else 1.0)
+        return _small_product(op, work, tvm, cores)
+    work = 8 * op.elements / (ROW_BYTES_PER_US * cores)
+    slow = op.kind == "softmax" and dims[-1] % isa.lanes() != 0
+    return {"onednn": work, "tvm": work * (ROW_TVM_SLOWDOWN[op.kind] if slow else 1.0)}
 
 
 def _elements(var: relax.Var) -> int:

@@ -81,15 +81,27 @@ def test_a_transformer_s_dense_layers_stay_tvm_s_where_its_tile_is_as_fast():
 
 
 def test_dense_layers_go_to_onednn_where_tvm_s_tile_holds_one_row():
-    """1009 rows (prime: TVM's register tile holds one row, twice oneDNN's time): 11 ms saved
-    a layer on 2 AVX2 cores outweigh two switches."""
+    """1009 rows (a prime: TVM's tiles of 2 rows and a part-filled last one, on AVX2
+    ``TVM_DENSE_BY_ISA`` times oneDNN's time): milliseconds saved a layer on 2 AVX2 cores
+    outweigh two switches."""
     assert onednn_denses(dense_stack(1009, 768, 2, "softmax_rows")) == 2
 
 
 def test_a_small_saving_does_not_pay_for_two_switches():
-    """49 rows (one-row tiles) of 192 x 192: 1.8M multiply-adds a layer save tens of
-    microseconds, less than the switches into oneDNN and back around each softmax."""
+    """49 rows of 192 x 192: 1.8M multiply-adds a layer save tens of microseconds, less than
+    the switches into oneDNN and back around each softmax."""
     assert onednn_denses(dense_stack(49, 192, 12, "softmax_rows")) == 0
+
+
+def test_a_vector_times_a_weight_stays_tvm_s():
+    """An unrolled RNN's steps, (1, 256) x (256, 256) + bias and an elementwise op, 8 times,
+    on AVX2: a single row streams its weight on either side (no ISA factor), and a oneDNN
+    call costs ``ONEDNN_CALL_US`` of its own, more than TVM's serial kernel on one core loses:
+    all TVM's (with oneDNN's they ran 2.6x slower in a 62-step RNN)."""
+    assert auto_choice.ONEDNN_CALL_US > 0
+    assert onednn_denses(dense_stack(1, 256, 8, "relu")) == 0
+    # wider single rows, (1, 1280) x (1280, 1280): their multiply-adds on both cores pay
+    assert onednn_denses(dense_stack(1, 1280, 2, "relu")) == 2
 
 
 def test_layer_norms_between_dense_layers_join_them_on_onednn():
