@@ -17,8 +17,9 @@ left out: oneDNN's ~3 us more per call, ``policy.AUTO_MIN_MACS``, is about what 
 around a TVM op among NHWC oneDNN kernels cost; a dense layer or matmul counts it,
 ``ONEDNN_CALL_US``, and TVM's kernel on one core where it runs serial), except where TVM's
 schedule is known to be slower: a dense
-layer whose register tile holds a single row (``tile_rows``: rows with no divisor from 2 to 6,
-such as 197 or 49) takes ``ONE_ROW_SLOWDOWN`` times as long, a convolution ``CONV_GAIN`` times.
+layer whose register tile holds a single row (``tile_rows``: a product of few column tiles over
+rows that no tile divides) takes ``ONE_ROW_SLOWDOWN`` times as long, a convolution
+``CONV_GAIN`` times.
 Walking ``main``'s bindings in order, every other op that runs on TVM's pool (``on_pool``)
 needs the TVM side, and a switch costs ``SWITCH_US``; the cheapest assignment (two states, one
 pass) says which chains oneDNN keeps. The row ops oneDNN can take (``rows``: layer norms,
@@ -68,7 +69,9 @@ ONE_ROW_SLOWDOWN = 2.0
 # TVM's dense kernel against oneDNN's where the target's vector ISA is narrower than the widest
 # (2 cores, AMD EPYC, an AVX2 build with oneDNN capped to AVX2: 128 x 768 x 768 2.16 against
 # 0.87 ms, 128 x 768 x 3072 6.31 against 3.26, 128 x 3072 x 768 6.30 against 2.99; the same
-# shapes on AVX-512 within 9 %): TVM's register tile of 8 lanes, oneDNN's kernel at its full rate
+# shapes on AVX-512 within 9 %): TVM's register tile of 8 lanes, oneDNN's kernel at its full rate.
+# Measured on targets given without -num-cores, whose TVM kernels are built for one core: with
+# the cores named, TVM's kernel comes much closer (BENCHMARKS.md, the AVX2 table)
 TVM_DENSE_BY_ISA = {"avx2": 2.2}
 # ... but not for a single row, a vector times a weight that streams it from memory on either
 # side. A product of fewer outputs than MIN_PARALLEL_WORK is a serial TVM kernel (one core of
