@@ -146,8 +146,9 @@ def parse_targets(items: list[str] | None) -> dict[str, str] | None:
 
 
 def isa_lines(result) -> list[str]:
-    """Per CPU device of a ``BuildResult``, the target and vector ISA its kernels were built
-    for: ``cpu:0: llvm mcpu=haswell, vector ISA avx2 (256-bit, 16 registers)``."""
+    """Per CPU device of a ``BuildResult``, the target, vector ISA and cores its kernels were
+    built for: ``cpu:0: llvm mcpu=haswell, vector ISA avx2 (256-bit, 16 registers), 2 cores``;
+    a target without ``-num-cores`` says that its TVM kernels run serial."""
     from hgrt.devices import as_target, is_cpu, vector_isa
 
     lines = []
@@ -158,8 +159,11 @@ def isa_lines(result) -> list[str]:
         what = " ".join([t.kind.name] + [f"{k}={t.attrs[k]}" for k in ("mtriple", "mcpu")
                                          if k in t.attrs and str(t.attrs[k])])
         isa = vector_isa(t)
+        cores = int(t.attrs.get("num-cores", 0) or 0)
         lines.append(f"{name}: {what}, vector ISA {isa.name} ({isa.bits}-bit, "
-                     f"{isa.registers} registers)")
+                     f"{isa.registers} registers), " + (
+                         f"{cores} core{'s' if cores > 1 else ''}" if cores else
+                         "1 core (no -num-cores in its target: TVM's kernels run serial)"))
     return lines
 
 

@@ -179,8 +179,9 @@ def test_compile_says_the_vector_isa_of_each_cpu():
         "cpu:1": str(as_target("llvm -mtriple=aarch64-linux-gnu")),
         "cuda:0": str(tvm.target.Target({"kind": "cuda", "arch": "sm_80"}, host="llvm"))})
     assert isa_lines(result) == [
-        "cpu:0: llvm mcpu=haswell, vector ISA avx2 (256-bit, 16 registers)",
-        "cpu:1: llvm mtriple=aarch64-linux-gnu, vector ISA neon (128-bit, 32 registers)"]
+        "cpu:0: llvm mcpu=haswell, vector ISA avx2 (256-bit, 16 registers), 2 cores",
+        "cpu:1: llvm mtriple=aarch64-linux-gnu, vector ISA neon (128-bit, 32 registers), "
+        "1 core (no -num-cores in its target: TVM's kernels run serial)"]
 
 
 # ---- a tuning database of another CPU --------------------------------------------------------
