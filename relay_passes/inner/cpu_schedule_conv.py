@@ -57,7 +57,9 @@ MIN_GROUP_INPUTS = 16
 
 def _group_index(expr: tirx.Expr, f: tirx.Var, rc: tirx.Var) -> int | None:
     """``per_group`` when ``expr`` is a grouped convolution's input channel
-    ``f // per_group * in_per_group + rc``, else None."""
+    ``f // per_group * in_per_group + rc`` (a depthwise one's is ``f + rc``: 1), else None."""
+    if isinstance(expr, tirx.Add) and expr.a.same_as(f) and expr.b.same_as(rc):
+        return 1
     if not (isinstance(expr, tirx.Add) and expr.b.same_as(rc) and isinstance(expr.a, tirx.Mul)
             and isinstance(expr.a.b, tirx.IntImm)):
         return None
@@ -172,29 +174,6 @@ def schedule_conv(sch: s_tir.Schedule, block_rv, isa: VectorISA, cores: int,
     return done
 
 
-def _depthwise_parts(sch: s_tir.Schedule, block_rv) -> tuple[list, int] | None:
-    """``(loops, weight read index)`` of a depthwise NCHW convolution block
-    (``group_conv2d_nchw`` with one input channel a group: the data read at channel
-    ``f + rc``, ``rc`` of extent 1, the weight as ``w[f, rc, ry, rx]``), else None."""
-    block = sch.get(block_rv)
-    info = iter_loops(sch, block_rv)
-    if (block.name_hint != "group_conv2d_nchw" or info is None or len(block.reads) != 2
-            or "".join(k for k, _, _, _ in info) != "SSSSRRR" or info[4][3] != 1):
-        return None
-    var = [v for _, v, _, _ in info]
-    weight = None
-    for i, r in enumerate(block.reads):
-        idx = [e.min for e in r.region]
-        if len(idx) != 4:
-            return None
-        if all(e.same_as(v) for e, v in zip(idx, [var[1], *var[4:]], strict=True)):
-            weight = i
-        elif not (isinstance(idx[1], tirx.Add) and idx[1].a.same_as(var[1])
-                  and idx[1].b.same_as(var[4])):
-            return None
-    return None if weight is None else (info, weight)
-
-
 def schedule_depthwise(sch: s_tir.Schedule, block_rv, isa: VectorISA, cores: int,
                        weights: frozenset[int] = frozenset()) -> bool:
     """A depthwise convolution (one input channel per output channel) in NCHW: each channel's
@@ -205,10 +184,10 @@ def schedule_depthwise(sch: s_tir.Schedule, block_rv, isa: VectorISA, cores: int
     apply. (TVM's generic tile gave rows of 14 pixels, 32256 tasks over a 144-channel 56x56
     plane, and a padded copy of the whole input first.) The weight is read as it is, a few
     values a channel: ``weights`` is taken for the common signature and not used."""
-    parts = _depthwise_parts(sch, block_rv)
-    if parts is None:
+    parts = _conv_parts(sch, block_rv)
+    if parts is None or parts[2] != 1 or parts[0][4][3] != 1:  # one input channel a group
         return False
-    info, weight = parts
+    info, weight, _ = parts
     (_, _, n, _), (_, _, f, _), (_, _, y, ye), (_, _, x, xe) = info[:4]
     lanes = isa.lanes()
     taps = [lp for _, _, lp, _ in info[4:]]
