@@ -43,10 +43,17 @@ from hgrt.graph_checks import (
     concat_problem,
     read_section,
 )
-from hgrt.graph_format import CONCAT_FUNC, COPY_FUNC, FORMAT_VERSION, FORMAT_VERSIONS, NOP_FUNC
+from hgrt.graph_format import (
+    CONCAT_FUNC,
+    COPY_FUNC,
+    FORMAT_VERSION,
+    FORMAT_VERSIONS,
+    NOP_FUNC,
+    SLICE_FUNC,
+)
 
 __all__ = ["CONCAT_FUNC", "COPY_FUNC", "ELEMWISE_MAX", "FORMAT_VERSION", "FORMAT_VERSIONS",
-           "INJECTIVE", "MAX_ENTRY_BYTES", "NODE_ATTRS", "NOP_FUNC", "OPAQUE", "Graph", "Node",
+           "INJECTIVE", "MAX_ENTRY_BYTES", "NODE_ATTRS", "NOP_FUNC", "OPAQUE", "SLICE_FUNC", "Graph", "Node",
            "concat_axis", "concat_problem", "dtype_bytes"]
 
 MAX_ENTRY_BYTES = 1 << 48  # one tensor's bytes at most (256 TiB): shapes beyond are refused
@@ -54,7 +61,7 @@ _KNOWN_OPS = ("null", "tvm_op")
 # node attrs hgrt reads, and the form their (string) values must have
 NODE_ATTRS = {"func_name": r"\S+", "num_inputs": r"\d+", "num_outputs": r"\d+",
               "flatten_data": r"[01]", "op_pattern": r"\d", "inplace": r"\d+",
-              "flops": r"\d+"}
+              "flops": r"\d+", "byte_offset": r"\d+"}
 # TVM's op pattern kinds (``op_pattern``, a kernel's): up to kInjective a kernel only maps or
 # moves elements (elementwise, broadcast, reshape, transpose, concatenate); above it reduces.
 ELEMWISE_MAX = 1  # kElemWise, kBroadcast: what FuseOps folds into the kernel before
@@ -90,6 +97,11 @@ class Node:
         post-op). The memory plan takes the offer only where that input dies here."""
         k = self.attrs.get("inplace") if self.op == "tvm_op" else None
         return None if k is None else int(k)
+
+    @property
+    def byte_offset(self) -> int:
+        """Where a ``__slice`` view starts in its input's bytes (``attrs.byte_offset``)."""
+        return int(self.attrs.get("byte_offset", "0"))
 
     @property
     def injective(self) -> bool:
@@ -166,13 +178,15 @@ class Graph:
         return bisect.bisect_right(self.node_row_ptr, eid) - 1
 
     def alias_roots(self) -> list[int]:
-        """Per entry, the entry whose bytes it is part of: itself; for a ``__nop`` output (a
-        view) the root of its input; for a piece of a ``__concat`` the root of its output."""
+        """Per entry, the entry whose bytes it is part of: itself; for a ``__nop`` or ``__slice``
+        output (a view) the root of its input; for a piece of a ``__concat`` the root of its
+        output."""
         return list(self._view_tree[0])
 
     def entry_offsets(self) -> list[int]:
         """Per entry, its byte offset from the start of its root's bytes (``alias_roots``):
-        0 but for the pieces of a ``__concat``, which lie one after another in its output."""
+        0 but for the pieces of a ``__concat``, which lie one after another in its output, and
+        a ``__slice``, at its ``byte_offset`` in its input."""
         return self._view_tree[1]
 
     @functools.cached_property
@@ -183,6 +197,9 @@ class Graph:
         for nid, node in enumerate(self.nodes):
             if node.func_name == NOP_FUNC and len(node.inputs) == 1:
                 links = [(self.entry_id(nid), self.entry_id(*node.inputs[0][:2]), 0)]
+            elif node.func_name == SLICE_FUNC and len(node.inputs) == 1:
+                links = [(self.entry_id(nid), self.entry_id(*node.inputs[0][:2]),
+                          node.byte_offset)]
             elif node.func_name == CONCAT_FUNC:
                 links, at = [], 0
                 for src, idx, _ in node.inputs:
@@ -241,7 +258,8 @@ class Graph:
             "heads": [list(h) for h in self.heads],
             "attrs": attrs,
         }
-        version = 2 if any(n.func_name == CONCAT_FUNC for n in self.nodes) else 1
+        funcs = {n.func_name for n in self.nodes}
+        version = 3 if SLICE_FUNC in funcs else 2 if CONCAT_FUNC in funcs else 1
         section: dict[str, Any] = {"version": version, "params": list(self.params)}
         if self.device_names is not None:
             section["devices"] = list(self.device_names)

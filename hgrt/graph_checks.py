@@ -1,7 +1,8 @@
 """What a graph read from JSON must keep beyond each field's form (``Graph.from_json`` runs
 these; every defect a ``GraphError`` naming its place): edges that name earlier nodes' outputs,
 the special functions (``__copy`` moves a tensor to another device unchanged, ``__nop`` views
-its input's bytes, ``__concat`` lays its pieces one after another), the ``hgrt`` section (its
+its input's bytes, ``__slice`` a range of them, ``__concat`` lays its pieces one after
+another), the ``hgrt`` section (its
 version, params, devices, CPU needs, pools and storage offsets, streams and waits: a wait for
 every read across streams), weight storages that hold their weight only, and entries within
 their pools.
@@ -16,10 +17,18 @@ from typing import Any
 
 from hgrt import lifetimes
 from hgrt.errors import GraphError
-from hgrt.graph_format import CONCAT_FUNC, COPY_FUNC, FORMAT_VERSION, FORMAT_VERSIONS, NOP_FUNC
+from hgrt.graph_format import (
+    CONCAT_FUNC,
+    COPY_FUNC,
+    FORMAT_VERSION,
+    FORMAT_VERSIONS,
+    NOP_FUNC,
+    SLICE_FUNC,
+)
 
-# the 'hgrt' section's format: 2 where a graph has __concat views (an older hgrt, which would
-# look for a kernel of that name, refuses the version instead); 1 else, as before
+# the 'hgrt' section's format: 3 where a graph has __slice views, 2 where it has __concat views
+# (an older hgrt, which would look for a kernel of that name, refuses the version instead); 1
+# else, as before
 Graph = Any  # an hgrt.graph.Graph
 Node = Any  # an hgrt.graph.Node
 
@@ -51,10 +60,14 @@ def check_edges(nodes: list[Node], row_ptr: list[int]) -> None:
 
 def check_special_ops(g: Graph) -> None:
     """``__copy`` moves one tensor to another device unchanged; ``__nop`` views its input's
-    bytes on the same device; ``__concat`` is its pieces laid one after another."""
+    bytes on the same device; ``__slice`` a range of them; ``__concat`` is its pieces laid one
+    after another."""
     for nid, node in enumerate(g.nodes):
         if node.func_name == CONCAT_FUNC:
             _check_concat(g, nid)
+            continue
+        if node.func_name == SLICE_FUNC:
+            _check_slice(g, nid)
             continue
         if node.func_name not in (COPY_FUNC, NOP_FUNC):
             continue
@@ -73,6 +86,26 @@ def check_special_ops(g: Graph) -> None:
             raise GraphError(f"{what}: __nop changes the byte size ({g.entry_bytes(src)} -> "
                              f"{g.entry_bytes(dst)})")
     g.entry_offsets()  # a tensor that is a view twice, or of itself: a GraphError
+
+
+def _check_slice(g: Graph, nid: int) -> None:
+    """A ``__slice``: one input and one output on one device, ``byte_offset`` a multiple of
+    ``ALIGN`` (kernels may assume aligned data), the output's bytes within the input's."""
+    node, what = g.nodes[nid], g.describe_node(nid)
+    if len(node.inputs) != 1 or node.num_outputs != 1:
+        raise GraphError(f"{what}: __slice takes one input, one output")
+    if "byte_offset" not in node.attrs:
+        raise GraphError(f"{what}: __slice without attrs.byte_offset")
+    src, dst = g.entry_id(*node.inputs[0][:2]), g.entry_id(nid)
+    at, size, whole = node.byte_offset, g.entry_bytes(dst), g.entry_bytes(src)
+    if g.entry_device(src) != g.entry_device(dst):
+        raise GraphError(f"{what}: __slice cannot cross devices ({g.entry_device(src)} -> "
+                         f"{g.entry_device(dst)}); use __copy")
+    if at % lifetimes.ALIGN:
+        raise GraphError(f"{what}: byte_offset {at} is not a multiple of {lifetimes.ALIGN}")
+    if at + size > whole:
+        raise GraphError(f"{what}: bytes {at}..{at + size} lie outside its input "
+                         f"{g.describe_entry(src)}")
 
 
 def concat_axis(shapes: list[tuple[int, ...]], out: tuple[int, ...]) -> int | None:
@@ -135,6 +168,9 @@ def read_section(section: Any, g: Graph) -> None:
     if version not in FORMAT_VERSIONS or isinstance(version, bool):
         raise GraphError(f"'hgrt' section: format version {version!r} is not supported "
                          f"(this hgrt reads versions {list(FORMAT_VERSIONS)})")
+    if version < 3 and any(n.func_name == SLICE_FUNC for n in g.nodes):
+        raise GraphError(f"'hgrt' section: format version {version} has no {SLICE_FUNC} "
+                         f"nodes (version 3 does)")
     params = section.get("params", [])
     if not isinstance(params, list) or not all(isinstance(p, str) for p in params):
         raise GraphError("'hgrt' section: params must be a list of input names")

@@ -13,7 +13,7 @@ import subprocess
 from collections import Counter
 
 from hgrt import providers
-from hgrt.graph import CONCAT_FUNC, COPY_FUNC, NOP_FUNC, Graph
+from hgrt.graph import CONCAT_FUNC, COPY_FUNC, NOP_FUNC, SLICE_FUNC, Graph
 from hgrt.graph_format import DEVICE_WHY, PROVIDER_WHY, SPECIAL_FUNCS, VIEW_FUNCS
 from hgrt.lifetimes import group_bytes, memory_report, merged_ranges
 from hgrt.runtime.profiler import op_label
@@ -48,6 +48,8 @@ def summary(g: Graph) -> dict:
         "reasons": reason_counts(op_rows(g)),
         # concats whose pieces their kernels write in place (concat_views): no step of their own
         "concat_views": sum(1 for n in g.nodes if n.func_name == CONCAT_FUNC),
+        # copy kernels that read one contiguous range of their input (slice_views)
+        "slice_views": sum(1 for n in g.nodes if n.func_name == SLICE_FUNC),
     }
 
 
@@ -155,6 +157,9 @@ def format_summary(s: dict) -> str:
             lines += [f"  {k:<{width}}  {n}" for k, n in counts.items()]
     if s.get("concat_views"):
         lines.append(f"concats written in place by their pieces' kernels: {s['concat_views']}")
+    if s.get("slice_views"):
+        lines.append(f"slices read in place (views of a range of their input): "
+                     f"{s['slice_views']}")
     lines.append(f"copies: {s['num_copies']}")
     lines += [f"  {k}: {b} bytes per run" for k, b in s["copies"].items()]
     lines.append("streams: " + (", ".join(f"{k} on {v['device']}: {v['steps']} steps, waits "
@@ -186,6 +191,8 @@ def _label(g: Graph, nid: int) -> str:
         return f"view\n{shape}"
     if node.func_name == CONCAT_FUNC:
         return f"concat in place\n{shape}"
+    if node.func_name == SLICE_FUNC:
+        return f"view at byte {node.byte_offset}\n{shape}"
     return f"{op_label(node.func_name)}\n{shape}"
 
 

@@ -2,9 +2,9 @@
 
 The one home of the questions the memory planner, the graph verifier, the storage pools, the
 memory report and the pictures all ask. An entry group is an entry plus the entries that are
-its bytes: its ``__nop`` views (the same bytes), and where it is the output of a ``__concat``,
-its pieces, which their kernels wrote in place, one after another (``Graph.entry_offsets``);
-a step is a node id. Inputs and params are live from before the first
+its bytes: its ``__nop`` views (the same bytes), its ``__slice`` views (a range of them), and
+where it is the output of a ``__concat``, its pieces, which their kernels wrote in place, one
+after another (``Graph.entry_offsets``); a step is a node id. Inputs and params are live from before the first
 step to after the last, graph outputs from their producer to after the last step, so a run can
 be repeated without setting them again.
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hgrt.graph_format import CONCAT_FUNC, NOP_FUNC, VIEW_FUNCS
+from hgrt.graph_format import CONCAT_FUNC, NOP_FUNC, SLICE_FUNC, VIEW_FUNCS
 
 ALIGN = 64  # bytes: every storage of an hgrt memory plan starts at a multiple of this
 Graph = Any  # an hgrt.graph.Graph
@@ -51,8 +51,8 @@ class Group:
 
 
 def runs(node) -> bool:
-    """Whether a node is a step of ``run()`` (a kernel or a copy; ``__nop`` and ``__concat``
-    are views)."""
+    """Whether a node is a step of ``run()`` (a kernel or a copy; ``__nop``, ``__slice`` and
+    ``__concat`` are views)."""
     return node.op == "tvm_op" and node.func_name not in VIEW_FUNCS
 
 
@@ -62,7 +62,7 @@ def entry_writers(g: Graph) -> list[tuple[int, ...]]:
     writers: list[tuple[int, ...]] = [()] * g.num_entries
     for nid, node in enumerate(g.nodes):
         ins = [writers[g.entry_id(src, idx)] for src, idx, _ in node.inputs]
-        if node.func_name == NOP_FUNC and ins:
+        if node.func_name in (NOP_FUNC, SLICE_FUNC) and ins:
             writers[g.entry_id(nid)] = ins[0]
         elif node.func_name == CONCAT_FUNC:
             writers[g.entry_id(nid)] = tuple(sorted({w for piece in ins for w in piece}))

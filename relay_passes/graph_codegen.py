@@ -3,7 +3,9 @@
 One node per function param (``op "null"``: user inputs first, then weights, then the constants
 the lowering left inline, each on the device of the op that reads it), one ``tvm_op`` per
 ``R.call_tir`` (called as ``func(*args, *outputs)``), one ``__copy`` per ``R.to_vdevice`` and
-one ``__nop`` per view (``R.reshape`` left by RewriteDataflowReshape), in ``overlap_order``
+one ``__nop`` per view (``R.reshape`` left by RewriteDataflowReshape), one ``__slice`` per
+copy kernel that reads one aligned range of its input (``ctx.lowered.slices``), in
+``overlap_order``
 (the written order, unless a GPU is among the devices). Tuples and aliases only
 rename entries. Every entry gets its static shape, dtype and device index; storage ids are one
 per entry until ``plan_memory`` assigns them.
@@ -20,7 +22,7 @@ from tvm import relax
 
 from hgrt.devices import cpu_requirements
 from hgrt.errors import BuildError
-from hgrt.graph import COPY_FUNC, NOP_FUNC, Graph, Node
+from hgrt.graph import COPY_FUNC, NOP_FUNC, SLICE_FUNC, Graph, Node
 from hgrt.relay_passes.util.context import BuildContext
 from hgrt.relay_passes.util.lowered import VIEW_OPS, binding_devices
 from hgrt.relay_passes.util.overlap_order import overlap_order
@@ -69,6 +71,7 @@ class _GraphBuilder:
         self.entries: dict[relax.Var, list[Entry]] = {}  # keyed by var: names repeat
         self.consts: list[tuple[relax.Expr, int, Entry]] = []
         self.const_nodes: list[int] = []
+        self.outputs: set[relax.Var] = set()  # the variables that are graph outputs
 
     def add(self, node: Node, outputs: list[tuple[tuple[int, ...], str]], dev: int) -> list[Entry]:
         nid = len(self.nodes)
@@ -104,6 +107,14 @@ class _GraphBuilder:
             return self.const_entry(arg, dev)
         raise BuildError(f"{where}: operand {str(arg)[:60]!r} is neither a tensor nor a constant")
 
+    def may_view(self, src: Entry, var: relax.Var) -> bool:
+        """Whether ``var`` may be a view of entry ``src``: not where it is a graph output whose
+        bytes are an input's or a weight's (through views): ``set_input`` would change it."""
+        nid = src[0]
+        while self.nodes[nid].func_name in (NOP_FUNC, SLICE_FUNC):
+            nid = self.nodes[nid].inputs[0][0]
+        return var not in self.outputs or self.nodes[nid].op != "null"
+
     def flatten(self, expr: relax.Expr, where: str) -> list[Entry]:
         if isinstance(expr, relax.Tuple):
             return [e for f in expr.fields for e in self.flatten(f, where)]
@@ -124,6 +135,7 @@ def graph_codegen(mod: tvm.IRModule, ctx: BuildContext) -> Graph:
     g = _GraphBuilder(ctx)
     g.patterns = {gv.name_hint: str(int(f.attrs["op_pattern"])) for gv, f in mod.functions.items()
                   if not isinstance(f, relax.Function) and f.attrs and "op_pattern" in f.attrs}
+    g.outputs = _output_vars(func)
     args = []
     for p in func.params:
         shape = static_shape(p.ty, f"input {p.name!r}")
@@ -142,6 +154,24 @@ def graph_codegen(mod: tvm.IRModule, ctx: BuildContext) -> Graph:
                  params=[g.nodes[i].name for i in weights + g.const_nodes],
                  device_names=[d.name for d in ctx.devices],
                  cpu_needs=[cpu_requirements(d.target) for d in ctx.devices])
+
+
+def _output_vars(func: relax.Function) -> set[relax.Var]:
+    """The variables of ``func`` whose values are its outputs (through tuples and aliases)."""
+    out: set[relax.Var] = set()
+
+    def take(expr: relax.Expr) -> None:
+        if isinstance(expr, relax.Tuple):
+            for f in expr.fields:
+                take(f)
+        elif isinstance(expr, relax.Var):
+            out.add(expr)
+
+    take(func.body.body)
+    for b in reversed(list(bindings(func))):
+        if b.var in out and isinstance(b.value, (relax.Var, relax.Tuple)):
+            take(b.value)
+    return out
 
 
 def _emit(g: _GraphBuilder, b: relax.VarBinding, dev: dict[relax.Var, int]) -> None:
@@ -163,6 +193,11 @@ def _emit(g: _GraphBuilder, b: relax.VarBinding, dev: dict[relax.Var, int]) -> N
         ins = [g.arg_entry(a, d, name) for a in tensor_args(value)]
         outs = [(static_shape(t, f"binding {name!r}"), str(t.dtype))
                 for t in _tensor_types(value.ty_args[0])]
+        if var in g.ctx.lowered.slices and g.may_view(ins[0], var):
+            g.entries[var] = g.add(Node("tvm_op", name, ins, {
+                "func_name": SLICE_FUNC, "num_inputs": "1", "num_outputs": "1",
+                "flatten_data": "0", "byte_offset": str(g.ctx.lowered.slices[var])}), outs, d)
+            return
         func_name, extra = callee(value)
         attrs = {"func_name": func_name, "num_inputs": str(len(ins)),
                  "num_outputs": str(len(outs)), "flatten_data": "0",

@@ -16,6 +16,7 @@ from hgrt.relay_passes.inner.lowering_rewrites import (
     reshape_outputs_as_views,
     rewrite_dataflow_reshape,
 )
+from hgrt.relay_passes.inner.slice_views import slice_views
 from hgrt.relay_passes.util.context import BuildContext
 from hgrt.relay_passes.util.pipeline import contract, located
 from hgrt.relay_passes.util.reasons import aliases, fused_members, kernel_reasons
@@ -69,11 +70,13 @@ def lowering_passes() -> list[tvm.transform.Pass]:
           after=("insert_copies", "split_concat", "fold_batch_norm"))
 def legalize_and_fuse(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
     """``lowering_passes`` under the first device's target; a failure names the op it fails
-    on. ``ctx.lowered.why``: each kernel's reasons (``util.reasons``)."""
+    on. ``ctx.lowered.slices``: the copy kernels graph_codegen writes as views
+    (``inner.slice_views``). ``ctx.lowered.why``: each kernel's reasons (``util.reasons``)."""
     mod = powers_as_products(mod, ctx)  # (an exponent's value: a weight of ctx's)
     members: dict[relax.Var, list[str]] = {}
     with located(lambda: _failing_op(mod, ctx)):
         lowered = _lowered(mod, ctx, members)
+    ctx.lowered.slices = slice_views(lowered, ctx)
     ctx.lowered.why = kernel_reasons(lowered, ctx, members, aliases(mod["main"]))
     return lowered
 

@@ -135,6 +135,9 @@ class Lowered:
     # repeat after FuseOps), the graph node attrs that say why it runs where and by whom
     # (``util.reasons``); graph_codegen adds them to the node
     why: dict[Any, dict[str, str]] = field(default_factory=dict)
+    # legalize_and_fuse: the kernel bindings that only copy one aligned range of their input,
+    # with its byte offset (``inner.slice_views``); graph_codegen writes them as ``__slice``
+    slices: dict[Any, int] = field(default_factory=dict)
 
 
 @dataclass
