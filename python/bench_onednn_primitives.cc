@@ -11,12 +11,17 @@
 //       -Wl,-rpath,$LIB -o /tmp/bench_onednn_primitives
 //   OMP_NUM_THREADS=2 /tmp/bench_onednn_primitives          # every section
 //   OMP_NUM_THREADS=2 ONEDNN_MAX_CPU_ISA=AVX2 /tmp/bench_onednn_primitives dense   # one of them
+//   OMP_NUM_THREADS=2 /tmp/bench_onednn_primitives layout 64 256 56 1 1 0 1 8
+//       (one convolution, IC OC HW K STRIDE PAD GROUPS BATCH, in NHWC and in hgrt's blocked
+//       layout: nChw16c, nChw8c below AVX-512)
 #include <oneapi/dnnl/dnnl.hpp>
 #include <xmmintrin.h>
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <random>
 #include <unordered_map>
 #include <vector>
@@ -170,6 +175,19 @@ int main(int argc, char** argv) {
   _mm_setcsr(_mm_getcsr() | 0x8040);
   if (argc > 1 && std::strcmp(argv[1], "dense") == 0) return DenseRows();
   const char* impl = "";
+  if (argc > 1 && std::strcmp(argv[1], "layout") == 0) {  // layout IC OC HW K S PAD GROUPS N
+    int q[8];
+    for (int i = 0; i < 8; i++) q[i] = argc > 2 + i ? std::atoi(argv[2 + i]) : 0;
+    double a = Conv(q[7], q[0], q[1], q[2], q[3], q[4], q[5], q[6], tag::nhwc, false, 0, &impl);
+    std::string ia = impl;
+    bool avx512 = get_effective_cpu_isa() >= cpu_isa::avx512_core;  // hgrt's blocked layout
+    double b = Conv(q[7], q[0], q[1], q[2], q[3], q[4], q[5], q[6],
+                    avx512 ? tag::nChw16c : tag::nChw8c, false, 0, &impl);
+    std::printf("batch %d, %dx%d %d -> %d at %dx%d stride %d (groups %d): NHWC %.1f (%s), "
+                "%s %.1f (%s)\n", q[7], q[3], q[3], q[0], q[1], q[2], q[2], q[4], q[6], a,
+                ia.c_str(), avx512 ? "nChw16c" : "nChw8c", b, impl);
+    return 0;
+  }
   std::printf("isa %d\n", static_cast<int>(get_effective_cpu_isa()));
   std::printf("-- int8 against float32, batch 1, NHWC (us)\n");
   int convs[][7] = {{64, 64, 56, 3, 1, 1, 1}, {256, 64, 56, 1, 1, 0, 1}, {64, 256, 56, 1, 1, 0, 1},

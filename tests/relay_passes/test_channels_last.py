@@ -383,6 +383,46 @@ def _inverted_residual_onnx(batch: int, c: int = 24):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
 
 
+def _bottleneck_onnx(c: int):
+    """1x1 16 -> c, 3x3 c -> c, 1x1 c -> 32, global pool; 8 samples at 14x14."""
+    rng = np.random.default_rng(3)
+    inits = []
+
+    def w(name, *shape):
+        inits.append(numpy_helper.from_array(
+            (rng.standard_normal(shape) / np.sqrt(np.prod(shape[1:]))).astype("float32"), name))
+        return name
+
+    nodes = [helper.make_node("Conv", ["x", w("w0", c, 16, 1, 1)], ["a"]),
+             helper.make_node("Relu", ["a"], ["ar"]),
+             helper.make_node("Conv", ["ar", w("w1", c, c, 3, 3)], ["b"], pads=[1] * 4),
+             helper.make_node("Relu", ["b"], ["br"]),
+             helper.make_node("Conv", ["br", w("w2", 32, c, 1, 1)], ["o"]),
+             helper.make_node("GlobalAveragePool", ["o"], ["y"])]
+    graph = helper.make_graph(nodes, "bottleneck", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, [8, 16, 14, 14])], [helper.make_tensor_value_info(
+            "y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+@pytest.mark.parametrize("c", [64, 128])
+def test_a_wide_dense_3x3_convolution_keeps_its_tensors_nhwc(c):
+    """At 8 samples, the tensors around a 3x3 convolution of one group and
+    ``NHWC_MIN_CHANNELS`` inputs stay NHWC (oneDNN's brgemm kernels on NHWC beat its direct
+    ones on the blocked layout there); narrower, the 3x3's input goes blocked (its result,
+    which the last convolution reads to write NHWC for the pool, stays NHWC)."""
+    from hgrt.providers.onednn import channels_last
+
+    block, _ = onednn.blocked_tag()
+    if not block:
+        pytest.skip("no blocked layout below AVX2")
+    res = _build_and_check(_bottleneck_onnx(c))
+    g = res.graph
+    convs = [n for n in g.nodes if n.func_name == "hgrt.onednn.conv2d"]
+    ranks = [len(g.shapes[g.entry_id(g.nodes.index(n))]) for n in convs[:2]]
+    assert ranks == ([4, 4] if c >= channels_last.NHWC_MIN_CHANNELS else [5, 4])
+
+
 @pytest.mark.parametrize("batch", [1, 8])
 def test_tensors_between_convolutions_go_blocked_from_batch_8(batch):
     """From ``BLOCKED_MIN_BATCH`` samples a tensor that only convolutions write and read (their
