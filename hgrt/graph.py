@@ -53,8 +53,8 @@ from hgrt.graph_format import (
 )
 
 __all__ = ["CONCAT_FUNC", "COPY_FUNC", "ELEMWISE_MAX", "FORMAT_VERSION", "FORMAT_VERSIONS",
-           "INJECTIVE", "MAX_ENTRY_BYTES", "NODE_ATTRS", "NOP_FUNC", "OPAQUE", "SLICE_FUNC", "Graph", "Node",
-           "concat_axis", "concat_problem", "dtype_bytes"]
+           "INJECTIVE", "MAX_ENTRY_BYTES", "NODE_ATTRS", "NOP_FUNC", "OPAQUE", "SLICE_FUNC",
+           "Graph", "Node", "concat_axis", "concat_problem", "dtype_bytes"]
 
 MAX_ENTRY_BYTES = 1 << 48  # one tensor's bytes at most (256 TiB): shapes beyond are refused
 _KNOWN_OPS = ("null", "tvm_op")

@@ -4,9 +4,9 @@ The one home of the questions the memory planner, the graph verifier, the storag
 memory report and the pictures all ask. An entry group is an entry plus the entries that are
 its bytes: its ``__nop`` views (the same bytes), its ``__slice`` views (a range of them), and
 where it is the output of a ``__concat``, its pieces, which their kernels wrote in place, one
-after another (``Graph.entry_offsets``); a step is a node id. Inputs and params are live from before the first
-step to after the last, graph outputs from their producer to after the last step, so a run can
-be repeated without setting them again.
+after another (``Graph.entry_offsets``); a step is a node id. Inputs and params are live from
+before the first step to after the last, graph outputs from their producer to after the last
+step, so a run can be repeated without setting them again.
 
 Functions take an ``hgrt.graph.Graph`` (not imported here: graph.py validates with this module).
 """

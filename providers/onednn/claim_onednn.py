@@ -44,7 +44,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from hgrt.providers.onednn import PROVIDER, channels_last, reasons
+from hgrt.providers.onednn import PROVIDER, blocked_layout, channels_last, reasons
 from hgrt.providers.onednn.auto_choice import keep_what_pays
 from hgrt.providers.onednn.blob import (
     ALGO,
@@ -123,7 +123,7 @@ class _Emitter:
         self.plan = channels_last.Plan(g, {c.end for c in convs}, readers, self._weight)
         self.nhwc = runtime.nhwc_tag()
         self.block, self.block_tag = runtime.blocked_tag()
-        self.blocked = channels_last.blocked(self.plan, g, chains) if self.block_tag else set()
+        self.blocked = blocked_layout.blocked(self.plan, g, chains) if self.block_tag else set()
         self.isa = runtime.isa()
         self.calls: dict[relax.Var, tuple[relax.Var, relax.Call]] = {}
         self.blobs: list[relax.Var] = []
@@ -189,7 +189,7 @@ class _Emitter:
             func = func.with_attr(key, value)
         args = [v for v in (chain.x, param, chain.residual) if v is not None]
         end = chain.end
-        ty = channels_last.blocked_type(end, self.block) if end in self.blocked else \
+        ty = blocked_layout.blocked_type(end, self.block) if end in self.blocked else \
             channels_last.nhwc_type(end) if end in self.plan.nhwc else None
         var = end if ty is None else type(end)(end.name, ty)
         self.calls[end] = (var, relax.op.call_dps_packed(func, relax.Tuple(args), var.ty))

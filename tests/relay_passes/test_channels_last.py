@@ -411,7 +411,7 @@ def test_a_wide_dense_3x3_convolution_keeps_its_tensors_nhwc(c):
     ``NHWC_MIN_CHANNELS`` inputs stay NHWC (oneDNN's brgemm kernels on NHWC beat its direct
     ones on the blocked layout there); narrower, the 3x3's input goes blocked (its result,
     which the last convolution reads to write NHWC for the pool, stays NHWC)."""
-    from hgrt.providers.onednn import channels_last
+    from hgrt.providers.onednn import blocked_layout
 
     block, _ = onednn.blocked_tag()
     if not block:
@@ -420,7 +420,7 @@ def test_a_wide_dense_3x3_convolution_keeps_its_tensors_nhwc(c):
     g = res.graph
     convs = [n for n in g.nodes if n.func_name == "hgrt.onednn.conv2d"]
     ranks = [len(g.shapes[g.entry_id(g.nodes.index(n))]) for n in convs[:2]]
-    assert ranks == ([4, 4] if c >= channels_last.NHWC_MIN_CHANNELS else [5, 4])
+    assert ranks == ([4, 4] if c >= blocked_layout.NHWC_MIN_CHANNELS else [5, 4])
 
 
 @pytest.mark.parametrize("batch", [1, 8])
@@ -430,7 +430,7 @@ def test_tensors_between_convolutions_go_blocked_from_batch_8(batch):
     (nChw8c on AVX2) layout, its channels padded to whole blocks: the graph's tensor is N,
     C / block, H, W, block; a convolution from a blocked input to an NHWC output reorders its
     result. At one sample they stay NHWC. The numbers are onnxruntime's either way."""
-    from hgrt.providers.onednn import channels_last
+    from hgrt.providers.onednn import blocked_layout
 
     res = _build_and_check(_inverted_residual_onnx(batch))
     g = res.graph
@@ -438,7 +438,7 @@ def test_tensors_between_convolutions_go_blocked_from_batch_8(batch):
     convs = [n for n in g.nodes if n.func_name == "hgrt.onednn.conv2d"]
     assert len(convs) == 5
     shapes = [g.shapes[g.entry_id(g.nodes.index(n))] for n in convs[:4]]
-    if batch >= channels_last.BLOCKED_MIN_BATCH and block:
+    if batch >= blocked_layout.BLOCKED_MIN_BATCH and block:
         # the block's sum stays NHWC: the convolution reading it writes NHWC for the pool
         assert shapes == [(8, -(-24 // block), 14, 14, block), (8, 144 // block, 14, 14, block),
                           (8, 144 // block, 14, 14, block), (8, 14, 14, 24)]
