@@ -25,6 +25,13 @@ BLOCKED_MIN_BATCH = 8
 # nChw8c 128 -> 128 at 28x28 6640 against 7038), where below it the two are within 2-7 %
 # either way (64 -> 64 at 56x56 3582 against 3637; AVX2 7031 against 6750)
 NHWC_MIN_CHANNELS = 128
+# A convolution whose tensors change layout pays for it (batch 8, resnet's bottlenecks,
+# ``hgrt profile``: a 1x1 64 -> 256 at 56x56 2.19 ms with its input, result and residual
+# blocked, 4.07 ms with the residual NHWC, 4.83 ms writing NHWC; a 1x1 stride-2 256 -> 512
+# writing blocked from NHWC 4.58 against 4.09 ms for one of as many multiply-adds in NHWC),
+# and the layers that gain from the blocked layout are the depthwise ones (above) and the
+# narrowest 1x1s, which come with them: a group of tensors that share convolutions goes blocked
+# only where one of those convolutions is depthwise (``_depthwise``)
 
 
 def _prefers_nhwc(chain: Any) -> bool:
@@ -32,6 +39,33 @@ def _prefers_nhwc(chain: Any) -> bool:
     more (its weight: OIHW)."""
     o, i, kh, kw = chain.weight.shape
     return int(chain.root.value.attrs.groups) == 1 and kh * kw > 1 and i >= NHWC_MIN_CHANNELS
+
+
+def _depthwise(chain: Any) -> bool:
+    """A convolution of one input channel per group, several groups (its weight: OIHW)."""
+    return chain.weight.shape[1] == 1 and int(chain.root.value.attrs.groups) > 1
+
+
+def _with_depthwise(chosen: set[relax.Var], convs: list[Any]) -> set[relax.Var]:
+    """The tensors of ``chosen`` in groups (tensors joined by a convolution that reads or
+    writes both: input, result, residual) where some convolution is depthwise."""
+    parent = {v: v for v in chosen}
+
+    def find(v: relax.Var) -> relax.Var:
+        while parent[v] is not v:
+            parent[v] = parent[parent[v]]
+            v = parent[v]
+        return v
+
+    touched = []
+    for c in convs:
+        mine = [v for v in (c.x, c.end, c.residual) if v is not None and v in parent]
+        for v in mine[1:]:
+            parent[find(v)] = find(mine[0])
+        if mine:
+            touched.append((mine[0], _depthwise(c)))
+    keep = {find(v) for v, dw in touched if dw}
+    return {v for v in chosen if find(v) in keep}
 
 
 def blocked_type(var: relax.Var, block: int) -> relax.TensorType:
@@ -46,9 +80,10 @@ def blocked(plan: Plan, g: Any, chains: list[Any]) -> set[relax.Var]:
     ``BLOCKED_MIN_BATCH`` samples, written by a float32 convolution chain without a pool and
     read only by float32 convolution chains, as their input or residual (no other op ever
     sees the layout), none of which ``_prefers_nhwc``, where those chains' other tensors may
-    be blocked too: the writer's input and the readers' results. (A convolution between a
-    blocked and an NHWC tensor reorders its result; EfficientNet's blocks, whose depthwise
-    results a squeeze-excite reads, would take two reorders each, and stay NHWC.)"""
+    be blocked too: the writer's input and the readers' results, in a group of such tensors
+    with a depthwise convolution (``_with_depthwise``). (A convolution between a blocked and an
+    NHWC tensor reorders its result; EfficientNet's blocks, whose depthwise results a
+    squeeze-excite reads, would take two reorders each, and stay NHWC.)"""
     convs = [c for c in chains if c.kind == "conv2d" and c.grid is None]
     writer = {c.end: c for c in convs if c.pool is None}
     reader = {c.root.var: c for c in convs} | {c.residual_at: c for c in convs
@@ -60,5 +95,5 @@ def blocked(plan: Plan, g: Any, chains: list[Any]) -> set[relax.Var]:
 
     def fits(v: relax.Var) -> bool:  # in a layout the candidates share, or none (plain)
         return v in maybe or v not in plan.nhwc
-    return {v for v in maybe if fits(writer[v].x)
-            and all(fits(reader[u.var].end) for u in g.users[v])}
+    return _with_depthwise({v for v in maybe if fits(writer[v].x)
+                            and all(fits(reader[u.var].end) for u in g.users[v])}, convs)
