@@ -93,6 +93,12 @@ CONV_GAIN = 1.5
 # llama) TVM's are as fast: all of distilbert on oneDNN took 68.9 ms, on TVM 56.4
 ROW_BYTES_PER_US = 20e3
 ROW_TVM_SLOWDOWN = {"matmul": 2.5, "softmax": 1.6, "layer_norm": 1.0}
+# ... and TVM's matmul of two activations against oneDNN's where its register tile holds
+# several rows, rows that no tile divides included (``tile_rows``; EPYC AVX-512, 2 threads,
+# ``hgrt profile`` of vit built with each provider's kernels): its 24 attention matmuls,
+# (12, 197, 64) x (12, 64, 197) and (12, 197, 197) x (12, 197, 64), 1.53 ms on TVM against
+# 3.92 ms on oneDNN (and its dense layers 74.0 against 79.0 ms, counted as equal)
+ROW_TVM_MATMUL_GAIN = 0.65
 # what a switch between the thread pools is counted at: twice the 130-150 us measured (above).
 # Against 3 ms, in turns in one process (EPYC, AVX-512, 2 cores): vit 257 -> 224 ms, swin 69.7
 # -> 62.5, convnext 69.5 -> 63.3, gpt2 161 -> 159, distilbert and t5_encoder within 1 %
@@ -167,12 +173,14 @@ def _isa_factor(isa: Any, rows: int) -> float:
 def _row_us(op: RowOp, work: float, cores: int, isa: Any) -> dict[str, float]:
     """A row op's modelled microseconds (``modelled_us``): TVM's kernel slower where its
     schedule is (``ROW_TVM_SLOWDOWN``: a matmul whose register tile holds one row, a softmax
-    over rows of no whole vectors), else as fast."""
+    over rows of no whole vectors), a matmul of tiles of several rows faster
+    (``ROW_TVM_MATMUL_GAIN``), else as fast."""
     dims = static_dims(op.root.var.ty) or (1, 1)  # (a matmul's end may be its result transposed)
     if op.kind == "matmul":
         rows, cols = dims[-2], dims[-1]
         slow = rows > 1 and tile_rows(rows, cols, isa, math.prod(dims[:-2]), cores) <= 1
-        tvm = work * _isa_factor(isa, rows) * (ROW_TVM_SLOWDOWN["matmul"] if slow else 1.0)
+        tvm = work * _isa_factor(isa, rows) * (ROW_TVM_SLOWDOWN["matmul"] if slow
+                                               else ROW_TVM_MATMUL_GAIN)
         return _small_product(op, work, tvm, cores)
     work = 8 * op.elements / (ROW_BYTES_PER_US * cores)
     slow = op.kind == "softmax" and dims[-1] % isa.lanes() != 0

@@ -274,3 +274,32 @@ def test_modules_made_and_dropped_over_and_over_stay_flat():
     assert cached() == entries
     grown = psutil.Process().memory_info().rss - rss
     assert grown < 8 * 2**20, f"{grown / 2**20:.1f} MiB more after 15 cycles"
+
+
+@pytest.mark.parametrize("seq,dim,heads", [(197, 256, 4), (193, 32, 2)])
+def test_auto_leaves_matmuls_of_two_activations_to_tvm_where_its_tiles_hold_several_rows(
+        seq, dim, heads):
+    """On AVX-512 (built for 2 cores) TVM's matmul of two activations tiles several rows, rows
+    that no tile divides included (197: tiles of 8 and a part-filled last one), and is modelled
+    faster than oneDNN's (``ROW_TVM_MATMUL_GAIN``): "auto" leaves both products to TVM. With
+    one row a tile (the scores times V of 193 rows, a prime, and 16 columns a head, over 2
+    heads: too few column tiles to share the rows out) TVM's is modelled slower
+    (``ROW_TVM_SLOWDOWN``) and oneDNN takes it. The numbers are onnxruntime's."""
+    from hgrt.devices.host_cpu import cpu_flags
+    from hgrt.relay_passes.inner.cpu_schedule_matmul import tile_rows
+
+    model = attention(seq=seq, dim=dim, heads=heads, masked_row=False, flat=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = hgrt.build(model, ["cpu"], kernels="auto",
+                         target={"cpu": "llvm -mcpu=znver4 -num-cores=2"})
+    isa = hgrt.devices.vector_isa(tvm.target.Target(res.targets["cpu:0"]))
+    one_row = tile_rows(seq, dim // heads, isa, heads, 2) <= 1
+    assert one_row == (seq == 193)
+    ops = [n.attrs.get("onednn_op", "") for n in res.graph.nodes
+           if n.func_name in rows.FUNC_NAME.values()]
+    matmuls = [op for op in ops if op.startswith("matmul")]
+    assert bool(matmuls) == one_row, ops
+    if "avx512f" in cpu_flags():  # (the build's code runs here)
+        x = {"x": np.random.default_rng(6).standard_normal((1, seq, dim)).astype("float32")}
+        assert_close_to(run_hgrt(res, x), reference(model, x))
