@@ -81,6 +81,11 @@ TVM_DENSE_BY_ISA = {"avx2": 2.2}
 # AVX2, ran 628 us a run with its products on oneDNN (each a call, then the tanh alone) against
 # 242 us all on TVM (``hgrt profile``, EPYC, 2 threads)
 ONEDNN_CALL_US = 3.0
+# oneDNN's int8 kernel against its float32 one where a chain computes in int8 (``int8``: VNNI),
+# which TVM's kernels never do (their QDQ model's products stay float32): vit_int8's dense
+# layers 27.4 ms in 73 int8 kernels against vit's 79.0 ms in 69 float32 ones (``hgrt
+# profile``; 0.38 against 1.14 ms a layer); convolutions 3.9x (``int8``'s module doc)
+INT8_GAIN = 3.0
 # TVM's default convolutions against oneDNN's direct ones, whole CNNs on the same kernels
 # (BENCHMARKS.md, oneDNN's zoo against the Relax VM on TVM's: 0.49-0.96, most 0.64-0.84)
 CONV_GAIN = 1.5
@@ -144,6 +149,7 @@ def modelled_us(chain: Chain | RowOp, ctx: Any) -> dict[str, float]:
     isa = vector_isa(target)
     cores = int(target.attrs.get("num-cores", 1) or 1)
     work = chain.macs / (MAC_RATE * cores * isa.lanes() / 16) * 1e6
+    int8 = INT8_GAIN if getattr(chain, "int8_able", False) else 1.0
     if isinstance(chain, RowOp):  # a matmul by its MACs, the others by the bytes they move
         return _row_us(chain, work, cores, isa)
     if chain.kind == "dense":
@@ -151,8 +157,8 @@ def modelled_us(chain: Chain | RowOp, ctx: Any) -> dict[str, float]:
         slow = x[-2] > 1 and tile_rows(x[-2], chain.weight.shape[0], isa,
                                        math.prod(x[:-2]), cores) <= 1
         tvm = work * (ONE_ROW_SLOWDOWN if slow else 1.0) * _isa_factor(isa, x[-2])
-        return _small_product(chain, work, tvm, cores)
-    return {"onednn": work, "tvm": work * CONV_GAIN}
+        return _small_product(chain, work / int8, tvm, cores)
+    return {"onednn": work / int8, "tvm": work * CONV_GAIN}
 
 
 def _small_product(op: Chain | RowOp, onednn: float, tvm: float, cores: int

@@ -62,6 +62,9 @@ class Chain:
     # point) and the weights' scales per output channel (the input's scale folded in)
     grid: tuple[float, int] | None = None
     wscale: np.ndarray | None = None
+    # what the auto choice models: the chain would compute in int8 (``int8.int8_able`` on a
+    # host with VNNI)
+    int8_able: bool = False
 
     @property
     def end(self) -> relax.Var:

@@ -58,7 +58,7 @@ from hgrt.providers.onednn.chains import (
     find_chains,
     header,
 )
-from hgrt.providers.onednn.int8 import quantize_chains
+from hgrt.providers.onednn.int8 import VNNI_ISAS, int8_able, quantize_chains
 from hgrt.providers.onednn.policy import (
     AUTO_MIN_MACS,
     choose_winograd,
@@ -273,6 +273,9 @@ def claim_onednn(mod: tvm.IRModule, ctx: BuildContext) -> tvm.IRModule:
         chains = find_chains(g, kernels, frozenset({"onednn"}))
         rows = [r for r in rows if r.choice == "onednn"]
     elif auto:  # per op: what oneDNN saves against the switches between thread pools
+        if runtime.isa() in VNNI_ISAS:
+            for c in chains:
+                c.int8_able = int8_able(g, c)
         g, chains, rows = keep_what_pays(func, ctx, kernels, g, chains, rows)
     if not chains and not rows:
         return mod

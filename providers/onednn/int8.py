@@ -91,6 +91,13 @@ def _padded(chain: Chain) -> bool:
     return chain.kind == "conv2d" and any(int(p) for p in chain.root.value.attrs.padding)
 
 
+def int8_able(g: ChainGraph, chain: Chain) -> bool:
+    """Whether ``to_int8`` would make ``chain`` an int8 kernel (it changes nothing)."""
+    grid = input_grid(g, chain)
+    return grid is not None and not (grid[1] and _padded(chain)) \
+        and weight_grid(chain.weight) is not None
+
+
 def to_int8(g: ChainGraph, chain: Chain) -> bool:
     """Make ``chain`` an int8 kernel where it can be one (see the module doc): its weights the
     int8 grid, ``wscale`` the input's scale times theirs per output channel, ``grid`` the
@@ -118,4 +125,4 @@ def quantize_chains(g: ChainGraph, chains: list[Chain], isa: str) -> int:
     return sum(to_int8(g, c) for c in chains)
 
 
-__all__ = ["VNNI_ISAS", "input_grid", "quantize_chains", "to_int8", "weight_grid"]
+__all__ = ["VNNI_ISAS", "input_grid", "int8_able", "quantize_chains", "to_int8", "weight_grid"]

@@ -273,3 +273,43 @@ def test_a_header_with_a_grid_off_uint8_is_refused():
     with pytest.raises(Exception, match="bad int8 grid"):
         onednn.kernel_function(claim.FUNC_NAME["conv2d"])(
             x, tvm.runtime.tensor(blob), out)
+
+
+def _dense_stack(qdq: bool, layers: int = 4, width: int = 512, rows: int = 128):
+    """``layers`` dense layers of ``width`` on ``rows`` rows, each input on a uint8 grid and
+    each weight an int8 grid per output channel (``qdq``), or the same in float32."""
+    m = _Model(7)
+    cur = "x"
+    for i in range(layers):
+        src = m.qdq(cur, f"q{i}", 0.05, 128, "uint8") if qdq else cur
+        w = m.weight(f"w{i}", (width, width), axis=1)
+        m.nodes += [helper.make_node("MatMul", [src, w], [f"m{i}"]),
+                    helper.make_node("Add", [f"m{i}", m.init(f"b{i}", np.full(
+                        width, 0.01, "float32"))], [f"a{i}"]),
+                    helper.make_node("Relu", [f"a{i}"], [f"r{i}"])]
+        cur = f"r{i}"
+    return m.model({"x": [rows, width]}, cur)
+
+
+def test_auto_gives_onednn_the_dense_layers_it_computes_in_int8():
+    """``"auto"`` models an int8 kernel at ``INT8_GAIN`` times oneDNN's float32 speed (where
+    the host has VNNI and the layer's input and weights are grids): on AVX-512 with VNNI a run
+    of QDQ dense layers goes to oneDNN in int8, where the same layers in float32 stay TVM's
+    (as fast there). The numbers are onnxruntime's, on the grid."""
+    from hgrt.devices import vector_isa
+    from hgrt.devices.host_cpu import host_target
+
+    quant, plain = (hgrt.build(_dense_stack(q), ["cpu"], kernels="auto") for q in (True, False))
+    ops = _onednn_ops(quant)
+    assert len(ops) >= len(_onednn_ops(plain))
+    if VNNI and vector_isa(host_target()).name == "avx512":
+        # (each but the last quantizes its result onto the next layer's grid itself)
+        assert ops == ["dense(int8)+bias+relu+quantize"] * 3 + ["dense(int8)+bias+relu"]
+        assert not _onednn_ops(plain)
+    model = _dense_stack(True)
+    feeds = _inputs(model)
+    got, want = run_hgrt(quant, feeds)[0], _float_onnxruntime(model, feeds)
+    # (exact products in int32 on the same grids: float32 rounding apart, one value at a
+    # grid's rounding boundary could land a step away)
+    assert np.linalg.norm(got - want) < 1e-3 * np.linalg.norm(want)
+    assert np.std(want) > 0.01 and np.count_nonzero(want) > want.size // 4
