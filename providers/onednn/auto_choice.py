@@ -19,7 +19,8 @@ around a TVM op among NHWC oneDNN kernels cost; a dense layer or matmul counts i
 schedule is known to be slower: a dense
 layer whose register tile holds a single row (``tile_rows``: a product of few column tiles over
 rows that no tile divides) takes ``ONE_ROW_SLOWDOWN`` times as long, a convolution
-``CONV_GAIN`` times.
+``CONV_GAIN`` times; and oneDNN's side of a layer that computes in int8 (``Chain.int8_able``)
+``INT8_GAIN`` times less.
 Walking ``main``'s bindings in order, every other op that runs on TVM's pool (``on_pool``)
 needs the TVM side, and a switch costs ``SWITCH_US``; the cheapest assignment (two states, one
 pass) says which chains oneDNN keeps. The row ops oneDNN can take (``rows``: layer norms,
