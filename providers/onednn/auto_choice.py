@@ -84,8 +84,8 @@ TVM_DENSE_BY_ISA = {"avx2": 2.2}
 ONEDNN_CALL_US = 3.0
 # oneDNN's int8 kernel against its float32 one where a chain computes in int8 (``int8``: VNNI),
 # which TVM's kernels never do (their QDQ model's products stay float32): vit_int8's dense
-# layers 27.4 ms in 73 int8 kernels against vit's 79.0 ms in 69 float32 ones (``hgrt
-# profile``; 0.38 against 1.14 ms a layer); convolutions 3.9x (``int8``'s module doc)
+# layers 27.4 ms in 73 int8 kernels against vit's 77.3 ms in 69 float32 ones (``hgrt
+# profile``; 0.38 against 1.12 ms a layer); convolutions 3.9x (``int8``'s module doc)
 INT8_GAIN = 3.0
 # TVM's default convolutions against oneDNN's direct ones, whole CNNs on the same kernels
 # (BENCHMARKS.md, oneDNN's zoo against the Relax VM on TVM's: 0.49-0.96, most 0.64-0.84)
@@ -93,18 +93,18 @@ CONV_GAIN = 1.5
 # a layer norm's or softmax's bytes read and written per microsecond and core (either provider:
 # vit's (197, 768) layer norm 21 us on oneDNN, 2 threads), and TVM's kernels of a row op
 # against oneDNN's where TVM's schedule is at its weakest (EPYC AVX-512, 2 threads): vit's
-# attention matmuls, whose register tile holds one of 197 rows, (12, 197, 64) x (12, 64, 197)
-# 980 against 281 us and (12, 197, 197) x (12, 197, 64) 600 against 259 us, its softmax over
-# rows of 197 with the NaN check after it 427 against 261 us. Elsewhere (128 rows: distilbert,
+# attention matmuls with one of 197 rows a register tile (as TVM's schedule tiled them before
+# ``ragged_rows``), (12, 197, 64) x (12, 64, 197) 980 against 281 us and (12, 197, 197) x (12,
+# 197, 64) 600 against 259 us; its softmax over rows of 197 with the NaN check after it, before
+# TVM's reduced rows in vectors, 427 against 261 us. Elsewhere (128 rows: distilbert,
 # llama) TVM's are as fast: all of distilbert on oneDNN took 68.9 ms, on TVM 56.4
 ROW_BYTES_PER_US = 20e3
-ROW_TVM_SLOWDOWN = {"matmul": 2.5, "softmax": 1.6, "layer_norm": 1.0}
-# ... and TVM's matmul of two activations against oneDNN's where its register tile holds
-# several rows, rows that no tile divides included (``tile_rows``; EPYC AVX-512, 2 threads,
-# ``hgrt profile`` of vit built with each provider's kernels): its 24 attention matmuls,
-# (12, 197, 64) x (12, 64, 197) and (12, 197, 197) x (12, 197, 64), 1.53 ms on TVM against
-# 3.92 ms on oneDNN (and its dense layers 74.0 against 79.0 ms, counted as equal)
-ROW_TVM_MATMUL_GAIN = 0.65
+# Since TVM's softmax reduces rows in vectors with a short tail and its matmuls tile rows that
+# no tile divides, vit's row ops take as long on either (``hgrt profile --top 1000`` of vit
+# built with each provider's kernels): its 12 softmaxes over rows of 197 2.93 ms on TVM against
+# 2.87 ms on oneDNN, its 24 attention matmuls 5.49 against 5.30 ms (and its dense layers 70.8
+# against 77.3 ms on oneDNN, counted as equal)
+ROW_TVM_SLOWDOWN = {"matmul": 2.5, "softmax": 1.0, "layer_norm": 1.0}
 # what a switch between the thread pools is counted at: twice the 130-150 us measured (above).
 # Against 3 ms, in turns in one process (EPYC, AVX-512, 2 cores): vit 257 -> 224 ms, swin 69.7
 # -> 62.5, convnext 69.5 -> 63.3, gpt2 161 -> 159, distilbert and t5_encoder within 1 %
@@ -180,14 +180,12 @@ def _isa_factor(isa: Any, rows: int) -> float:
 def _row_us(op: RowOp, work: float, cores: int, isa: Any) -> dict[str, float]:
     """A row op's modelled microseconds (``modelled_us``): TVM's kernel slower where its
     schedule is (``ROW_TVM_SLOWDOWN``: a matmul whose register tile holds one row, a softmax
-    over rows of no whole vectors), a matmul of tiles of several rows faster
-    (``ROW_TVM_MATMUL_GAIN``), else as fast."""
+    over rows of no whole vectors), else as fast."""
     dims = static_dims(op.root.var.ty) or (1, 1)  # (a matmul's end may be its result transposed)
     if op.kind == "matmul":
         rows, cols = dims[-2], dims[-1]
         slow = rows > 1 and tile_rows(rows, cols, isa, math.prod(dims[:-2]), cores) <= 1
-        tvm = work * _isa_factor(isa, rows) * (ROW_TVM_SLOWDOWN["matmul"] if slow
-                                               else ROW_TVM_MATMUL_GAIN)
+        tvm = work * _isa_factor(isa, rows) * (ROW_TVM_SLOWDOWN["matmul"] if slow else 1.0)
         return _small_product(op, work, tvm, cores)
     work = 8 * op.elements / (ROW_BYTES_PER_US * cores)
     slow = op.kind == "softmax" and dims[-1] % isa.lanes() != 0

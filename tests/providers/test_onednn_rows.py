@@ -281,10 +281,11 @@ def test_auto_leaves_matmuls_of_two_activations_to_tvm_where_its_tiles_hold_seve
         seq, dim, heads):
     """On AVX-512 (built for 2 cores) TVM's matmul of two activations tiles several rows, rows
     that no tile divides included (197: tiles of 8 and a part-filled last one), and is modelled
-    faster than oneDNN's (``ROW_TVM_MATMUL_GAIN``): "auto" leaves both products to TVM. With
-    one row a tile (the scores times V of 193 rows, a prime, and 16 columns a head, over 2
-    heads: too few column tiles to share the rows out) TVM's is modelled slower
-    (``ROW_TVM_SLOWDOWN``) and oneDNN takes it. The numbers are onnxruntime's."""
+    as fast as oneDNN's, as is its softmax over rows of no whole vectors: "auto" leaves the
+    block to TVM (a oneDNN call costs ``ONEDNN_CALL_US`` more). With one row a tile (the scores
+    times V of 193 rows, a prime, and 16 columns a head, over 2 heads: too few column tiles to
+    share the rows out) TVM's is modelled slower (``ROW_TVM_SLOWDOWN``) and oneDNN takes it.
+    The numbers are onnxruntime's."""
     from hgrt.devices.host_cpu import cpu_flags
     from hgrt.relay_passes.inner.cpu_schedule_matmul import tile_rows
 
