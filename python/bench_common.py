@@ -314,9 +314,16 @@ def _flatten(out) -> list[np.ndarray]:
     return [a for o in out for a in _flatten(o)]
 
 
+# whether onnxruntime's pool threads spin between parallel sections (its default); off, they do
+# not hold cores while hgrt's calls are timed in turns beside them (bench_corpus_table.py
+# --ort-no-spin; BENCHMARKS.md, "Views of slices, ...": the gru read 0.264-0.267 ms for hgrt,
+# 0.407-0.422 ms for onnxruntime that way, 0.507-0.614 and 0.373-0.607 ms with its spinning)
+ORT_SPIN = True
+
+
 def ort_session(model, threads: int):
-    """onnxruntime's CPU provider at ``threads`` intra-op threads, or None when it is not
-    installed or cannot load the model (said on stdout)."""
+    """onnxruntime's CPU provider at ``threads`` intra-op threads (spinning as ``ORT_SPIN``
+    says), or None when it is not installed or cannot load the model (said on stdout)."""
     try:
         import onnxruntime as ort
     except ImportError:
@@ -324,6 +331,8 @@ def ort_session(model, threads: int):
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
+    if not ORT_SPIN:
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     try:
         return ort.InferenceSession(model.SerializeToString(), so,
                                     providers=["CPUExecutionProvider"])

@@ -45,6 +45,9 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=1,
                    help="samples per run (real size: each batch is an export of its own)")
     p.add_argument("--markdown", help="write the table into this markdown file")
+    p.add_argument("--ort-no-spin", action="store_true",
+                   help="onnxruntime's pool threads do not spin between parallel sections "
+                        "(they then hold no core while hgrt's calls are timed)")
     p.add_argument("--kernels", choices=("auto", "tvm", "onednn"), default="auto",
                    help="hgrt.build's kernels (default auto)")
     p.add_argument("--target", action="append", metavar="KIND=TARGET",
@@ -144,6 +147,9 @@ def main() -> None:
     from bench_common import cap_onednn_isa, cap_onnxruntime_isa, parse_target_args
 
     target = parse_target_args(args.target)
+    import bench_common
+
+    bench_common.ORT_SPIN = not args.ort_no_spin
     ort_isa = cap_onnxruntime_isa(target, args.cap_onnxruntime)  # before onnxruntime loads
     cap_onednn_isa(target)  # before oneDNN loads: one ISA per row
     print(f"hgrt kernels {args.kernels}, target {target or 'this host'}; onnxruntime {ort_isa}")
@@ -158,6 +164,7 @@ def main() -> None:
         f" --kernels {args.kernels}" if args.kernels != "auto" else "") + "".join(
         f" --target '{t}'" for t in args.target or ()) + (
         " --cap-onnxruntime" if args.cap_onnxruntime else "") + (
+        " --ort-no-spin" if args.ort_no_spin else "") + (
         f" --markdown {args.markdown}" if args.markdown else "")
 
     def rows() -> list[str]:
@@ -170,7 +177,8 @@ def main() -> None:
         return out[False] + held
 
     block = f"bench_corpus_{args.size}" + (f"_{args.kernels}" if args.kernels != "auto" else "") \
-        + ("_target" if target else "") + (f"_batch{args.batch}" if args.batch != 1 else "")
+        + ("_target" if target else "") + (f"_batch{args.batch}" if args.batch != 1 else "") \
+        + ("_ort_no_spin" if args.ort_no_spin else "")
     table(args.markdown, block, command, HEAD, rows)
 
 
