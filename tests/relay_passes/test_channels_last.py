@@ -16,6 +16,15 @@ pytestmark = pytest.mark.skipif(REASON is not None, reason=f"oneDNN unavailable:
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 
 
+def _weight_maker(rng, inits: list):
+    """``w(name, *shape)``: a random weight of fan-in scale added to ``inits``; its name."""
+    def w(name, *shape):
+        inits.append(numpy_helper.from_array(
+            (rng.standard_normal(shape) / np.sqrt(np.prod(shape[1:]))).astype("float32"), name))
+        return name
+    return w
+
+
 def _branchy_onnx(lrn: bool = True, sigmoid: bool = False):
     """conv → max pool → two convs → concat → avg pool → batch norm [→ sigmoid] → relu → conv →
     global average pool (output ``y``); with ``lrn`` the avg pool's result also feeds an LRN
@@ -23,10 +32,7 @@ def _branchy_onnx(lrn: bool = True, sigmoid: bool = False):
     rng = np.random.default_rng(0)
     inits = []
 
-    def w(name, *shape):
-        inits.append(numpy_helper.from_array(
-            (rng.standard_normal(shape) / np.sqrt(np.prod(shape[1:]))).astype("float32"), name))
-        return name
+    w = _weight_maker(rng, inits)
 
     def vec(name, n, positive=False):
         v = rng.standard_normal(n).astype("float32")
@@ -360,10 +366,7 @@ def _inverted_residual_onnx(batch: int, c: int = 24):
     rng = np.random.default_rng(9)
     inits = []
 
-    def w(name, *shape):
-        inits.append(numpy_helper.from_array(
-            (rng.standard_normal(shape) / np.sqrt(np.prod(shape[1:]))).astype("float32"), name))
-        return name
+    w = _weight_maker(rng, inits)
 
     six = [numpy_helper.from_array(np.float32(v), n) for n, v in (("lo", 0.0), ("hi", 6.0))]
     inits += six
@@ -389,10 +392,7 @@ def _bottleneck_onnx(c: int, depthwise: bool):
     rng = np.random.default_rng(3)
     inits = []
 
-    def w(name, *shape):
-        inits.append(numpy_helper.from_array(
-            (rng.standard_normal(shape) / np.sqrt(np.prod(shape[1:]))).astype("float32"), name))
-        return name
+    w = _weight_maker(rng, inits)
 
     nodes = [helper.make_node("Conv", ["x", w("w0", c, 16, 1, 1)], ["a"]),
              helper.make_node("Relu", ["a"], ["ar"]),
