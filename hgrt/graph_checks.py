@@ -2,10 +2,9 @@
 these; every defect a ``GraphError`` naming its place): edges that name earlier nodes' outputs,
 the special functions (``__copy`` moves a tensor to another device unchanged, ``__nop`` views
 its input's bytes, ``__slice`` a range of them, ``__concat`` lays its pieces one after
-another), the ``hgrt`` section (its
-version, params, devices, CPU needs, pools and storage offsets, streams and waits: a wait for
-every read across streams), weight storages that hold their weight only, and entries within
-their pools.
+another), the ``hgrt`` section (its version, params, devices, CPU needs, pools and storage
+offsets, streams and waits: a wait for every read across streams), weight storages that hold
+their weight only, and entries within their pools.
 
 Functions take an ``hgrt.graph.Graph`` (not imported here: graph.py checks with this module), as
 ``hgrt.lifetimes``' do.
