@@ -27,7 +27,7 @@ pass) says which chains oneDNN keeps. The row ops oneDNN can take (``rows``: lay
 softmaxes, matmuls of two activations) are choices of the same pass: a matmul costs its
 multiply-adds, the others the bytes they move (``ROW_BYTES_PER_US``), TVM's kernels
 ``ROW_TVM_SLOWDOWN`` times oneDNN's where its schedule is at its weakest (a matmul whose
-register tile holds one row, a softmax over rows of no whole vectors), else as fast. So a
+register tile holds one row), else as fast. So a
 transformer's layer norms and attention join its
 dense layers on oneDNN where those go there (one run of oneDNN kernels, no switch inside: vit
 224 -> 203 ms, swin 82 -> 56 ms, EPYC AVX-512, 2 threads), a CNN's convolutions go to oneDNN,
@@ -104,8 +104,8 @@ ROW_BYTES_PER_US = 20e3
 # no tile divides, vit's row ops take as long on either (``hgrt profile --top 1000`` of vit
 # built with each provider's kernels): its 12 softmaxes over rows of 197 2.93 ms on TVM against
 # 2.87 ms on oneDNN, its 24 attention matmuls 5.49 against 5.30 ms (and its dense layers 70.8
-# against 77.3 ms on oneDNN, counted as equal)
-ROW_TVM_SLOWDOWN = {"matmul": 2.5, "softmax": 1.0, "layer_norm": 1.0}
+# against 77.3 ms on oneDNN, counted as equal): only a matmul with one row a tile is slower
+ROW_TVM_SLOWDOWN = 2.5
 # what a switch between the thread pools is counted at: twice the 130-150 us measured (above).
 # Against 3 ms, in turns in one process (EPYC, AVX-512, 2 cores): vit 257 -> 224 ms, swin 69.7
 # -> 62.5, convnext 69.5 -> 63.3, gpt2 161 -> 159, distilbert and t5_encoder within 1 %
@@ -180,17 +180,16 @@ def _isa_factor(isa: Any, rows: int) -> float:
 
 def _row_us(op: RowOp, work: float, cores: int, isa: Any) -> dict[str, float]:
     """A row op's modelled microseconds (``modelled_us``): TVM's kernel slower where its
-    schedule is (``ROW_TVM_SLOWDOWN``: a matmul whose register tile holds one row, a softmax
-    over rows of no whole vectors), else as fast."""
+    schedule is (``ROW_TVM_SLOWDOWN``: a matmul whose register tile holds one row), else as
+    fast."""
     dims = static_dims(op.root.var.ty) or (1, 1)  # (a matmul's end may be its result transposed)
     if op.kind == "matmul":
         rows, cols = dims[-2], dims[-1]
         slow = rows > 1 and tile_rows(rows, cols, isa, math.prod(dims[:-2]), cores) <= 1
-        tvm = work * _isa_factor(isa, rows) * (ROW_TVM_SLOWDOWN["matmul"] if slow else 1.0)
+        tvm = work * _isa_factor(isa, rows) * (ROW_TVM_SLOWDOWN if slow else 1.0)
         return _small_product(op, work, tvm, cores)
     work = 8 * op.elements / (ROW_BYTES_PER_US * cores)
-    slow = op.kind == "softmax" and dims[-1] % isa.lanes() != 0
-    return {"onednn": work, "tvm": work * (ROW_TVM_SLOWDOWN[op.kind] if slow else 1.0)}
+    return {"onednn": work, "tvm": work}
 
 
 def _elements(var: relax.Var) -> int:
