@@ -149,7 +149,7 @@ def _ort_runner(model, inputs: dict[str, np.ndarray]) -> Callable[[], list] | No
 
 def time_against_onnxruntime(run: Callable[[], object], model, inputs: dict[str, np.ndarray],
                               repeat: int, rounds: int = 5, pause: float = 0.5,
-                              min_block_s: float = 0.25
+                              min_block_s: float = 0.25, warm_s: float = 0.01
                               ) -> tuple[float, float, list[np.ndarray]] | None:
     """(``run``'s median seconds, onnxruntime's, onnxruntime's outputs) at TVM_NUM_THREADS
     threads, or None when onnxruntime is not installed. Each is timed alone, in blocks of at
@@ -157,26 +157,41 @@ def time_against_onnxruntime(run: Callable[[], object], model, inputs: dict[str,
     pause: after a run, onnxruntime's pool threads spin for a while, and so do oneDNN's OpenMP
     threads and TVM's pool; the one timed next while they spin loses a core (interleaving
     single runs cost hgrt 6-20 %). (Blocks of 10 runs of a 3 ms model, 3 rounds, read the same
-    two modules 1.00-1.08 apart across processes on this VM.)"""
+    two modules 1.00-1.08 apart across processes on this VM.)
+
+    Each block starts with ``warm_s`` of untimed runs: after the pause both sides' workers
+    sleep, and waking them costs the first run or two (a 0.27 ms gru's first runs read about
+    0.5 ms). A block's length comes from a run timed after a pause, not from the first run
+    after onnxruntime's, which its spinning threads can slow a hundredfold (that gru's read
+    20-33 ms: blocks of 8-13 runs, half of whose samples were cold)."""
     ort_run = _ort_runner(model, inputs)
     if ort_run is None:
         return None
     outs = ort_run()
     fns = {"run": run, "ort": ort_run}
-    t = time.perf_counter()
-    run()
-    once = time.perf_counter() - t
+    time.sleep(pause)
+    _warm(run, warm_s)
+    once = median_time(run, 5)
     block = max(repeat, int(min_block_s / max(once, 1e-6)) + 1)
     samples: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(rounds):
         for k, fn in fns.items():
             time.sleep(pause)
-            fn()  # warm-up
+            _warm(fn, warm_s)
             for _ in range(block):
                 t = time.perf_counter()
                 fn()
                 samples[k].append(time.perf_counter() - t)
     return statistics.median(samples["run"]), statistics.median(samples["ort"]), outs
+
+
+def _warm(fn: Callable[[], object], seconds: float) -> None:
+    """``fn`` called, untimed, at least twice and for at least ``seconds``."""
+    end = time.perf_counter() + seconds
+    fn()
+    fn()
+    while time.perf_counter() < end:
+        fn()
 
 
 def hgrt_runner(result, inputs: dict[str, np.ndarray]):
