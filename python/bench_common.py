@@ -149,7 +149,7 @@ def _ort_runner(model, inputs: dict[str, np.ndarray]) -> Callable[[], list] | No
 
 def time_against_onnxruntime(run: Callable[[], object], model, inputs: dict[str, np.ndarray],
                               repeat: int, rounds: int = 5, pause: float = 0.5,
-                              min_block_s: float = 0.25, warm_s: float = 0.01
+                              min_block_s: float = 0.25, warm_s: float = 0.05
                               ) -> tuple[float, float, list[np.ndarray]] | None:
     """(``run``'s median seconds, onnxruntime's, onnxruntime's outputs) at TVM_NUM_THREADS
     threads, or None when onnxruntime is not installed. Each is timed alone, in blocks of at
@@ -159,11 +159,12 @@ def time_against_onnxruntime(run: Callable[[], object], model, inputs: dict[str,
     single runs cost hgrt 6-20 %). (Blocks of 10 runs of a 3 ms model, 3 rounds, read the same
     two modules 1.00-1.08 apart across processes on this VM.)
 
-    Each block starts with ``warm_s`` of untimed runs: after the pause both sides' workers
-    sleep, and waking them costs the first run or two (a 0.27 ms gru's first runs read about
-    0.5 ms). A block's length comes from a run timed after a pause, not from the first run
-    after onnxruntime's, which its spinning threads can slow a hundredfold (that gru's read
-    20-33 ms: blocks of 8-13 runs, half of whose samples were cold)."""
+    Each block starts with ``warm_s`` of untimed runs: after a pause the first runs of either
+    side take about twice their steady time for some milliseconds (the 0.27 ms gru: its first
+    7-12 runs after 0.2 s read 0.55-0.75 ms, onnxruntime's alike). A block's length comes from
+    runs timed after a pause, not from the first run after onnxruntime's, which its spinning
+    threads slow a hundredfold (that gru's read 20-33 ms: blocks of 8-13 runs, nearly all
+    cold)."""
     ort_run = _ort_runner(model, inputs)
     if ort_run is None:
         return None
