@@ -172,7 +172,7 @@ def time_against_onnxruntime(run: Callable[[], object], model, inputs: dict[str,
     fns = {"run": run, "ort": ort_run}
     time.sleep(pause)
     _warm(run, warm_s)
-    once = median_time(run, 5)
+    once = median_time(run, 5, warmup=0)  # (warmed just above)
     block = max(repeat, int(min_block_s / max(once, 1e-6)) + 1)
     samples: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(rounds):
